@@ -1,0 +1,9 @@
+DROP TABLE user_coupons;
+DROP TABLE payments;
+DROP TABLE outbox;
+DROP TABLE consume_log;
+DROP TABLE stock_flow;
+DROP TABLE orders;
+DROP TABLE coupons;
+DROP TABLE stock;
+DROP TABLE activities;

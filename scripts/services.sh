@@ -1,0 +1,274 @@
+#!/usr/bin/env bash
+# Redis, PostgreSQL and Apache Kafka (KRaft) for seckill, on loopback.
+#
+#   scripts/services.sh up      install what is missing, start, wait until each answers
+#   scripts/services.sh down    stop what this script started (nothing else)
+#   scripts/services.sh status  where each listens, where its log is
+#
+# Addresses come from the server's own configuration (scripts/settings.py reads
+# config/default.toml, config/$SECKILL_ENV.toml and SECKILL__* overrides), so
+# the services start exactly where `seckill serve` looks for them.
+# Data lives under .services/ (git-ignored); Kafka's jars are cached under
+# ${SECKILL_CACHE_DIR:-~/.cache/seckill} so a fresh clone does not refetch them.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+STATE=${SECKILL_SERVICES_DIR:-$ROOT/.services}
+CACHE=${SECKILL_CACHE_DIR:-${HOME:-/root}/.cache/seckill}
+KAFKA_VERSION=4.1.1
+KAFKA_HEAP=${SECKILL_KAFKA_HEAP:-512m}
+
+log() { printf '[services] %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+is_root() { [ "$(id -u)" = 0 ]; }
+
+apt_install() {
+  [ $# -gt 0 ] || return 0
+  is_root || die "missing packages ($*) and not root: install them with apt-get"
+  log "installing: $*"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+pg_bindir() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
+
+install_missing() {
+  local pkgs=()
+  command -v python3 >/dev/null || pkgs+=(python3)
+  command -v redis-server >/dev/null || pkgs+=(redis-server)
+  command -v redis-cli >/dev/null || pkgs+=(redis-tools)
+  [ -n "$(pg_bindir)" ] || pkgs+=(postgresql)
+  command -v psql >/dev/null || pkgs+=(postgresql-client)
+  # Needed to build the server: diesel links libpq; librdkafka builds from source.
+  [ -f /usr/include/postgresql/libpq-fe.h ] || pkgs+=(libpq-dev)
+  command -v cc >/dev/null || pkgs+=(build-essential)
+  command -v make >/dev/null || pkgs+=(make)
+  command -v pkg-config >/dev/null || pkgs+=(pkg-config)
+  [ -f /usr/include/zlib.h ] || pkgs+=(zlib1g-dev)
+  command -v java >/dev/null || pkgs+=(default-jre-headless)
+  command -v mvn >/dev/null || pkgs+=(maven)
+  command -v curl >/dev/null || pkgs+=(curl)
+  apt_install "${pkgs[@]}"
+}
+
+load_settings() { eval "$(python3 "$ROOT/scripts/settings.py")"; }
+
+# Wait until "$@" succeeds, at most $1 seconds (the first argument).
+wait_for() {
+  local secs=$1; shift
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $deadline ] || return 1
+    sleep 0.3
+  done
+}
+
+pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# ---------------------------------------------------------------- Redis ----
+REDIS_DIR=$STATE/redis
+redis_ping() { [ "$(redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; }
+
+redis_up() {
+  mkdir -p "$REDIS_DIR"
+  if redis_ping; then log "redis already answers on $REDIS_HOST:$REDIS_PORT"; return; fi
+  # No RDB/AOF: Redis holds a cache of the database's stock figures that
+  # warm-up and reconciliation rebuild, and tests want it fast.
+  redis-server --bind "$REDIS_HOST" --port "$REDIS_PORT" --daemonize yes \
+    --dir "$REDIS_DIR" --pidfile "$REDIS_DIR/redis.pid" \
+    --logfile "$REDIS_DIR/redis.log" --save "" --appendonly no \
+    --maxclients 10000 >/dev/null
+  wait_for 20 redis_ping || die "redis did not answer; see $REDIS_DIR/redis.log"
+}
+
+redis_down() {
+  pid_alive "$REDIS_DIR/redis.pid" || return 0
+  redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
+  wait_for 10 bash -c "! kill -0 $(cat "$REDIS_DIR/redis.pid") 2>/dev/null" || true
+  rm -f "$REDIS_DIR/redis.pid"
+}
+
+# ----------------------------------------------------------- PostgreSQL ----
+# PostgreSQL refuses to run as root: when we are root it runs as the
+# `postgres` user, which must be able to reach its data folder. A project
+# cloned under /root is not reachable, so its data then goes to /var/tmp.
+pg_paths() {
+  PG_DIR=$STATE/postgres
+  if is_root; then
+    id postgres >/dev/null 2>&1 || useradd --system --home /var/lib/postgresql --shell /bin/bash postgres
+    mkdir -p "$STATE"
+    if ! runuser -u postgres -- test -x "$STATE"; then
+      PG_DIR=/var/tmp/seckill-$(printf '%s' "$ROOT" | md5sum | cut -c1-12)/postgres
+    fi
+  fi
+  PGDATA=$PG_DIR/data
+  PGRUN=$PG_DIR/run
+  PGLOG=$PG_DIR/postgres.log
+  PGBIN=$(pg_bindir)
+}
+
+as_pg() { if is_root; then runuser -u postgres -- "$@"; else "$@"; fi; }
+pg_ready() { "$PGBIN/pg_isready" -h "$PG_HOST" -p "$PG_PORT" -q; }
+pg_sql() { as_pg psql -h "$PGRUN" -p "$PG_PORT" -U postgres -d postgres -v ON_ERROR_STOP=1 -tAq "$@"; }
+
+pg_up() {
+  pg_paths
+  mkdir -p "$PG_DIR"
+  if is_root; then chown postgres: "$PG_DIR"; fi
+  if [ ! -f "$PGDATA/PG_VERSION" ]; then
+    log "initialising PostgreSQL cluster in $PGDATA"
+    as_pg mkdir -p "$PGDATA" "$PGRUN"
+    as_pg "$PGBIN/initdb" -D "$PGDATA" -U postgres -E UTF8 --locale=C.UTF-8 \
+      --auth-local=trust --auth-host=scram-sha-256 >/dev/null
+  fi
+  as_pg mkdir -p "$PGRUN"
+  if ! as_pg "$PGBIN/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then
+    if pg_ready; then die "something else answers on $PG_HOST:$PG_PORT; change postgres.url"; fi
+    as_pg "$PGBIN/pg_ctl" -D "$PGDATA" -l "$PGLOG" -w -t 60 start \
+      -o "-p $PG_PORT -k $PGRUN -c listen_addresses=$PG_HOST -c max_connections=300 -c shared_buffers=256MB" >/dev/null \
+      || die "postgres did not start; see $PGLOG"
+  fi
+  wait_for 30 pg_ready || die "postgres does not answer; see $PGLOG"
+  # The application role may create databases: the test harness gives each
+  # test its own.
+  if [ -z "$(pg_sql -c "select 1 from pg_roles where rolname = '$PG_USER'")" ]; then
+    pg_sql -c "create role \"$PG_USER\" login createdb password '$PG_PASSWORD'"
+  fi
+  if [ -z "$(pg_sql -c "select 1 from pg_database where datname = '$PG_DB'")" ]; then
+    pg_sql -c "create database \"$PG_DB\" owner \"$PG_USER\""
+  fi
+}
+
+pg_down() {
+  pg_paths
+  [ -n "$PGBIN" ] && [ -f "$PGDATA/postmaster.pid" ] || return 0
+  as_pg "$PGBIN/pg_ctl" -D "$PGDATA" -m fast -w stop >/dev/null 2>&1 || true
+}
+
+# ---------------------------------------------------------------- Kafka ----
+KAFKA_DIR=$STATE/kafka
+KAFKA_LIBS=$CACHE/kafka-$KAFKA_VERSION/libs
+kafka_java() { java -cp "$KAFKA_LIBS/*" "$@"; }
+kafka_port_open() { (exec 3<>"/dev/tcp/$KAFKA_HOST/$KAFKA_PORT") 2>/dev/null; }
+kafka_started() { grep -q "Kafka Server started" "$KAFKA_DIR/kafka.log" 2>/dev/null && kafka_port_open; }
+
+kafka_fetch() {
+  [ -f "$KAFKA_LIBS/.complete" ] && return
+  log "fetching Apache Kafka $KAFKA_VERSION from Maven Central into $KAFKA_LIBS"
+  rm -rf "$KAFKA_LIBS"
+  mvn -B -q -f "$ROOT/scripts/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
+    dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIBS" \
+    || die "could not fetch Kafka with mvn"
+  touch "$KAFKA_LIBS/.complete"
+}
+
+kafka_config() {
+  mkdir -p "$KAFKA_DIR/data"
+  cat >"$KAFKA_DIR/server.properties" <<EOF
+# Generated by scripts/services.sh; edits are overwritten.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$KAFKA_DIR/data
+num.partitions=4
+default.replication.factor=1
+min.insync.replicas=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=true
+log.retention.hours=24
+EOF
+  cat >"$KAFKA_DIR/log4j2.properties" <<'EOF'
+status = warn
+appender.out.type = Console
+appender.out.name = OUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.out.ref = OUT
+logger.state.name = state.change.logger
+logger.state.level = WARN
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+EOF
+}
+
+kafka_up() {
+  kafka_fetch
+  if pid_alive "$KAFKA_DIR/kafka.pid" && kafka_started; then log "kafka already runs"; return; fi
+  if kafka_port_open; then die "something else listens on $KAFKA_HOST:$KAFKA_PORT; change kafka.brokers"; fi
+  kafka_config
+  if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
+    local cluster
+    cluster=$(kafka_java kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n 1)
+    kafka_java kafka.tools.StorageTool format -t "$cluster" -c "$KAFKA_DIR/server.properties" \
+      >"$KAFKA_DIR/format.log" 2>&1 || die "kafka storage format failed; see $KAFKA_DIR/format.log"
+  fi
+  : >"$KAFKA_DIR/kafka.log"
+  nohup java -Xms"$KAFKA_HEAP" -Xmx"$KAFKA_HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+    -Djava.awt.headless=true -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" \
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_DIR/server.properties" \
+    >>"$KAFKA_DIR/kafka.log" 2>&1 </dev/null &
+  echo $! >"$KAFKA_DIR/kafka.pid"
+  wait_for 90 kafka_started || die "kafka did not start; see $KAFKA_DIR/kafka.log"
+}
+
+kafka_down() {
+  pid_alive "$KAFKA_DIR/kafka.pid" || return 0
+  local pid; pid=$(cat "$KAFKA_DIR/kafka.pid")
+  kill "$pid" 2>/dev/null || true
+  wait_for 30 bash -c "! kill -0 $pid 2>/dev/null" || kill -9 "$pid" 2>/dev/null || true
+  rm -f "$KAFKA_DIR/kafka.pid"
+}
+
+# --------------------------------------------------------------- report ----
+status() {
+  pg_paths
+  local r p k
+  redis_ping && r=up || r=down
+  pg_ready 2>/dev/null && p=up || p=down
+  kafka_port_open && k=up || k=down
+  printf '%-10s %-5s %-22s %s\n' service state listens log
+  printf '%-10s %-5s %-22s %s\n' redis "$r" "$REDIS_HOST:$REDIS_PORT" "$REDIS_DIR/redis.log"
+  printf '%-10s %-5s %-22s %s\n' postgres "$p" "$PG_HOST:$PG_PORT" "$PGLOG"
+  printf '%-10s %-5s %-22s %s\n' kafka "$k" "$KAFKA_HOST:$KAFKA_PORT" "$KAFKA_DIR/kafka.log"
+  [ "$r$p$k" = upupup ]
+}
+
+case "${1:-}" in
+  up)
+    install_missing
+    load_settings
+    mkdir -p "$STATE"
+    redis_up
+    pg_up
+    kafka_up
+    status
+    ;;
+  down)
+    load_settings
+    kafka_down
+    pg_down
+    redis_down
+    log "stopped"
+    ;;
+  status)
+    load_settings
+    status
+    ;;
+  *)
+    echo "usage: $0 up|down|status" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Print the service addresses the server will use, as shell assignments.
+
+Reads the same layers as the Rust `Settings`: config/default.toml, then
+config/$SECKILL_ENV.toml (if present), then SECKILL__SECTION__KEY overrides,
+so scripts/services.sh starts Redis, PostgreSQL and Kafka exactly where the
+server will look for them. Only addresses are printed, never secrets.
+"""
+import os
+import shlex
+import sys
+import tomllib
+from urllib.parse import urlsplit
+
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name):
+    path = os.path.join(root, "config", f"{name}.toml")
+    if not os.path.exists(path):
+        return {}
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def merged():
+    cfg = load("default")
+    env = os.environ.get("SECKILL_ENV", "development")
+    for section, values in load(env).items():
+        cfg.setdefault(section, {}).update(values)
+    for key, value in os.environ.items():
+        if key.startswith("SECKILL__"):
+            parts = key[len("SECKILL__"):].lower().split("__")
+            if len(parts) == 2:
+                cfg.setdefault(parts[0], {})[parts[1]] = value
+    return cfg
+
+
+def main():
+    cfg = merged()
+    redis = urlsplit(cfg["redis"]["url"])
+    pg = urlsplit(cfg["postgres"]["url"])
+    broker = cfg["kafka"]["brokers"].split(",")[0].strip()
+    kafka_host, kafka_port = broker.rsplit(":", 1)
+    out = {
+        "REDIS_HOST": redis.hostname or "127.0.0.1",
+        "REDIS_PORT": str(redis.port or 6379),
+        "PG_HOST": pg.hostname or "127.0.0.1",
+        "PG_PORT": str(pg.port or 5432),
+        "PG_USER": pg.username or "seckill",
+        "PG_PASSWORD": pg.password or "",
+        "PG_DB": pg.path.lstrip("/") or "seckill",
+        "KAFKA_HOST": kafka_host,
+        "KAFKA_PORT": kafka_port,
+        "KAFKA_CONTROLLER_PORT": str(int(kafka_port) + 1),
+    }
+    for k, v in out.items():
+        print(f"{k}={shlex.quote(v)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

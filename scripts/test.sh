@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs and starts Redis,
+# PostgreSQL and Kafka (scripts/services.sh up), then runs every test against
+# them. Extra arguments go to `cargo test` (e.g. a test name filter).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+scripts/services.sh up
+eval "$(python3 scripts/settings.py)"
+
+# Each test creates its own database and drops it when done; a test that
+# crashed leaves one behind. Clear those before a run.
+export PGPASSWORD=$PG_PASSWORD
+stale=$(psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -tAc \
+  "select datname from pg_database where datname like 'seckill\_test\_%'" || true)
+for db in $stale; do
+  psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -qc "drop database if exists \"$db\" with (force)" || true
+done
+
+command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >&2; exit 1; }
+# Integration tests mostly wait on I/O: run more of them than there are cores.
+cargo test --all-targets "$@" -- --test-threads="${SECKILL_TEST_THREADS:-8}"

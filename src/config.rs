@@ -1,0 +1,187 @@
+//! Typed settings, layered: `config/default.toml`, then `config/<env>.toml`
+//! (env from `SECKILL_ENV`, default `development`), then `SECKILL__SECTION__KEY`
+//! environment variables. Secrets are [`SecretString`]s so that printing a
+//! `Settings` (logs, panics, `Debug`) never shows them.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use secrecy::{ExposeSecret, SecretString};
+use serde::Deserialize;
+
+/// The JWT secret shipped in `config/default.toml`. Known to everyone who
+/// reads the repository, so production refuses to start with it.
+pub const DEV_JWT_SECRET: &str = "dev-only-secret-do-not-use-in-production";
+
+/// Everything the binary reads from configuration.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Settings {
+    /// Process-level settings: environment, listen address, instance id.
+    pub app: AppSettings,
+    /// JWT verification.
+    pub auth: AuthSettings,
+    /// Redis: admission gate, reservations, purchase tokens.
+    pub redis: RedisSettings,
+    /// PostgreSQL: the source of truth.
+    pub postgres: PostgresSettings,
+    /// Kafka: order events, outbox relay, dead letters.
+    pub kafka: KafkaSettings,
+    /// Log output.
+    pub log: LogSettings,
+}
+
+/// Process-level settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AppSettings {
+    /// `development`, `test` or `production`; production enforces real secrets.
+    pub env: String,
+    /// Address the HTTP server binds.
+    pub host: String,
+    /// Port the HTTP server binds; 0 picks a free one (tests).
+    pub port: u16,
+    /// This instance's id in the snowflake generator (0..=1023). Two instances
+    /// running at once must have different ids or they can mint the same
+    /// `order_no`.
+    pub instance_id: u16,
+    /// How long a graceful shutdown waits for in-flight requests, in seconds.
+    pub shutdown_timeout_secs: u64,
+}
+
+/// JWT verification settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AuthSettings {
+    /// HS256 secret shared with whoever issues tokens.
+    pub jwt_secret: SecretString,
+}
+
+/// Redis connection settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RedisSettings {
+    /// `redis://host:port[/db]`.
+    pub url: String,
+    /// Prefix of every key this instance writes; tests use one per test.
+    pub key_prefix: String,
+    /// Largest number of pooled connections.
+    pub pool_size: usize,
+    /// Connect / checkout timeout, in milliseconds.
+    pub timeout_ms: u64,
+}
+
+/// PostgreSQL connection settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PostgresSettings {
+    /// `postgres://user:password@host:port/db`; holds the password, so secret.
+    pub url: SecretString,
+    /// Largest number of pooled connections.
+    pub pool_size: u32,
+    /// Connection checkout timeout, in milliseconds.
+    pub timeout_ms: u64,
+}
+
+/// Kafka settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct KafkaSettings {
+    /// Bootstrap servers, comma-separated `host:port`.
+    pub brokers: String,
+    /// Prefix of every topic and consumer group name; tests use one per test.
+    pub topic_prefix: String,
+    /// Timeout of metadata and admin calls, in milliseconds.
+    pub timeout_ms: u64,
+}
+
+/// Log output settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LogSettings {
+    /// `pretty` (human-readable) or `json` (one object per line).
+    pub format: String,
+    /// Default filter (`RUST_LOG` wins when set), e.g. `info` or `seckill=debug`.
+    pub level: String,
+}
+
+impl Settings {
+    /// Loads the layers for the environment named by `SECKILL_ENV`.
+    pub fn load() -> anyhow::Result<Self> {
+        let env = std::env::var("SECKILL_ENV").unwrap_or_else(|_| "development".into());
+        Self::load_env(&env)
+    }
+
+    /// Loads `default.toml`, then `<env>.toml`, then `SECKILL__*` variables,
+    /// from the folder in `SECKILL_CONFIG_DIR` (default `config`).
+    pub fn load_env(env: &str) -> anyhow::Result<Self> {
+        let dir = config_dir();
+        let settings: Settings = config::Config::builder()
+            .add_source(config::File::from(dir.join("default.toml")))
+            .add_source(config::File::from(dir.join(format!("{env}.toml"))).required(false))
+            .add_source(
+                config::Environment::with_prefix("SECKILL")
+                    .prefix_separator("__")
+                    .separator("__")
+                    .try_parsing(true),
+            )
+            .build()
+            .with_context(|| format!("reading configuration from {}", dir.display()))?
+            .try_deserialize()
+            .context("configuration does not match the expected shape")?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Whether this is a production deployment.
+    pub fn is_production(&self) -> bool {
+        self.app.env == "production"
+    }
+
+    /// Refuses settings that would run but be unsafe or wrong.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let secret = self.auth.jwt_secret.expose_secret();
+        if self.is_production() && (secret == DEV_JWT_SECRET || secret.len() < 32) {
+            bail!(
+                "auth.jwt_secret is the development secret or shorter than 32 bytes; \
+                 set SECKILL__AUTH__JWT_SECRET for production"
+            );
+        }
+        if self.app.instance_id > 1023 {
+            bail!("app.instance_id must be within 0..=1023 (10 bits of the snowflake id)");
+        }
+        Ok(())
+    }
+}
+
+fn config_dir() -> PathBuf {
+    match std::env::var_os("SECKILL_CONFIG_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None if Path::new("config/default.toml").exists() => PathBuf::from("config"),
+        // Tests and benches run from the crate root, but be kind to `cargo run`
+        // from elsewhere in the tree.
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(env: &str, secret: &str) -> Settings {
+        let mut s = Settings::load_env("test").expect("test settings load");
+        s.app.env = env.into();
+        s.auth.jwt_secret = SecretString::from(secret.to_owned());
+        s
+    }
+
+    #[test]
+    fn production_refuses_the_development_secret() {
+        assert!(settings("production", DEV_JWT_SECRET).validate().is_err());
+        assert!(settings("production", "short").validate().is_err());
+        let strong = "x".repeat(40);
+        assert!(settings("production", &strong).validate().is_ok());
+        assert!(settings("development", DEV_JWT_SECRET).validate().is_ok());
+    }
+
+    #[test]
+    fn debug_output_never_shows_secrets() {
+        let s = Settings::load_env("test").expect("test settings load");
+        let printed = format!("{s:?}");
+        assert!(!printed.contains(DEV_JWT_SECRET));
+        assert!(!printed.contains("seckill:seckill@"));
+    }
+}

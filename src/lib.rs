@@ -1,0 +1,11 @@
+//! seckill: a flash-sale order service. See `docs/ARCHITECTURE.md` for the
+//! map from modules to the order path and SPEC invariants.
+
+pub mod app;
+pub mod bus;
+pub mod config;
+pub mod domain;
+pub mod http;
+pub mod metrics;
+pub mod store;
+pub mod telemetry;

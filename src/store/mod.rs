@@ -1,0 +1,66 @@
+//! PostgreSQL through Diesel: the connection pool, embedded migrations and
+//! the helper that keeps synchronous Diesel calls off the async workers.
+
+pub mod schema;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use diesel::PgConnection;
+use diesel::r2d2::{ConnectionManager, Pool, PooledConnection};
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+use secrecy::ExposeSecret;
+
+use crate::config::PostgresSettings;
+
+/// The embedded `migrations/` folder; run by `seckill migrate`, never at boot.
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
+
+/// Pooled PostgreSQL connections.
+pub type PgPool = Pool<ConnectionManager<PgConnection>>;
+/// One connection checked out of [`PgPool`].
+pub type PgConn = PooledConnection<ConnectionManager<PgConnection>>;
+
+/// Builds the pool without connecting: the server starts (and reports "not
+/// ready") while PostgreSQL is down, and connects when it comes back.
+pub fn pool(settings: &PostgresSettings) -> PgPool {
+    let manager = ConnectionManager::<PgConnection>::new(settings.url.expose_secret());
+    Pool::builder()
+        .max_size(settings.pool_size)
+        .min_idle(Some(0))
+        .connection_timeout(Duration::from_millis(settings.timeout_ms))
+        .build_unchecked(manager)
+}
+
+/// Runs `f` with a pooled connection on Tokio's blocking pool. Diesel is
+/// synchronous; calling it on an async worker would stall every request that
+/// worker serves.
+pub async fn run<T, F>(pool: &PgPool, f: F) -> anyhow::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut PgConn) -> anyhow::Result<T> + Send + 'static,
+{
+    let pool = pool.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = pool.get().context("no PostgreSQL connection")?;
+        f(&mut conn)
+    })
+    .await
+    .context("database task panicked or was cancelled")?
+}
+
+/// Applies every pending migration; returns the versions applied.
+pub fn migrate_up(conn: &mut PgConnection) -> anyhow::Result<Vec<String>> {
+    let applied = conn
+        .run_pending_migrations(MIGRATIONS)
+        .map_err(|e| anyhow::anyhow!("running migrations: {e}"))?;
+    Ok(applied.iter().map(|v| v.to_string()).collect())
+}
+
+/// Reverts every applied migration, newest first; returns the versions reverted.
+pub fn migrate_down_all(conn: &mut PgConnection) -> anyhow::Result<Vec<String>> {
+    let reverted = conn
+        .revert_all_migrations(MIGRATIONS)
+        .map_err(|e| anyhow::anyhow!("reverting migrations: {e}"))?;
+    Ok(reverted.iter().map(|v| v.to_string()).collect())
+}

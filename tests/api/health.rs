@@ -1,0 +1,94 @@
+use crate::helpers::{json, spawn_app, spawn_app_with};
+
+#[tokio::test]
+async fn ready_is_200_when_redis_kafka_and_postgres_answer() {
+    let app = spawn_app().await;
+    let res = app.get("/health/ready", None).await;
+    assert_eq!(res.status(), 200);
+    let body = json(res).await;
+    assert_eq!(body["checks"]["redis"], "up");
+    assert_eq!(body["checks"]["postgres"], "up");
+    assert_eq!(body["checks"]["kafka"], "up");
+}
+
+#[tokio::test]
+async fn ready_is_503_naming_redis_when_redis_is_down_while_live_stays_200() {
+    let app = spawn_app_with(|s| s.redis.url = "redis://127.0.0.1:1".into()).await;
+    let res = app.get("/health/ready", None).await;
+    assert_eq!(res.status(), 503);
+    let body = json(res).await;
+    assert_eq!(body["code"], "NOT_READY");
+    assert!(
+        body["message"].as_str().unwrap().contains("redis"),
+        "{body}"
+    );
+    assert_eq!(body["checks"]["redis"], "down");
+    assert_eq!(body["checks"]["postgres"], "up");
+    assert_eq!(body["checks"]["kafka"], "up");
+    assert_eq!(app.get("/health/live", None).await.status(), 200);
+}
+
+#[tokio::test]
+async fn ready_is_503_naming_postgres_when_postgres_is_down() {
+    let app = spawn_app_with(|s| {
+        s.postgres.url = "postgres://seckill:seckill@127.0.0.1:1/seckill"
+            .to_owned()
+            .into()
+    })
+    .await;
+    let body = json(app.get("/health/ready", None).await).await;
+    assert_eq!(body["code"], "NOT_READY");
+    assert!(
+        body["message"].as_str().unwrap().contains("postgres"),
+        "{body}"
+    );
+    assert_eq!(body["checks"]["postgres"], "down");
+    assert_eq!(body["checks"]["redis"], "up");
+}
+
+#[tokio::test]
+async fn ready_is_503_naming_kafka_when_no_broker_answers() {
+    let app = spawn_app_with(|s| s.kafka.brokers = "127.0.0.1:1".into()).await;
+    let res = app.get("/health/ready", None).await;
+    assert_eq!(res.status(), 503);
+    let body = json(res).await;
+    assert!(
+        body["message"].as_str().unwrap().contains("kafka"),
+        "{body}"
+    );
+    assert_eq!(body["checks"]["kafka"], "down");
+    assert_eq!(body["checks"]["redis"], "up");
+}
+
+#[tokio::test]
+async fn metrics_are_prometheus_text_and_count_requests() {
+    let app = spawn_app().await;
+    app.get("/health/live", None).await;
+    let res = app.get("/metrics", None).await;
+    assert_eq!(res.status(), 200);
+    let text = res.text().await.unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("seckill_http_requests_total")
+                && l.contains("route=\"/health/live\"")
+                && l.contains("status=\"200\"")),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn every_response_carries_a_request_id_echoed_when_given() {
+    let app = spawn_app().await;
+    let res = app.get("/health/live", None).await;
+    let generated = res.headers()["x-request-id"].to_str().unwrap().to_owned();
+    assert!(!generated.is_empty());
+
+    let res = app
+        .client
+        .get(format!("{}/no/such/route", app.address))
+        .header("X-Request-Id", "my-req-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.headers()["x-request-id"], "my-req-42");
+}

@@ -1,0 +1,8 @@
+//! Integration tests against the real Redis, Kafka and PostgreSQL started by
+//! `scripts/services.sh up`. Every test gets its own database, Redis key
+//! prefix and Kafka topic prefix, so they run in parallel.
+
+mod errors_and_auth;
+mod health;
+mod helpers;
+mod migrations;
