@@ -1,6 +1,6 @@
-//! Application assembly: connects the pools, binds the listener first (so
-//! tests can ask for port 0 and read the port back), then serves until a
-//! signal arrives.
+//! Application assembly: connects the clients, binds the listener first (so
+//! tests can ask for port 0 and read the port back), starts the workers, then
+//! serves until a signal arrives and stops the workers after the server.
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -11,38 +11,80 @@ use actix_web::{App, HttpServer, web};
 use anyhow::Context;
 use deadpool_redis::{PoolConfig, Runtime, Timeouts};
 use rdkafka::producer::FutureProducer;
+use tokio::sync::Semaphore;
 
+use crate::activities::cache::ActivityCache;
+use crate::admission::RedisGate;
+use crate::admission::limits::{KeyedLimiter, Limits};
+use crate::bus::{self, Topics};
 use crate::config::{RedisSettings, Settings};
 use crate::http;
 use crate::http::auth::JwtKeys;
+use crate::ids::{IdGenerator, Snowflake};
 use crate::metrics::Metrics;
+use crate::orders::consumer::{self, ConsumerDeps, ConsumerHandle};
 use crate::store::{self, PgPool};
 
 /// Shared state of every request handler and worker.
 pub struct AppState {
     /// The settings this process was started with.
     pub settings: Arc<Settings>,
-    /// Redis connections: admission gate, reservations, tokens.
+    /// Pooled Redis connections, for everything off the hot path.
     pub redis: deadpool_redis::Pool,
+    /// The admission scripts over one multiplexed connection (hot path).
+    pub gate: Arc<RedisGate>,
+    /// Warmed activities' windows and limits, cached in process.
+    pub activities: ActivityCache,
+    /// In-process token buckets (per activity, per client IP).
+    pub limits: Limits,
+    /// Purchases awaiting their delivery report; empty → 503 BUSY.
+    pub in_flight: Arc<Semaphore>,
+    /// Snowflake order numbers.
+    pub ids: Arc<dyn IdGenerator>,
     /// PostgreSQL connections (use through [`store::run`]).
     pub db: PgPool,
     /// The idempotent Kafka producer; cheap to clone.
     pub producer: FutureProducer,
+    /// Topic names under this instance's prefix.
+    pub topics: Topics,
     /// Prometheus metrics.
     pub metrics: Metrics,
 }
 
 impl AppState {
     /// Creates every client. Nothing connects yet: a dependency that is down
-    /// shows up in `/health/ready`, it does not stop the process.
+    /// shows up in `/health/ready`, it does not stop the process. Must be
+    /// called inside a Tokio runtime.
     pub fn connect(settings: Settings) -> anyhow::Result<Self> {
+        let a = &settings.admission;
         Ok(Self {
             redis: redis_pool(&settings.redis)?,
+            gate: Arc::new(RedisGate::new(&settings.redis, a).context("creating the Redis gate")?),
+            activities: ActivityCache::default(),
+            limits: Limits {
+                activity: KeyedLimiter::new(a.activity_rate_per_sec, a.activity_burst),
+                ip: KeyedLimiter::new(a.ip_rate_per_sec, a.ip_burst),
+            },
+            in_flight: Arc::new(Semaphore::new(a.max_in_flight.max(1))),
+            ids: Arc::new(Snowflake::new(settings.app.instance_id)),
             db: store::pool(&settings.postgres),
-            producer: crate::bus::producer(&settings.kafka)?,
+            producer: bus::producer(&settings.kafka)?,
+            topics: Topics::new(&settings.kafka.topic_prefix),
             metrics: Metrics::new()?,
             settings: Arc::new(settings),
         })
+    }
+
+    /// What the order consumer needs, sharing this state's clients.
+    pub fn consumer_deps(&self) -> ConsumerDeps {
+        ConsumerDeps {
+            db: self.db.clone(),
+            gate: self.gate.clone(),
+            producer: self.producer.clone(),
+            topics: self.topics.clone(),
+            settings: self.settings.clone(),
+            metrics: self.metrics.clone(),
+        }
     }
 }
 
@@ -63,14 +105,16 @@ pub fn redis_pool(settings: &RedisSettings) -> anyhow::Result<deadpool_redis::Po
         .context("creating the Redis pool")
 }
 
-/// A bound, not yet running, HTTP server.
+/// A bound, not yet running, HTTP server and its workers.
 pub struct Application {
     port: u16,
     server: Server,
+    consumer: Option<ConsumerHandle>,
 }
 
 impl Application {
-    /// Connects clients and binds `app.host:app.port`.
+    /// Connects clients, creates the topics, starts the consumer (unless
+    /// `orders.consumer_enabled = false`) and binds `app.host:app.port`.
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let address = format!("{}:{}", settings.app.host, settings.app.port);
         let listener = TcpListener::bind(&address).with_context(|| format!("binding {address}"))?;
@@ -78,6 +122,17 @@ impl Application {
         let shutdown = settings.app.shutdown_timeout_secs;
         let keys = web::Data::new(JwtKeys::new(&settings.auth.jwt_secret)?);
         let state = web::Data::new(AppState::connect(settings)?);
+
+        // A broker that is down must not stop the server from starting
+        // (readiness reports it); producing later creates topics too.
+        if let Err(e) = bus::ensure_topics(&state.settings.kafka, &state.topics).await {
+            tracing::warn!(error = format!("{e:#}"), "could not create Kafka topics");
+        }
+        let consumer = if state.settings.orders.consumer_enabled {
+            Some(consumer::spawn(state.consumer_deps())?)
+        } else {
+            None
+        };
 
         let server = HttpServer::new(move || {
             let metrics = state.metrics.clone();
@@ -93,7 +148,11 @@ impl Application {
         .shutdown_timeout(shutdown)
         .listen(listener)?
         .run();
-        Ok(Self { port, server })
+        Ok(Self {
+            port,
+            server,
+            consumer,
+        })
     }
 
     /// The port actually bound (useful with port 0).
@@ -101,8 +160,13 @@ impl Application {
         self.port
     }
 
-    /// Serves until SIGINT / SIGTERM, then drains in-flight requests.
+    /// Serves until SIGINT / SIGTERM, drains in-flight requests, then lets
+    /// the consumer finish its batch and leave the group.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
-        self.server.await
+        let result = self.server.await;
+        if let Some(consumer) = self.consumer {
+            consumer.stop().await;
+        }
+        result
     }
 }

@@ -26,8 +26,46 @@ pub struct Settings {
     pub postgres: PostgresSettings,
     /// Kafka: order events, outbox relay, dead letters.
     pub kafka: KafkaSettings,
+    /// The hot path: purchase tokens, limits, backpressure.
+    pub admission: AdmissionSettings,
+    /// The order-creating consumer.
+    pub orders: OrderSettings,
     /// Log output.
     pub log: LogSettings,
+}
+
+/// Admission (SPEC step 1) settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AdmissionSettings {
+    /// Lifetime of a one-time purchase token, in seconds.
+    pub token_ttl_secs: u64,
+    /// Per-activity token bucket refill rate (requests/s); 0 = off.
+    pub activity_rate_per_sec: u32,
+    /// Per-activity token bucket capacity.
+    pub activity_burst: u32,
+    /// Per-client-IP token bucket refill rate (requests/s); 0 = off.
+    pub ip_rate_per_sec: u32,
+    /// Per-client-IP token bucket capacity.
+    pub ip_burst: u32,
+    /// Trust `X-Forwarded-For` for the client address. Only behind a proxy
+    /// that sets it; otherwise clients pick their own rate-limit key.
+    pub trust_forwarded_for: bool,
+    /// Purchases awaiting a Kafka delivery report before new ones are
+    /// refused with 503 BUSY (backpressure before Redis is touched).
+    pub max_in_flight: usize,
+    /// How long reservation records live in Redis, in seconds.
+    pub reservation_ttl_secs: u64,
+}
+
+/// Order-creating consumer settings (SPEC step 3).
+#[derive(Debug, Clone, Deserialize)]
+pub struct OrderSettings {
+    /// Run the consumer inside `serve`.
+    pub consumer_enabled: bool,
+    /// Largest number of messages in one database transaction.
+    pub batch_size: usize,
+    /// Longest wait for a batch to fill, in milliseconds.
+    pub batch_wait_ms: u64,
 }
 
 /// Process-level settings.
@@ -85,8 +123,11 @@ pub struct KafkaSettings {
     pub brokers: String,
     /// Prefix of every topic and consumer group name; tests use one per test.
     pub topic_prefix: String,
-    /// Timeout of metadata and admin calls, in milliseconds.
+    /// Timeout of metadata and admin calls, in milliseconds; twice this is
+    /// how long a purchase waits for its delivery report.
     pub timeout_ms: u64,
+    /// Partitions of the topics this service creates.
+    pub partitions: i32,
 }
 
 /// Log output settings.

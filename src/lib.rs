@@ -1,11 +1,15 @@
 //! seckill: a flash-sale order service. See `docs/ARCHITECTURE.md` for the
 //! map from modules to the order path and SPEC invariants.
 
+pub mod activities;
+pub mod admission;
 pub mod app;
 pub mod bus;
 pub mod config;
 pub mod domain;
 pub mod http;
+pub mod ids;
 pub mod metrics;
+pub mod orders;
 pub mod store;
 pub mod telemetry;

@@ -1,8 +1,11 @@
 //! Prometheus metrics, served at `GET /metrics` in the text format.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+};
 
-/// Every metric the process exports, registered in one registry.
+/// Every metric the process exports, registered in one registry. Cheap to
+/// clone (each metric is an `Arc` inside).
 #[derive(Clone)]
 pub struct Metrics {
     /// The registry `/metrics` encodes.
@@ -11,34 +14,78 @@ pub struct Metrics {
     pub http_requests: IntCounterVec,
     /// HTTP latency by route pattern and method, in seconds.
     pub http_duration: HistogramVec,
+    /// Purchase attempts by outcome (accepted, sold_out, duplicate, limited, …).
+    pub admission: IntCounterVec,
+    /// Latency of the admission script round trip, in seconds.
+    pub lua_duration: Histogram,
+    /// Latency from produce to delivery report of `order.requested`, in seconds.
+    pub produce_duration: Histogram,
+    /// Failed publishes by kind (queue_full, delivery).
+    pub produce_errors: IntCounterVec,
+    /// Messages per consumer batch.
+    pub consumer_batch_size: Histogram,
+    /// Consumed order events by result (created, failed, duplicate, …).
+    pub consumer_events: IntCounterVec,
+    /// Messages sent to a dead-letter topic.
+    pub dead_letters: IntCounter,
 }
+
+const LATENCY_BUCKETS: [f64; 14] = [
+    0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+];
 
 impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> anyhow::Result<Self> {
         let registry = Registry::new_custom(Some("seckill".into()), None)?;
-        let http_requests = IntCounterVec::new(
-            Opts::new(
-                "http_requests_total",
-                "HTTP requests by route, method and status",
-            ),
-            &["route", "method", "status"],
-        )?;
-        let http_duration = HistogramVec::new(
-            HistogramOpts::new("http_request_duration_seconds", "HTTP request latency").buckets(
-                vec![
-                    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
-                ],
-            ),
-            &["route", "method"],
-        )?;
-        registry.register(Box::new(http_requests.clone()))?;
-        registry.register(Box::new(http_duration.clone()))?;
-        Ok(Self {
+        let latency = |name: &str, help: &str| {
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()))
+        };
+        let metrics = Self {
+            http_requests: IntCounterVec::new(
+                Opts::new(
+                    "http_requests_total",
+                    "HTTP requests by route, method and status",
+                ),
+                &["route", "method", "status"],
+            )?,
+            http_duration: HistogramVec::new(
+                HistogramOpts::new("http_request_duration_seconds", "HTTP request latency")
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                &["route", "method"],
+            )?,
+            admission: IntCounterVec::new(
+                Opts::new("admission_total", "Purchase attempts by outcome"),
+                &["outcome"],
+            )?,
+            lua_duration: latency("admission_script_seconds", "Admission script round trip")?,
+            produce_duration: latency("kafka_produce_seconds", "Produce to delivery report")?,
+            produce_errors: IntCounterVec::new(
+                Opts::new("kafka_produce_errors_total", "Failed publishes by kind"),
+                &["kind"],
+            )?,
+            consumer_batch_size: Histogram::with_opts(
+                HistogramOpts::new("consumer_batch_size", "Messages per order consumer batch")
+                    .buckets(vec![1.0, 5.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0]),
+            )?,
+            consumer_events: IntCounterVec::new(
+                Opts::new("consumer_events_total", "Consumed order events by result"),
+                &["result"],
+            )?,
+            dead_letters: IntCounter::new("dead_letters_total", "Messages dead-lettered")?,
             registry,
-            http_requests,
-            http_duration,
-        })
+        };
+        let r = &metrics.registry;
+        r.register(Box::new(metrics.http_requests.clone()))?;
+        r.register(Box::new(metrics.http_duration.clone()))?;
+        r.register(Box::new(metrics.admission.clone()))?;
+        r.register(Box::new(metrics.lua_duration.clone()))?;
+        r.register(Box::new(metrics.produce_duration.clone()))?;
+        r.register(Box::new(metrics.produce_errors.clone()))?;
+        r.register(Box::new(metrics.consumer_batch_size.clone()))?;
+        r.register(Box::new(metrics.consumer_events.clone()))?;
+        r.register(Box::new(metrics.dead_letters.clone()))?;
+        Ok(metrics)
     }
 
     /// The registry in Prometheus text format.

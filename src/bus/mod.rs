@@ -1,14 +1,45 @@
 //! Kafka through rdkafka. Every blocking rdkafka call (metadata, admin,
-//! offset commits) runs on the blocking pool or a dedicated thread, never on
-//! an async worker.
+//! consumer close) runs on the blocking pool, never on an async worker;
+//! offsets are stored locally after the database commits and committed by
+//! librdkafka's own background thread.
+
+pub mod events;
 
 use std::time::Duration;
 
 use anyhow::Context;
 use rdkafka::ClientConfig;
-use rdkafka::producer::FutureProducer;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::OwnedHeaders;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::util::Timeout;
 
 use crate::config::KafkaSettings;
+
+/// Topic names under this instance's prefix.
+#[derive(Debug, Clone)]
+pub struct Topics {
+    /// `order.requested`: admitted purchases.
+    pub order_requested: String,
+    /// Dead letters of `order.requested`.
+    pub order_requested_dlq: String,
+}
+
+impl Topics {
+    /// Names under `kafka.topic_prefix`.
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            order_requested: format!("{prefix}order.requested"),
+            order_requested_dlq: format!("{prefix}order.requested.dlq"),
+        }
+    }
+
+    fn all(&self) -> [&str; 2] {
+        [&self.order_requested, &self.order_requested_dlq]
+    }
+}
 
 /// Base client configuration shared by producers, consumers and admin clients.
 pub fn client_config(settings: &KafkaSettings) -> ClientConfig {
@@ -25,18 +56,82 @@ pub fn client_config(settings: &KafkaSettings) -> ClientConfig {
 }
 
 /// The idempotent producer: `acks=all`, retries without duplicates or
-/// reordering within a partition.
+/// reordering within a partition. A message not delivered within twice
+/// `kafka.timeout_ms` fails, and the purchase behind it is released.
 pub fn producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
     client_config(settings)
         .set("enable.idempotence", "true")
         .set("acks", "all")
-        .set("linger.ms", "1")
+        .set("linger.ms", "2")
+        .set("queue.buffering.max.messages", "200000")
         .set(
             "message.timeout.ms",
             (settings.timeout_ms * 2).max(1000).to_string(),
         )
         .create()
         .context("creating the Kafka producer")
+}
+
+/// Creates the topics this service uses, if missing.
+pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow::Result<()> {
+    let admin: AdminClient<DefaultClientContext> = client_config(settings)
+        .create()
+        .context("creating the Kafka admin client")?;
+    let new: Vec<NewTopic<'_>> = topics
+        .all()
+        .into_iter()
+        .map(|name| NewTopic::new(name, settings.partitions, TopicReplication::Fixed(1)))
+        .collect();
+    let timeout = Duration::from_millis(settings.timeout_ms);
+    let options = AdminOptions::new()
+        .operation_timeout(Some(timeout))
+        .request_timeout(Some(timeout));
+    let results = admin
+        .create_topics(&new, &options)
+        .await
+        .context("creating topics")?;
+    for result in results {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((name, code)) => anyhow::bail!("creating topic {name}: {code}"),
+        }
+    }
+    // The admin client's destructor joins librdkafka threads: off the runtime.
+    tokio::task::spawn_blocking(move || drop(admin));
+    Ok(())
+}
+
+/// Why a publish did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The local producer queue is full: backpressure, try later.
+    #[error("the producer queue is full")]
+    QueueFull,
+    /// The broker did not acknowledge the message in time, or refused it.
+    #[error("delivery failed: {0}")]
+    Failed(KafkaError),
+}
+
+/// Produces one message and waits for its delivery report. Never waits for
+/// queue space: a full queue is reported at once as [`PublishError::QueueFull`].
+pub async fn publish(
+    producer: &FutureProducer,
+    topic: &str,
+    key: &str,
+    payload: &[u8],
+    headers: Option<OwnedHeaders>,
+) -> Result<(), PublishError> {
+    let mut record = FutureRecord::to(topic).key(key).payload(payload);
+    if let Some(h) = headers {
+        record = record.headers(h);
+    }
+    match producer.send(record, Timeout::After(Duration::ZERO)).await {
+        Ok(_) => Ok(()),
+        Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+            Err(PublishError::QueueFull)
+        }
+        Err((e, _)) => Err(PublishError::Failed(e)),
+    }
 }
 
 /// Asks the cluster for its metadata: the readiness probe. Runs on the

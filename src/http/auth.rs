@@ -82,7 +82,7 @@ impl JwtKeys {
     }
 }
 
-fn unauthorized(message: impl Into<String>) -> ApiError {
+fn unauthorized(message: impl Into<std::borrow::Cow<'static, str>>) -> ApiError {
     ApiError::new(ErrorCode::Unauthorized, message)
 }
 

@@ -6,6 +6,7 @@
 //! found); wrap anything else with [`ApiError::unexpected`], which logs the
 //! cause once, here at the boundary, and answers 500 without leaking it.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use actix_web::body::{BoxBody, MessageBody};
@@ -28,6 +29,15 @@ pub enum ErrorCode {
     PayloadTooLarge,
     UnsupportedMediaType,
     NotReady,
+    NotActive,
+    SoldOut,
+    LimitExceeded,
+    InvalidToken,
+    InvalidState,
+    CouponInvalid,
+    RateLimited,
+    Busy,
+    RetryLater,
     Internal,
 }
 
@@ -43,6 +53,15 @@ impl ErrorCode {
             Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
             Self::UnsupportedMediaType => "UNSUPPORTED_MEDIA_TYPE",
             Self::NotReady => "NOT_READY",
+            Self::NotActive => "NOT_ACTIVE",
+            Self::SoldOut => "SOLD_OUT",
+            Self::LimitExceeded => "LIMIT_EXCEEDED",
+            Self::InvalidToken => "INVALID_TOKEN",
+            Self::InvalidState => "INVALID_STATE",
+            Self::CouponInvalid => "COUPON_INVALID",
+            Self::RateLimited => "RATE_LIMITED",
+            Self::Busy => "BUSY",
+            Self::RetryLater => "RETRY_LATER",
             Self::Internal => "INTERNAL",
         }
     }
@@ -57,7 +76,13 @@ impl ErrorCode {
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            Self::NotReady => StatusCode::SERVICE_UNAVAILABLE,
+            Self::NotReady | Self::Busy | Self::RetryLater => StatusCode::SERVICE_UNAVAILABLE,
+            Self::NotActive | Self::SoldOut | Self::LimitExceeded | Self::InvalidState => {
+                StatusCode::CONFLICT
+            }
+            Self::InvalidToken => StatusCode::FORBIDDEN,
+            Self::CouponInvalid => StatusCode::BAD_REQUEST,
+            Self::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -72,7 +97,8 @@ impl ErrorCode {
             StatusCode::METHOD_NOT_ALLOWED => Self::MethodNotAllowed,
             StatusCode::PAYLOAD_TOO_LARGE => Self::PayloadTooLarge,
             StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::UnsupportedMediaType,
-            StatusCode::SERVICE_UNAVAILABLE => Self::NotReady,
+            StatusCode::SERVICE_UNAVAILABLE => Self::RetryLater,
+            StatusCode::TOO_MANY_REQUESTS => Self::RateLimited,
             s if s.is_client_error() => Self::BadRequest,
             _ => Self::Internal,
         }
@@ -93,17 +119,22 @@ pub struct ErrorBody<'a> {
 pub struct ApiError {
     code: &'static str,
     status: StatusCode,
-    message: String,
+    /// Static on the hot path (sold out, limit reached): no allocation.
+    message: Cow<'static, str>,
 }
 
 impl ApiError {
     /// A client-visible outcome.
-    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+    pub fn new(code: ErrorCode, message: impl Into<Cow<'static, str>>) -> Self {
         Self::with_status(code.as_str(), code.status(), message)
     }
 
     /// A code owned by another module (e.g. `SOLD_OUT`) with its status.
-    pub fn with_status(code: &'static str, status: StatusCode, message: impl Into<String>) -> Self {
+    pub fn with_status(
+        code: &'static str,
+        status: StatusCode,
+        message: impl Into<Cow<'static, str>>,
+    ) -> Self {
         Self {
             code,
             status,
@@ -118,13 +149,28 @@ impl ApiError {
         Self::new(ErrorCode::Internal, "internal error")
     }
 
+    /// A dependency (Redis, PostgreSQL, Kafka) failed: 503 RETRY_LATER, or
+    /// 500 when the database answered with an error that is ours. Logged once.
+    pub fn unavailable(error: anyhow::Error) -> Self {
+        if error.downcast_ref::<crate::store::Unavailable>().is_none()
+            && error.downcast_ref::<redis::RedisError>().is_none()
+        {
+            return Self::unexpected(error);
+        }
+        tracing::warn!(error = format!("{error:#}"), "dependency unavailable");
+        Self::new(
+            ErrorCode::RetryLater,
+            "a backing service is unavailable; retry later",
+        )
+    }
+
     /// 400 BAD_REQUEST.
-    pub fn bad_request(message: impl Into<String>) -> Self {
+    pub fn bad_request(message: impl Into<Cow<'static, str>>) -> Self {
         Self::new(ErrorCode::BadRequest, message)
     }
 
     /// 404 NOT_FOUND.
-    pub fn not_found(message: impl Into<String>) -> Self {
+    pub fn not_found(message: impl Into<Cow<'static, str>>) -> Self {
         Self::new(ErrorCode::NotFound, message)
     }
 

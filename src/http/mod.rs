@@ -13,7 +13,9 @@ use actix_web::middleware::ErrorHandlers;
 use actix_web::{HttpMessage, HttpResponse, web};
 use tracing::Instrument;
 
+use crate::activities::routes as activities;
 use crate::metrics::Metrics;
+use crate::orders::routes as orders;
 
 /// The request-id header, echoed when valid, generated otherwise.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -31,7 +33,15 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(web::resource("/metrics").get(health::metrics))
         .service(web::resource("/api/v1/openapi.json").get(openapi))
         .service(web::resource("/api/v1/me").get(me))
-        .service(web::resource("/api/v1/admin/me").get(admin_me));
+        .service(web::resource("/api/v1/admin/me").get(admin_me))
+        .service(web::resource("/api/v1/admin/activities").post(activities::create))
+        .service(web::resource("/api/v1/admin/activities/{id}/warmup").post(activities::warmup))
+        .service(web::resource("/api/v1/admin/activities/{id}/stats").get(activities::stats))
+        .service(web::resource("/api/v1/activities/{id}").get(activities::show))
+        .service(web::resource("/api/v1/activities/{id}/token").get(activities::token))
+        .service(web::resource("/api/v1/activities/{id}/orders").post(orders::place))
+        .service(web::resource("/api/v1/orders").get(orders::list))
+        .service(web::resource("/api/v1/orders/{order_no}").get(orders::show));
 }
 
 /// Extractor configs whose failures answer in the API error shape.

@@ -32,6 +32,11 @@ pub fn pool(settings: &PostgresSettings) -> PgPool {
         .build_unchecked(manager)
 }
 
+/// No connection could be had from the pool: PostgreSQL is down or saturated.
+#[derive(Debug, thiserror::Error)]
+#[error("no PostgreSQL connection: {0}")]
+pub struct Unavailable(#[from] diesel::r2d2::PoolError);
+
 /// Runs `f` with a pooled connection on Tokio's blocking pool. Diesel is
 /// synchronous; calling it on an async worker would stall every request that
 /// worker serves.
@@ -42,7 +47,7 @@ where
 {
     let pool = pool.clone();
     tokio::task::spawn_blocking(move || {
-        let mut conn = pool.get().context("no PostgreSQL connection")?;
+        let mut conn = pool.get().map_err(Unavailable)?;
         f(&mut conn)
     })
     .await

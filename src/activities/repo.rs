@@ -1,0 +1,114 @@
+//! Activity and stock rows.
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Text};
+
+use super::Activity;
+use crate::store::PgConn;
+use crate::store::schema::{activities, stock};
+
+/// A new activity, validated by the route.
+#[derive(Debug, Insertable)]
+#[diesel(table_name = activities)]
+pub struct NewActivity {
+    pub sku_id: i64,
+    pub name: String,
+    pub price_cents: i64,
+    pub start_at: DateTime<Utc>,
+    pub end_at: DateTime<Utc>,
+    pub per_user_limit: i32,
+    pub pay_timeout_secs: i32,
+    pub buckets: i32,
+}
+
+/// The stock row of an activity, in units.
+#[derive(Debug, Clone, Copy, Queryable, Selectable)]
+#[diesel(table_name = stock)]
+pub struct StockRow {
+    pub total: i32,
+    pub available: i32,
+    pub locked: i32,
+    pub sold: i32,
+}
+
+/// Inserts the activity and its stock row in one transaction.
+pub fn create(conn: &mut PgConn, new: &NewActivity, units: i32) -> QueryResult<Activity> {
+    conn.transaction(|conn| {
+        let activity: Activity = diesel::insert_into(activities::table)
+            .values(new)
+            .returning(Activity::as_returning())
+            .get_result(conn)?;
+        diesel::insert_into(stock::table)
+            .values((
+                stock::activity_id.eq(activity.id),
+                stock::total.eq(units),
+                stock::available.eq(units),
+            ))
+            .execute(conn)?;
+        Ok(activity)
+    })
+}
+
+/// The activity, if it exists.
+pub fn find(conn: &mut PgConn, id: i64) -> QueryResult<Option<Activity>> {
+    activities::table
+        .find(id)
+        .select(Activity::as_select())
+        .first(conn)
+        .optional()
+}
+
+/// The activity with its stock row.
+pub fn find_with_stock(conn: &mut PgConn, id: i64) -> QueryResult<Option<(Activity, StockRow)>> {
+    activities::table
+        .inner_join(stock::table)
+        .filter(activities::id.eq(id))
+        .select((Activity::as_select(), StockRow::as_select()))
+        .first(conn)
+        .optional()
+}
+
+/// Records that the activity's stock is in Redis (PENDING → READY, once).
+pub fn mark_warmed(conn: &mut PgConn, id: i64) -> QueryResult<()> {
+    diesel::update(
+        activities::table
+            .find(id)
+            .filter(activities::warmed_at.is_null()),
+    )
+    .set((
+        activities::status.eq("READY"),
+        activities::warmed_at.eq(diesel::dsl::now),
+        activities::updated_at.eq(diesel::dsl::now),
+    ))
+    .execute(conn)?;
+    Ok(())
+}
+
+#[derive(QueryableByName)]
+struct StatusCount {
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// Number of orders per status for one activity.
+pub fn order_counts(conn: &mut PgConn, id: i64) -> QueryResult<Vec<(String, i64)>> {
+    let rows: Vec<StatusCount> = diesel::sql_query(
+        "SELECT status, count(*) AS n FROM orders WHERE activity_id = $1 GROUP BY status",
+    )
+    .bind::<BigInt, _>(id)
+    .load(conn)?;
+    Ok(rows.into_iter().map(|r| (r.status, r.n)).collect())
+}
+
+/// Activities whose sale window is not long past (status lookups search
+/// their reservations).
+pub fn recent_ids(conn: &mut PgConn, since: DateTime<Utc>) -> QueryResult<Vec<(i64, i32)>> {
+    activities::table
+        .filter(activities::end_at.gt(since))
+        .filter(activities::warmed_at.is_not_null())
+        .select((activities::id, activities::buckets))
+        .load(conn)
+}

@@ -1,0 +1,253 @@
+//! Activity routes: create, warm up, stats (admin); public view; purchase token.
+
+use actix_web::{HttpResponse, web};
+use chrono::{DateTime, Utc};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::repo::{self, NewActivity};
+use super::{Activity, Lifecycle};
+use crate::admission::WarmSpec;
+use crate::app::AppState;
+use crate::http::auth::{AdminUser, AuthUser};
+use crate::http::error::{ApiError, ErrorCode};
+use crate::store;
+
+/// More buckets than this only adds keys to every admission call.
+const MAX_BUCKETS: i32 = 64;
+
+/// `POST /api/v1/admin/activities` body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateActivity {
+    sku_id: i64,
+    name: String,
+    price_cents: i64,
+    stock: i32,
+    start_at: DateTime<Utc>,
+    end_at: DateTime<Utc>,
+    #[serde(default = "one")]
+    per_user_limit: i32,
+    #[serde(default = "default_pay_timeout")]
+    pay_timeout_secs: i32,
+    #[serde(default = "one")]
+    buckets: i32,
+}
+
+fn one() -> i32 {
+    1
+}
+
+fn default_pay_timeout() -> i32 {
+    900
+}
+
+impl CreateActivity {
+    fn validate(self) -> Result<(NewActivity, i32), ApiError> {
+        let bad = |m: &'static str| Err(ApiError::bad_request(m));
+        let name = self.name.trim().to_owned();
+        if name.is_empty() || name.chars().count() > 200 {
+            return bad("name must be 1..=200 characters");
+        }
+        if self.sku_id < 1 {
+            return bad("sku_id must be positive");
+        }
+        if self.stock < 1 {
+            return bad("stock must be at least 1");
+        }
+        if self.price_cents < 0 {
+            return bad("price_cents must not be negative");
+        }
+        if self.end_at <= self.start_at {
+            return bad("end_at must be after start_at");
+        }
+        if self.per_user_limit < 1 {
+            return bad("per_user_limit must be at least 1");
+        }
+        if self.pay_timeout_secs < 1 {
+            return bad("pay_timeout_secs must be at least 1");
+        }
+        if self.buckets < 1 || self.buckets > self.stock || self.buckets > MAX_BUCKETS {
+            return bad("buckets must be between 1 and min(stock, 64)");
+        }
+        if self
+            .price_cents
+            .checked_mul(i64::from(self.per_user_limit))
+            .is_none()
+        {
+            return bad("price_cents × per_user_limit overflows");
+        }
+        let new = NewActivity {
+            sku_id: self.sku_id,
+            name,
+            price_cents: self.price_cents,
+            start_at: self.start_at,
+            end_at: self.end_at,
+            per_user_limit: self.per_user_limit,
+            pay_timeout_secs: self.pay_timeout_secs,
+            buckets: self.buckets,
+        };
+        Ok((new, self.stock))
+    }
+}
+
+fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> serde_json::Value {
+    json!({
+        "activity_id": a.id,
+        "sku_id": a.sku_id,
+        "name": a.name,
+        "price_cents": a.price_cents,
+        "stock": stock_total,
+        "start_at": a.start_at,
+        "end_at": a.end_at,
+        "per_user_limit": a.per_user_limit,
+        "pay_timeout_secs": a.pay_timeout_secs,
+        "buckets": a.buckets,
+        "status": a.lifecycle(now),
+    })
+}
+
+/// `POST /api/v1/admin/activities` → 201.
+pub async fn create(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+    body: web::Json<CreateActivity>,
+) -> Result<HttpResponse, ApiError> {
+    let (new, units) = body.into_inner().validate()?;
+    let activity = store::run(&state.db, move |conn| Ok(repo::create(conn, &new, units)?))
+        .await
+        .map_err(ApiError::unavailable)?;
+    Ok(HttpResponse::Created().json(view(&activity, units, Utc::now())))
+}
+
+async fn load(state: &AppState, id: i64) -> Result<(Activity, repo::StockRow), ApiError> {
+    store::run(&state.db, move |conn| Ok(repo::find_with_stock(conn, id)?))
+        .await
+        .map_err(ApiError::unavailable)?
+        .ok_or_else(|| ApiError::not_found("no such activity"))
+}
+
+/// `POST /api/v1/admin/activities/{id}/warmup`: loads the database's
+/// available stock into Redis once; later calls change nothing.
+pub async fn warmup(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+    path: web::Path<i64>,
+) -> Result<HttpResponse, ApiError> {
+    let id = path.into_inner();
+    let (activity, stock) = load(&state, id).await?;
+    if activity.lifecycle(Utc::now()) == Lifecycle::Ended {
+        return Err(ApiError::new(
+            ErrorCode::NotActive,
+            "the activity has ended",
+        ));
+    }
+    let spec = WarmSpec {
+        activity_id: id,
+        start_ms: activity.start_at.timestamp_millis(),
+        end_ms: activity.end_at.timestamp_millis(),
+        per_user_limit: activity.per_user_limit,
+        units: stock.available,
+        price_cents: activity.price_cents,
+        buckets: activity.bucket_count(),
+    };
+    let (_, units) = state
+        .gate
+        .warmup(&spec)
+        .await
+        .map_err(|e| ApiError::unavailable(e.into()))?;
+    store::run(&state.db, move |conn| Ok(repo::mark_warmed(conn, id)?))
+        .await
+        .map_err(ApiError::unavailable)?;
+    Ok(HttpResponse::Ok().json(json!({
+        "activity_id": id,
+        "status": "READY",
+        "warmed_stock": units,
+    })))
+}
+
+/// `GET /api/v1/activities/{id}`: public view with the Redis remaining count.
+pub async fn show(
+    state: web::Data<AppState>,
+    path: web::Path<i64>,
+) -> Result<HttpResponse, ApiError> {
+    let id = path.into_inner();
+    let (activity, stock) = load(&state, id).await?;
+    let remaining = if activity.warmed_at.is_some() {
+        state
+            .gate
+            .available(id, activity.bucket_count())
+            .await
+            .map_err(|e| ApiError::unavailable(e.into()))?
+    } else {
+        0
+    };
+    let mut body = view(&activity, stock.total, Utc::now());
+    body["remaining"] = json!(remaining);
+    Ok(HttpResponse::Ok().json(body))
+}
+
+/// `GET /api/v1/admin/activities/{id}/stats`: live figures from Redis and
+/// PostgreSQL (API.md shape).
+pub async fn stats(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+    path: web::Path<i64>,
+) -> Result<HttpResponse, ApiError> {
+    let id = path.into_inner();
+    let (activity, stock) = load(&state, id).await?;
+    let counts = store::run(&state.db, move |conn| Ok(repo::order_counts(conn, id)?))
+        .await
+        .map_err(ApiError::unavailable)?;
+    let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
+    let redis_available = state
+        .gate
+        .available(id, activity.bucket_count())
+        .await
+        .map_err(redis_err)?;
+    let open = state.gate.open_reservations(id).await.map_err(redis_err)?;
+    let mut orders = json!({
+        "PROCESSING": open, "WAITING_PAY": 0, "PAID": 0,
+        "CANCELLED": 0, "CLOSED": 0, "FAILED": 0,
+    });
+    for (status, n) in counts {
+        orders[status] = json!(n);
+    }
+    Ok(HttpResponse::Ok().json(json!({
+        "activity_id": id,
+        "status": activity.lifecycle(Utc::now()),
+        "stock_total": stock.total,
+        "redis_available": redis_available,
+        "db_available": stock.available,
+        "db_locked": stock.locked,
+        "db_sold": stock.sold,
+        "reservations_open": open,
+        "orders": orders,
+    })))
+}
+
+/// `GET /api/v1/activities/{id}/token`: a one-time purchase token bound to
+/// the caller and the activity. Redis only.
+pub async fn token(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<i64>,
+) -> Result<HttpResponse, ApiError> {
+    let id = path.into_inner();
+    let meta = state
+        .activities
+        .get(&state.gate, id)
+        .await
+        .map_err(|e| ApiError::unavailable(e.into()))?;
+    if !meta.is_some_and(|m| m.is_open(Utc::now().timestamp_millis())) {
+        return Err(ApiError::new(ErrorCode::NotActive, "the sale is not open"));
+    }
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    let ttl = state.settings.admission.token_ttl_secs;
+    state
+        .gate
+        .issue_token(id, user.user_id.get(), &token, ttl)
+        .await
+        .map_err(|e| ApiError::unavailable(e.into()))?;
+    Ok(HttpResponse::Ok().json(json!({"token": token, "expires_in": ttl})))
+}

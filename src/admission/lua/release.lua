@@ -1,0 +1,25 @@
+-- release.lua — give a reservation's stock back, once per order_no.
+--
+-- KEYS[1] reservation hash   KEYS[2] open-reservations zset
+-- KEYS[3] holdings hash      KEYS[4] requests hash
+-- KEYS[5..] stock buckets, in bucket order
+-- ARGV[1] order_no   ARGV[2] reason
+-- ARGV[3] "1" to forget the request_id too (the order never existed: a
+--         retry with the same request_id is a new attempt), else "0"
+--
+-- Returns 1 when released now, 0 when already released or unknown.
+local r = redis.call('HMGET', KEYS[1], 'status', 'user', 'qty', 'alloc', 'req')
+if not r[1] or r[1] == 'released' then return 0 end
+for part in string.gmatch(r[4], '[^,]+') do
+  local b, q = string.match(part, '(%d+):(%d+)')
+  redis.call('INCRBY', KEYS[5 + tonumber(b)], tonumber(q))
+end
+if redis.call('HINCRBY', KEYS[3], r[2], -tonumber(r[3])) <= 0 then
+  redis.call('HDEL', KEYS[3], r[2])
+end
+if ARGV[3] == '1' then
+  redis.call('HDEL', KEYS[4], r[2] .. ':' .. r[5])
+end
+redis.call('HSET', KEYS[1], 'status', 'released', 'reason', ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1

@@ -1,0 +1,73 @@
+-- reserve.lua — admission, SPEC step 1, in one atomic call.
+--
+-- KEYS[1] meta hash        (start_ms, end_ms, limit; absent until warmed)
+-- KEYS[2] requests hash    ("<user>:<request_id>" -> order_no)
+-- KEYS[3] holdings hash    (user -> live quantity)
+-- KEYS[4] purchase token   (string, value = user id)
+-- KEYS[5] reservation hash of this order_no
+-- KEYS[6] open-reservations zset (order_no scored by reservation time)
+-- KEYS[7..] stock buckets, in bucket order
+-- ARGV[1] user id   ARGV[2] request_id   ARGV[3] quantity   ARGV[4] order_no
+-- ARGV[5] now (unix ms)   ARGV[6] first bucket to try (0-based)
+-- ARGV[7] reservation ttl (s)
+--
+-- Returns {code, order_no}:
+--   0 accepted (the given order_no)   1 duplicate (the existing order_no)
+--   2 sold out   3 limit exceeded   4 invalid token   5 not active
+local user, req, qty, order_no = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local now = tonumber(ARGV[5])
+local req_field = user .. ':' .. req
+
+local existing = redis.call('HGET', KEYS[2], req_field)
+if existing then return {1, existing} end
+
+local meta = redis.call('HMGET', KEYS[1], 'start_ms', 'end_ms', 'limit')
+if not meta[1] then return {5, ''} end
+if now < tonumber(meta[1]) or now >= tonumber(meta[2]) then return {5, ''} end
+
+if redis.call('GET', KEYS[4]) ~= user then return {4, ''} end
+
+local held = tonumber(redis.call('HGET', KEYS[3], user) or '0')
+if held + qty > tonumber(meta[3]) then return {3, ''} end
+
+-- Stock: the first bucket (from ARGV[6] on) that holds the whole quantity;
+-- failing that, take it from several buckets. SOLD_OUT only when all the
+-- buckets together hold less than the quantity.
+local n = #KEYS - 6
+local first = tonumber(ARGV[6]) % n
+local alloc
+local partial, sum = {}, 0
+for i = 0, n - 1 do
+  local b = (first + i) % n
+  local s = tonumber(redis.call('GET', KEYS[7 + b]) or '0')
+  if s >= qty then
+    redis.call('DECRBY', KEYS[7 + b], qty)
+    alloc = b .. ':' .. qty
+    break
+  end
+  if s > 0 then
+    partial[#partial + 1] = {b, s}
+    sum = sum + s
+  end
+end
+if not alloc then
+  if sum < qty then return {2, ''} end
+  local need, parts = qty, {}
+  for _, e in ipairs(partial) do
+    local take = math.min(need, e[2])
+    redis.call('DECRBY', KEYS[7 + e[1]], take)
+    parts[#parts + 1] = e[1] .. ':' .. take
+    need = need - take
+    if need == 0 then break end
+  end
+  alloc = table.concat(parts, ',')
+end
+
+redis.call('HSET', KEYS[5], 'user', user, 'qty', qty, 'alloc', alloc,
+  'req', req, 'status', 'occupied', 'ts', now)
+redis.call('EXPIRE', KEYS[5], tonumber(ARGV[7]))
+redis.call('ZADD', KEYS[6], now, order_no)
+redis.call('HSET', KEYS[2], req_field, order_no)
+redis.call('HINCRBY', KEYS[3], user, qty)
+redis.call('DEL', KEYS[4])
+return {0, order_no}

@@ -1,0 +1,99 @@
+//! Event payloads on Kafka, JSON-encoded. Decoding validates, so a consumer
+//! never writes a value the schema would refuse; what fails to decode goes
+//! to the dead-letter topic.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::OrderNo;
+
+/// `order.requested`: a purchase admitted by Redis, to be written by the
+/// order consumer (SPEC step 3).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrderRequested {
+    /// Idempotency key of the consumers (`consume_log`): the order_no.
+    pub event_id: String,
+    /// The order's number, made at admission.
+    pub order_no: OrderNo,
+    /// The activity.
+    pub activity_id: i64,
+    /// The buyer.
+    pub user_id: i64,
+    /// The client's idempotency key.
+    pub request_id: String,
+    /// Units reserved.
+    pub quantity: i32,
+    /// Coupon the buyer asked to use, if any.
+    pub coupon_id: Option<i64>,
+    /// When Redis reserved the stock, unix ms.
+    pub reserved_at_ms: i64,
+}
+
+impl OrderRequested {
+    /// Encodes for the wire.
+    pub fn encode(&self) -> Vec<u8> {
+        // Serialising this struct cannot fail: no maps with non-string keys,
+        // no floats.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Decodes and validates; the error names what is wrong.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let event: Self =
+            serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON: {e}"))?;
+        if event.event_id.is_empty() || event.event_id.len() > 64 {
+            return Err("event_id must be 1..=64 characters".into());
+        }
+        if event.request_id.is_empty() || event.request_id.len() > 64 {
+            return Err("request_id must be 1..=64 characters".into());
+        }
+        if event.quantity < 1 {
+            return Err("quantity must be at least 1".into());
+        }
+        if event.activity_id < 1 || event.user_id < 1 {
+            return Err("activity_id and user_id must be positive".into());
+        }
+        Ok(event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event() -> OrderRequested {
+        OrderRequested {
+            event_id: "77".into(),
+            order_no: OrderNo::new(77),
+            activity_id: 3,
+            user_id: 9,
+            request_id: "r-1".into(),
+            quantity: 1,
+            coupon_id: None,
+            reserved_at_ms: 1_700_000_000_000,
+        }
+    }
+
+    #[test]
+    fn an_event_round_trips() {
+        assert_eq!(OrderRequested::decode(&event().encode()), Ok(event()));
+    }
+
+    #[test]
+    fn garbage_and_invalid_events_are_refused_with_a_reason() {
+        assert!(
+            OrderRequested::decode(b"not json")
+                .unwrap_err()
+                .contains("JSON")
+        );
+        let mut bad = event();
+        bad.quantity = 0;
+        assert!(
+            OrderRequested::decode(&bad.encode())
+                .unwrap_err()
+                .contains("quantity")
+        );
+        let mut bad = event();
+        bad.request_id = "x".repeat(65);
+        assert!(OrderRequested::decode(&bad.encode()).is_err());
+    }
+}

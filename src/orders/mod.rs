@@ -1,0 +1,6 @@
+//! Orders: the purchase route (admission + publish, SPEC steps 1–2), the
+//! consumer that writes them (step 3) and the status routes (step 8).
+
+pub mod consumer;
+pub mod repo;
+pub mod routes;

@@ -1,0 +1,336 @@
+//! Order rows: the batch that creates them (SPEC step 3) and the reads
+//! behind the status routes.
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, Duration, Utc};
+use diesel::prelude::*;
+use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
+use serde::Serialize;
+
+use crate::bus::events::OrderRequested;
+use crate::store::PgConn;
+use crate::store::schema::{activities, orders};
+
+/// An order row.
+#[derive(Debug, Clone, Queryable, Selectable, Serialize)]
+#[diesel(table_name = orders)]
+pub struct Order {
+    #[serde(serialize_with = "as_string")]
+    pub order_no: i64,
+    pub request_id: String,
+    pub activity_id: i64,
+    pub user_id: i64,
+    pub quantity: i32,
+    pub amount_cents: i64,
+    pub coupon_id: Option<i64>,
+    pub status: String,
+    pub failure_reason: Option<String>,
+    pub pay_deadline: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub paid_at: Option<DateTime<Utc>>,
+}
+
+fn as_string<S: serde::Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+/// The caller's order, if it is theirs.
+pub fn find_for_user(conn: &mut PgConn, order_no: i64, user_id: i64) -> QueryResult<Option<Order>> {
+    orders::table
+        .find(order_no)
+        .filter(orders::user_id.eq(user_id))
+        .select(Order::as_select())
+        .first(conn)
+        .optional()
+}
+
+/// The caller's orders, newest first, after `cursor` (an order_no).
+pub fn list_for_user(
+    conn: &mut PgConn,
+    user_id: i64,
+    status: Option<&str>,
+    cursor: Option<i64>,
+    limit: i64,
+) -> QueryResult<Vec<Order>> {
+    let mut query = orders::table
+        .filter(orders::user_id.eq(user_id))
+        .select(Order::as_select())
+        .order(orders::order_no.desc())
+        .limit(limit)
+        .into_boxed();
+    if let Some(status) = status {
+        query = query.filter(orders::status.eq(status.to_owned()));
+    }
+    if let Some(cursor) = cursor {
+        query = query.filter(orders::order_no.lt(cursor));
+    }
+    query.load(conn)
+}
+
+/// What the consumer needs of an activity.
+#[derive(Debug, Clone, Copy)]
+pub struct ActivityTerms {
+    pub price_cents: i64,
+    pub pay_timeout_secs: i32,
+    pub buckets: i32,
+}
+
+/// Terms of the given activities.
+pub fn activity_terms(conn: &mut PgConn, ids: &[i64]) -> QueryResult<HashMap<i64, ActivityTerms>> {
+    let rows: Vec<(i64, i64, i32, i32)> = activities::table
+        .filter(activities::id.eq_any(ids))
+        .select((
+            activities::id,
+            activities::price_cents,
+            activities::pay_timeout_secs,
+            activities::buckets,
+        ))
+        .load(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, price_cents, pay_timeout_secs, buckets)| {
+            (
+                id,
+                ActivityTerms {
+                    price_cents,
+                    pay_timeout_secs,
+                    buckets,
+                },
+            )
+        })
+        .collect())
+}
+
+#[derive(QueryableByName)]
+struct EventId {
+    #[diesel(sql_type = Text)]
+    event_id: String,
+}
+
+#[derive(QueryableByName)]
+struct OrderNoRow {
+    #[diesel(sql_type = BigInt)]
+    order_no: i64,
+}
+
+/// Why an order could not be backed by the database.
+pub const STOCK_UNAVAILABLE: &str = "STOCK_UNAVAILABLE";
+/// Its reservation was released before the event was processed (the publish
+/// was reported failed, or the reconciler voided it).
+pub const RESERVATION_RELEASED: &str = "RESERVATION_RELEASED";
+
+/// What one batch did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct BatchOutcome {
+    /// Events already applied before (found in `consume_log`).
+    pub duplicates: usize,
+    /// Orders inserted as WAITING_PAY.
+    pub created: usize,
+    /// Orders inserted as FAILED.
+    pub failed: usize,
+    /// Events naming an activity that does not exist (nothing written).
+    pub unknown_activity: usize,
+}
+
+/// SPEC step 3 in ONE transaction: skip events already in `consume_log`;
+/// insert their orders (`ON CONFLICT DO NOTHING` on order_no and on
+/// (activity, user, request_id)); move stock `available → locked` with one
+/// conditional update per activity, falling back to per-order updates when
+/// it does not fit; orders the stock cannot back become FAILED; `stock_flow`
+/// LOCK rows for the rest. `released` are order_nos whose Redis reservation
+/// is already released: they are recorded as FAILED and move no stock.
+pub fn apply_batch(
+    conn: &mut PgConn,
+    consumer: &str,
+    events: &[OrderRequested],
+    terms: &HashMap<i64, ActivityTerms>,
+    released: &HashSet<i64>,
+    now: DateTime<Utc>,
+) -> QueryResult<BatchOutcome> {
+    conn.transaction(|conn| {
+        let mut outcome = BatchOutcome::default();
+        let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+        let fresh: HashSet<String> = diesel::sql_query(
+            "INSERT INTO consume_log (event_id, consumer) SELECT unnest($1::text[]), $2 \
+             ON CONFLICT DO NOTHING RETURNING event_id",
+        )
+        .bind::<Array<Text>, _>(&ids)
+        .bind::<Text, _>(consumer)
+        .load::<EventId>(conn)?
+        .into_iter()
+        .map(|r| r.event_id)
+        .collect();
+        outcome.duplicates = events.len() - fresh.len();
+
+        let mut rows = OrderColumns::default();
+        let mut seen = HashSet::new();
+        for e in events.iter().filter(|e| fresh.contains(&e.event_id)) {
+            // The same event twice in one batch counts once.
+            if !seen.insert(e.order_no.get()) {
+                continue;
+            }
+            let Some(t) = terms.get(&e.activity_id) else {
+                outcome.unknown_activity += 1;
+                continue;
+            };
+            let order_no = e.order_no.get();
+            let (status, reason, deadline) = if released.contains(&order_no) {
+                ("FAILED", Some(RESERVATION_RELEASED), None)
+            } else {
+                ("WAITING_PAY", None, Some(now + Duration::seconds(i64::from(t.pay_timeout_secs))))
+            };
+            rows.push(e, t.price_cents.saturating_mul(i64::from(e.quantity)), status, reason, deadline);
+        }
+        let inserted: HashSet<i64> = rows.insert(conn)?;
+
+        // Stock for the inserted WAITING_PAY orders, per activity.
+        let mut by_activity: HashMap<i64, Vec<(i64, i32)>> = HashMap::new();
+        for i in 0..rows.order_no.len() {
+            if inserted.contains(&rows.order_no[i]) && rows.status[i] == "WAITING_PAY" {
+                by_activity
+                    .entry(rows.activity_id[i])
+                    .or_default()
+                    .push((rows.order_no[i], rows.quantity[i]));
+            }
+        }
+        let mut locked: Vec<(i64, i64, i32)> = Vec::new();
+        let mut unbacked: Vec<i64> = Vec::new();
+        for (activity_id, orders) in by_activity {
+            let units: i32 = orders.iter().map(|(_, q)| q).sum();
+            if move_to_locked(conn, activity_id, units)? {
+                locked.extend(orders.iter().map(|&(o, q)| (activity_id, o, q)));
+                continue;
+            }
+            for (order_no, quantity) in orders {
+                if move_to_locked(conn, activity_id, quantity)? {
+                    locked.push((activity_id, order_no, quantity));
+                } else {
+                    unbacked.push(order_no);
+                }
+            }
+        }
+        if !unbacked.is_empty() {
+            diesel::sql_query(
+                "UPDATE orders SET status = 'FAILED', failure_reason = $2, updated_at = now() \
+                 WHERE order_no = ANY($1) AND status = 'WAITING_PAY'",
+            )
+            .bind::<Array<BigInt>, _>(&unbacked)
+            .bind::<Text, _>(STOCK_UNAVAILABLE)
+            .execute(conn)?;
+        }
+        if !locked.is_empty() {
+            let (a, o, q): (Vec<i64>, Vec<i64>, Vec<i32>) = unzip3(&locked);
+            // No ON CONFLICT: a second LOCK for one order must abort the batch.
+            diesel::sql_query(
+                "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) \
+                 SELECT a, 'LOCK', o, q FROM unnest($1::bigint[], $2::bigint[], $3::int[]) AS t(a, o, q)",
+            )
+            .bind::<Array<BigInt>, _>(&a)
+            .bind::<Array<BigInt>, _>(&o)
+            .bind::<Array<Integer>, _>(&q)
+            .execute(conn)?;
+        }
+        outcome.created = locked.len();
+        outcome.failed = inserted.len() - locked.len();
+        Ok(outcome)
+    })
+}
+
+/// `available → locked` for `units`, only if that many are available.
+fn move_to_locked(conn: &mut PgConn, activity_id: i64, units: i32) -> QueryResult<bool> {
+    let n = diesel::sql_query(
+        "UPDATE stock SET available = available - $2, locked = locked + $2, updated_at = now() \
+         WHERE activity_id = $1 AND available >= $2",
+    )
+    .bind::<BigInt, _>(activity_id)
+    .bind::<Integer, _>(units)
+    .execute(conn)?;
+    Ok(n == 1)
+}
+
+fn unzip3(v: &[(i64, i64, i32)]) -> (Vec<i64>, Vec<i64>, Vec<i32>) {
+    let mut out = (
+        Vec::with_capacity(v.len()),
+        Vec::with_capacity(v.len()),
+        Vec::with_capacity(v.len()),
+    );
+    for &(a, b, c) in v {
+        out.0.push(a);
+        out.1.push(b);
+        out.2.push(c);
+    }
+    out
+}
+
+/// Column-wise order rows, inserted with one `unnest` statement.
+#[derive(Default)]
+struct OrderColumns {
+    order_no: Vec<i64>,
+    request_id: Vec<String>,
+    activity_id: Vec<i64>,
+    user_id: Vec<i64>,
+    quantity: Vec<i32>,
+    amount_cents: Vec<i64>,
+    coupon_id: Vec<Option<i64>>,
+    status: Vec<&'static str>,
+    failure_reason: Vec<Option<&'static str>>,
+    pay_deadline: Vec<Option<DateTime<Utc>>>,
+}
+
+impl OrderColumns {
+    fn push(
+        &mut self,
+        e: &OrderRequested,
+        amount_cents: i64,
+        status: &'static str,
+        reason: Option<&'static str>,
+        deadline: Option<DateTime<Utc>>,
+    ) {
+        self.order_no.push(e.order_no.get());
+        self.request_id.push(e.request_id.clone());
+        self.activity_id.push(e.activity_id);
+        self.user_id.push(e.user_id);
+        self.quantity.push(e.quantity);
+        self.amount_cents.push(amount_cents);
+        self.coupon_id.push(e.coupon_id);
+        self.status.push(status);
+        self.failure_reason.push(reason);
+        self.pay_deadline.push(deadline);
+    }
+
+    /// Inserts every row not already there; returns the order_nos inserted.
+    fn insert(&self, conn: &mut PgConn) -> QueryResult<HashSet<i64>> {
+        if self.order_no.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let rows: Vec<OrderNoRow> = diesel::sql_query(
+            "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, \
+             coupon_id, status, failure_reason, pay_deadline) \
+             SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::int[], \
+             $6::bigint[], $7::bigint[], $8::text[], $9::text[], $10::timestamptz[]) \
+             ON CONFLICT DO NOTHING RETURNING order_no",
+        )
+        .bind::<Array<BigInt>, _>(&self.order_no)
+        .bind::<Array<Text>, _>(&self.request_id)
+        .bind::<Array<BigInt>, _>(&self.activity_id)
+        .bind::<Array<BigInt>, _>(&self.user_id)
+        .bind::<Array<Integer>, _>(&self.quantity)
+        .bind::<Array<BigInt>, _>(&self.amount_cents)
+        .bind::<Array<Nullable<BigInt>>, _>(&self.coupon_id)
+        .bind::<Array<Text>, _>(&self.status)
+        .bind::<Array<Nullable<Text>>, _>(&self.failure_reason)
+        .bind::<Array<Nullable<Timestamptz>>, _>(&self.pay_deadline)
+        .load(conn)?;
+        Ok(rows.into_iter().map(|r| r.order_no).collect())
+    }
+}
+
+/// Current status of each of `order_nos` that has a row.
+pub fn statuses(conn: &mut PgConn, order_nos: &[i64]) -> QueryResult<HashMap<i64, String>> {
+    let rows: Vec<(i64, String)> = orders::table
+        .filter(orders::order_no.eq_any(order_nos))
+        .select((orders::order_no, orders::status))
+        .load(conn)?;
+    Ok(rows.into_iter().collect())
+}

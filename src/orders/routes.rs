@@ -1,0 +1,414 @@
+//! `POST /api/v1/activities/{id}/orders` (admission + publish) and the
+//! order status routes.
+
+use std::net::IpAddr;
+use std::time::Instant;
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use chrono::Utc;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::repo::{self, Order};
+use crate::admission::{Admission, ReleaseReason, ReserveRequest};
+use crate::app::AppState;
+use crate::bus::events::OrderRequested;
+use crate::bus::{self, PublishError};
+use crate::http::auth::AuthUser;
+use crate::http::error::{ApiError, ErrorCode};
+use crate::ids::OrderNo;
+use crate::store;
+
+/// Longest accepted `request_id` (and purchase token).
+const MAX_ID_LEN: usize = 64;
+
+/// The purchase body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlaceOrder {
+    request_id: String,
+    token: Option<String>,
+    quantity: Option<i32>,
+    coupon_id: Option<i64>,
+}
+
+fn is_valid_key(v: &str) -> bool {
+    !v.is_empty() && v.len() <= MAX_ID_LEN && v.bytes().all(|b| b.is_ascii_graphic())
+}
+
+fn client_ip(req: &HttpRequest, trust_forwarded_for: bool) -> Option<IpAddr> {
+    if trust_forwarded_for
+        && let Some(ip) = req
+            .headers()
+            .get("x-forwarded-for")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(',').next())
+            .and_then(|v| v.trim().parse().ok())
+    {
+        return Some(ip);
+    }
+    req.peer_addr().map(|a| a.ip())
+}
+
+fn outcome(state: &AppState, name: &str) {
+    state.metrics.admission.with_label_values(&[name]).inc();
+}
+
+fn reject(state: &AppState, name: &str, code: ErrorCode, message: &'static str) -> ApiError {
+    outcome(state, name);
+    ApiError::new(code, message)
+}
+
+/// SPEC steps 1–2: limits, one `EVALSHA`, publish, answer. No database.
+pub async fn place(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<i64>,
+    req: HttpRequest,
+    body: web::Json<PlaceOrder>,
+) -> Result<HttpResponse, ApiError> {
+    let activity_id = path.into_inner();
+    let body = body.into_inner();
+    if !is_valid_key(&body.request_id) {
+        return Err(ApiError::bad_request(
+            "request_id must be 1..=64 printable ASCII characters",
+        ));
+    }
+    let quantity = body.quantity.unwrap_or(1);
+    if quantity < 1 {
+        return Err(ApiError::bad_request("quantity must be at least 1"));
+    }
+    if !state.limits.activity.try_acquire(activity_id) {
+        return Err(reject(
+            &state,
+            "rate_limited",
+            ErrorCode::RateLimited,
+            "too many requests for this activity",
+        ));
+    }
+    if let Some(ip) = client_ip(&req, state.settings.admission.trust_forwarded_for)
+        && !state.limits.ip.try_acquire(ip)
+    {
+        return Err(reject(
+            &state,
+            "rate_limited",
+            ErrorCode::RateLimited,
+            "too many requests from this address",
+        ));
+    }
+    let meta = state
+        .activities
+        .get(&state.gate, activity_id)
+        .await
+        .map_err(|e| ApiError::unavailable(e.into()))?
+        .ok_or_else(|| {
+            reject(
+                &state,
+                "not_active",
+                ErrorCode::NotActive,
+                "the sale is not open",
+            )
+        })?;
+    if quantity > meta.per_user_limit {
+        return Err(ApiError::bad_request("quantity exceeds the per-user limit"));
+    }
+    if body.coupon_id.is_some() {
+        // Coupons are not claimable yet, so no caller holds one.
+        return Err(ApiError::new(
+            ErrorCode::CouponInvalid,
+            "you hold no such coupon",
+        ));
+    }
+    let token = body
+        .token
+        .as_deref()
+        .filter(|t| is_valid_key(t))
+        .unwrap_or("");
+
+    // Backpressure before Redis is touched.
+    let Ok(_permit) = state.in_flight.clone().try_acquire_owned() else {
+        return Err(reject(
+            &state,
+            "busy",
+            ErrorCode::Busy,
+            "too many purchases in flight; retry shortly",
+        ));
+    };
+    let now_ms = Utc::now().timestamp_millis();
+    let reserve = ReserveRequest {
+        activity_id,
+        user_id: user.user_id.get(),
+        request_id: &body.request_id,
+        token,
+        quantity,
+        order_no: state.ids.next_id(),
+        buckets: meta.buckets,
+        now_ms,
+    };
+    let started = Instant::now();
+    let admission = state.gate.reserve(&reserve).await.map_err(|e| {
+        outcome(&state, "retry_later");
+        ApiError::unavailable(e.into())
+    })?;
+    state
+        .metrics
+        .lua_duration
+        .observe(started.elapsed().as_secs_f64());
+
+    let order_no = match admission {
+        Admission::Accepted(order_no) => order_no,
+        Admission::Duplicate(order_no) => {
+            outcome(&state, "duplicate");
+            let status = current_status(&state, activity_id, order_no, user.user_id.get()).await?;
+            return Ok(HttpResponse::Ok().json(json!({
+                "order_no": order_no.to_string(),
+                "request_id": body.request_id,
+                "status": status,
+            })));
+        }
+        Admission::SoldOut => {
+            return Err(reject(&state, "sold_out", ErrorCode::SoldOut, "sold out"));
+        }
+        Admission::LimitExceeded => {
+            return Err(reject(
+                &state,
+                "limit_exceeded",
+                ErrorCode::LimitExceeded,
+                "you already hold the per-user limit",
+            ));
+        }
+        Admission::InvalidToken => {
+            return Err(reject(
+                &state,
+                "invalid_token",
+                ErrorCode::InvalidToken,
+                "purchase token missing, used, expired or not yours",
+            ));
+        }
+        Admission::NotActive => {
+            return Err(reject(
+                &state,
+                "not_active",
+                ErrorCode::NotActive,
+                "the sale is not open",
+            ));
+        }
+    };
+
+    let event = OrderRequested {
+        event_id: order_no.to_string(),
+        order_no: OrderNo::new(order_no),
+        activity_id,
+        user_id: user.user_id.get(),
+        request_id: body.request_id.clone(),
+        quantity,
+        coupon_id: body.coupon_id,
+        reserved_at_ms: now_ms,
+    };
+    let started = Instant::now();
+    let published = bus::publish(
+        &state.producer,
+        &state.topics.order_requested,
+        &event.event_id,
+        &event.encode(),
+        None,
+    )
+    .await;
+    state
+        .metrics
+        .produce_duration
+        .observe(started.elapsed().as_secs_f64());
+    if let Err(e) = published {
+        let (kind, code, message) = match e {
+            PublishError::QueueFull => (
+                "queue_full",
+                ErrorCode::Busy,
+                "the order queue is full; retry shortly",
+            ),
+            PublishError::Failed(_) => (
+                "delivery",
+                ErrorCode::RetryLater,
+                "the order could not be queued; nothing was kept",
+            ),
+        };
+        state
+            .metrics
+            .produce_errors
+            .with_label_values(&[kind])
+            .inc();
+        tracing::warn!(error = %e, order_no, activity_id, "order publish failed; releasing the reservation");
+        // Nothing was kept: give the stock and the request_id back. If Redis
+        // fails here too, the reservation stays open and the reconciler voids it.
+        if let Err(e) = state
+            .gate
+            .release(
+                activity_id,
+                order_no,
+                meta.buckets,
+                ReleaseReason::PublishFailed,
+            )
+            .await
+        {
+            tracing::error!(error = %e, order_no, activity_id, "release after a failed publish failed");
+        }
+        return Err(reject(
+            &state,
+            if kind == "queue_full" {
+                "busy"
+            } else {
+                "retry_later"
+            },
+            code,
+            message,
+        ));
+    }
+    outcome(&state, "accepted");
+    Ok(HttpResponse::Accepted().json(json!({
+        "order_no": event.event_id,
+        "request_id": event.request_id,
+        "status": "PROCESSING",
+    })))
+}
+
+/// The status of an order the caller owns: its row, else its reservation.
+async fn current_status(
+    state: &AppState,
+    activity_id: i64,
+    order_no: i64,
+    user_id: i64,
+) -> Result<String, ApiError> {
+    let row = store::run(&state.db, move |conn| {
+        Ok(repo::find_for_user(conn, order_no, user_id)?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    if let Some(order) = row {
+        return Ok(order.status);
+    }
+    let reservation = state
+        .gate
+        .reservation(activity_id, order_no)
+        .await
+        .map_err(|e| ApiError::unavailable(e.into()))?;
+    Ok(match reservation {
+        Some(r) if r.released => "FAILED".into(),
+        _ => "PROCESSING".into(),
+    })
+}
+
+fn order_view(o: &Order) -> serde_json::Value {
+    serde_json::to_value(o).unwrap_or_default()
+}
+
+/// `GET /api/v1/orders/{order_no}` (SPEC step 8): the row, else the Redis
+/// reservation (PROCESSING, or FAILED when released), else 404. Another
+/// user's order is 404 too.
+pub async fn show(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let not_found = || ApiError::not_found("no such order");
+    let order_no = OrderNo::parse(&path).ok_or_else(not_found)?.get();
+    let user_id = user.user_id.get();
+    let (row, recent) = store::run(&state.db, move |conn| {
+        let row = repo::find_for_user(conn, order_no, user_id)?;
+        let recent = match row {
+            Some(_) => Vec::new(),
+            None => {
+                crate::activities::repo::recent_ids(conn, Utc::now() - chrono::Duration::days(7))?
+            }
+        };
+        Ok((row, recent))
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    if let Some(order) = row {
+        return Ok(HttpResponse::Ok().json(order_view(&order)));
+    }
+    for (activity_id, _) in recent {
+        let reservation = state
+            .gate
+            .reservation(activity_id, order_no)
+            .await
+            .map_err(|e| ApiError::unavailable(e.into()))?;
+        let Some(r) = reservation else { continue };
+        if r.user_id != user_id {
+            return Err(not_found());
+        }
+        return Ok(HttpResponse::Ok().json(json!({
+            "order_no": order_no.to_string(),
+            "request_id": r.request_id,
+            "activity_id": activity_id,
+            "user_id": user_id,
+            "quantity": r.quantity,
+            "amount_cents": null,
+            "coupon_id": null,
+            "status": if r.released { "FAILED" } else { "PROCESSING" },
+            "pay_deadline": null,
+            "created_at": null,
+            "paid_at": null,
+            "failure_reason": if r.released { json!("RESERVATION_RELEASED") } else { json!(null) },
+        })));
+    }
+    Err(not_found())
+}
+
+/// `GET /api/v1/orders` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    status: Option<String>,
+    limit: Option<i64>,
+    cursor: Option<String>,
+}
+
+const STATUSES: [&str; 5] = ["WAITING_PAY", "PAID", "CANCELLED", "CLOSED", "FAILED"];
+
+/// `GET /api/v1/orders?status=&limit=&cursor=`: the caller's orders, newest first.
+pub async fn list(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    query: web::Query<ListQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let q = query.into_inner();
+    let limit = q.limit.unwrap_or(20);
+    if !(1..=100).contains(&limit) {
+        return Err(ApiError::bad_request("limit must be 1..=100"));
+    }
+    let status = match q.status.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some("PROCESSING") => {
+            // PROCESSING orders live in Redis only; none is listed here.
+            return Ok(HttpResponse::Ok().json(json!({"orders": [], "next_cursor": null})));
+        }
+        Some(s) if STATUSES.contains(&s) => Some(s.to_owned()),
+        Some(_) => return Err(ApiError::bad_request("unknown status")),
+    };
+    let cursor = match q.cursor.as_deref().filter(|c| !c.is_empty()) {
+        None => None,
+        Some(c) => Some(
+            OrderNo::parse(c)
+                .ok_or_else(|| ApiError::bad_request("bad cursor"))?
+                .get(),
+        ),
+    };
+    let user_id = user.user_id.get();
+    let orders = store::run(&state.db, move |conn| {
+        Ok(repo::list_for_user(
+            conn,
+            user_id,
+            status.as_deref(),
+            cursor,
+            limit,
+        )?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    let next_cursor = match orders.last() {
+        Some(last) if orders.len() as i64 == limit => json!(last.order_no.to_string()),
+        _ => json!(null),
+    };
+    let views: Vec<_> = orders.iter().map(order_view).collect();
+    Ok(HttpResponse::Ok().json(json!({"orders": views, "next_cursor": next_cursor})))
+}
