@@ -56,6 +56,14 @@ pub struct ConsumerDeps {
     pub metrics: Metrics,
 }
 
+impl ConsumerDeps {
+    /// Deps with clients of their own (a worker-only process, or a test that
+    /// runs consumers beside an API-only server).
+    pub fn connect(settings: Settings) -> anyhow::Result<Self> {
+        Ok(crate::app::AppState::connect(settings)?.consumer_deps())
+    }
+}
+
 /// A running consumer.
 pub struct ConsumerHandle {
     shutdown: CancellationToken,

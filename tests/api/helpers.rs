@@ -134,3 +134,165 @@ pub async fn json(res: reqwest::Response) -> serde_json::Value {
     let text = res.text().await.expect("body");
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
 }
+
+/// Sale window relative to now, in seconds.
+pub struct Window {
+    pub start: i64,
+    pub end: i64,
+}
+
+/// Open now, for an hour.
+pub const OPEN: Window = Window {
+    start: -60,
+    end: 3600,
+};
+
+impl TestApp {
+    /// Creates an activity and returns its id.
+    pub async fn create_activity(
+        &self,
+        stock: i32,
+        per_user_limit: i32,
+        buckets: i32,
+        w: Window,
+    ) -> i64 {
+        let now = chrono::Utc::now();
+        let body = serde_json::json!({
+            "sku_id": 1001, "name": "Phone", "price_cents": 9900, "stock": stock,
+            "start_at": now + chrono::Duration::seconds(w.start),
+            "end_at": now + chrono::Duration::seconds(w.end),
+            "per_user_limit": per_user_limit, "pay_timeout_secs": 900, "buckets": buckets,
+        });
+        let res = self
+            .post_json("/api/v1/admin/activities", &body, Some(&self.admin_token()))
+            .await;
+        assert_eq!(res.status(), 201);
+        json(res).await["activity_id"]
+            .as_i64()
+            .expect("activity_id")
+    }
+
+    /// Warms an activity up (asserting 200).
+    pub async fn warmup(&self, activity_id: i64) -> serde_json::Value {
+        let res = self
+            .post_json(
+                &format!("/api/v1/admin/activities/{activity_id}/warmup"),
+                &serde_json::json!({}),
+                Some(&self.admin_token()),
+            )
+            .await;
+        assert_eq!(res.status(), 200);
+        json(res).await
+    }
+
+    /// An open, warmed activity.
+    pub async fn live_activity(&self, stock: i32, per_user_limit: i32, buckets: i32) -> i64 {
+        let id = self
+            .create_activity(stock, per_user_limit, buckets, OPEN)
+            .await;
+        self.warmup(id).await;
+        id
+    }
+
+    /// A purchase token for `user_id` (asserting 200).
+    pub async fn purchase_token(&self, user_id: i64, activity_id: i64) -> String {
+        let res = self
+            .get(
+                &format!("/api/v1/activities/{activity_id}/token"),
+                Some(&self.user_token(user_id)),
+            )
+            .await;
+        assert_eq!(res.status(), 200);
+        json(res).await["token"].as_str().expect("token").to_owned()
+    }
+
+    /// `POST /activities/{id}/orders` as `user_id` with `body`.
+    pub async fn order(
+        &self,
+        user_id: i64,
+        activity_id: i64,
+        body: &serde_json::Value,
+    ) -> reqwest::Response {
+        self.post_json(
+            &format!("/api/v1/activities/{activity_id}/orders"),
+            body,
+            Some(&self.user_token(user_id)),
+        )
+        .await
+    }
+
+    /// Token, then order with a fresh request_id: (status, body).
+    pub async fn buy(&self, user_id: i64, activity_id: i64) -> (u16, serde_json::Value) {
+        let token = self.purchase_token(user_id, activity_id).await;
+        let request_id = uuid::Uuid::new_v4().to_string();
+        let res = self
+            .order(
+                user_id,
+                activity_id,
+                &serde_json::json!({"request_id": request_id, "token": token}),
+            )
+            .await;
+        let status = res.status().as_u16();
+        (status, json(res).await)
+    }
+
+    /// The admin stats of an activity.
+    pub async fn stats(&self, activity_id: i64) -> serde_json::Value {
+        let res = self
+            .get(
+                &format!("/api/v1/admin/activities/{activity_id}/stats"),
+                Some(&self.admin_token()),
+            )
+            .await;
+        assert_eq!(res.status(), 200);
+        json(res).await
+    }
+
+    /// Polls the stats until `done` holds (or panics after `secs`).
+    pub async fn wait_for_stats(
+        &self,
+        activity_id: i64,
+        secs: u64,
+        done: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        loop {
+            let stats = self.stats(activity_id).await;
+            if done(&stats) {
+                return stats;
+            }
+            if std::time::Instant::now() > deadline {
+                panic!("stats did not settle in {secs}s: {stats}");
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until no reservation is open and `n` orders are WAITING_PAY.
+    pub async fn drained(&self, activity_id: i64, waiting: i64) -> serde_json::Value {
+        self.wait_for_stats(activity_id, 60, |s| {
+            s["reservations_open"] == 0 && s["orders"]["WAITING_PAY"] == waiting
+        })
+        .await
+    }
+
+    /// One SQL count on this test's database.
+    pub async fn count(&self, sql: &str) -> i64 {
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let url = self.settings.postgres.url.expose_secret().to_owned();
+        let sql = sql.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = PgConnection::establish(&url).expect("connect");
+            diesel::sql_query(sql)
+                .get_result::<N>(&mut conn)
+                .expect("count query")
+                .n
+        })
+        .await
+        .unwrap()
+    }
+}

@@ -2,7 +2,9 @@
 //! `scripts/services.sh up`. Every test gets its own database, Redis key
 //! prefix and Kafka topic prefix, so they run in parallel.
 
+mod delivery;
 mod errors_and_auth;
 mod health;
 mod helpers;
 mod migrations;
+mod orders;

@@ -1,0 +1,221 @@
+//! Kafka delivery faults: duplicates, garbage, an unreachable broker and a
+//! consumer killed mid-stream (SPEC steps 2–3, I4, I5).
+
+use std::time::Duration;
+
+use futures_util::{StreamExt, stream};
+use rdkafka::Message;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::Headers;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::util::Timeout;
+use seckill::bus::events::OrderRequested;
+use seckill::bus::{Topics, client_config};
+use seckill::ids::OrderNo;
+use seckill::orders::consumer::{self, ConsumerDeps};
+use serde_json::json;
+
+use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
+
+fn producer(app: &TestApp) -> FutureProducer {
+    client_config(&app.settings.kafka)
+        .create()
+        .expect("test producer")
+}
+
+async fn produce(app: &TestApp, partition: Option<i32>, key: &str, payload: &[u8]) {
+    let topic = Topics::new(&app.settings.kafka.topic_prefix).order_requested;
+    let mut record = FutureRecord::to(&topic).key(key).payload(payload);
+    if let Some(p) = partition {
+        record = record.partition(p);
+    }
+    producer(app)
+        .send(record, Timeout::After(Duration::from_secs(10)))
+        .await
+        .expect("produced");
+}
+
+fn event(activity_id: i64, user_id: i64, order_no: i64) -> OrderRequested {
+    OrderRequested {
+        event_id: order_no.to_string(),
+        order_no: OrderNo::new(order_no),
+        activity_id,
+        user_id,
+        request_id: format!("by-hand-{order_no}"),
+        quantity: 1,
+        coupon_id: None,
+        reserved_at_ms: chrono::Utc::now().timestamp_millis(),
+    }
+}
+
+#[tokio::test]
+async fn an_event_delivered_twice_makes_one_order_and_new_events_beside_a_duplicate_are_all_created()
+ {
+    let app = spawn_app().await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202);
+    app.drained(activity, 1).await;
+
+    // Rebuild the very event admission published, and deliver it again.
+    let order_no: i64 = body["order_no"].as_str().unwrap().parse().unwrap();
+    let order = json(
+        app.get(
+            &format!("/api/v1/orders/{order_no}"),
+            Some(&app.user_token(1)),
+        )
+        .await,
+    )
+    .await;
+    let mut original = event(activity, 1, order_no);
+    original.request_id = order["request_id"].as_str().unwrap().to_owned();
+    produce(&app, None, &original.event_id, &original.encode()).await;
+    // Then a duplicate and three new events together.
+    produce(&app, Some(0), &original.event_id, &original.encode()).await;
+    for (user, no) in [(2, 9_000_001), (3, 9_000_002), (4, 9_000_003)] {
+        let e = event(activity, user, no);
+        produce(&app, Some(0), &e.event_id, &e.encode()).await;
+    }
+
+    app.wait_for_stats(activity, 30, |s| s["orders"]["WAITING_PAY"] == 4)
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // a late duplicate would show now
+    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 4);
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE order_no = {order_no}"
+        ))
+        .await,
+        1
+    );
+    assert_eq!(app.count("SELECT count(*) AS n FROM stock_flow").await, 4);
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["db_locked"], 4, "the duplicate moved no stock");
+    assert_eq!(stats["db_available"], 6);
+}
+
+#[tokio::test]
+async fn garbage_goes_to_the_dead_letter_topic_and_orders_behind_it_are_created() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(20, 1, 1).await;
+    let partitions = app.settings.kafka.partitions;
+    // Poison every partition, so whichever one an order lands in has garbage first.
+    for p in 0..partitions {
+        produce(&app, Some(p), "junk", b"\x00 this is not an order").await;
+    }
+    produce(&app, Some(0), "bad-qty", br#"{"event_id":"1","order_no":"1","activity_id":1,"user_id":1,"request_id":"r","quantity":0,"coupon_id":null,"reserved_at_ms":0}"#).await;
+    let results: Vec<(u16, serde_json::Value)> = stream::iter(1..=12)
+        .map(|u| app.buy(u, activity))
+        .buffer_unordered(12)
+        .collect()
+        .await;
+    assert!(results.iter().all(|(s, _)| *s == 202));
+    app.drained(activity, 12).await;
+
+    let topics = Topics::new(&app.settings.kafka.topic_prefix);
+    let dlq: StreamConsumer = client_config(&app.settings.kafka)
+        .set(
+            "group.id",
+            format!("{}dlq-reader", app.settings.kafka.topic_prefix),
+        )
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    dlq.subscribe(&[&topics.order_requested_dlq]).unwrap();
+    let mut errors = Vec::new();
+    while errors.len() < partitions as usize + 1 {
+        let m = tokio::time::timeout(Duration::from_secs(20), dlq.recv())
+            .await
+            .expect("dead letters arrive")
+            .expect("dead letter");
+        let headers = m.headers().expect("dead letters carry headers");
+        let error = headers
+            .iter()
+            .find(|h| h.key == "error")
+            .and_then(|h| h.value)
+            .unwrap();
+        assert!(headers.iter().any(|h| h.key == "source.offset"));
+        errors.push(String::from_utf8_lossy(error).into_owned());
+    }
+    assert_eq!(
+        errors.iter().filter(|e| e.contains("invalid JSON")).count(),
+        partitions as usize
+    );
+    assert_eq!(errors.iter().filter(|e| e.contains("quantity")).count(), 1);
+    let _ = tokio::task::spawn_blocking(move || drop(dlq)).await;
+}
+
+#[tokio::test]
+async fn with_kafka_unreachable_a_purchase_is_503_retry_later_and_keeps_nothing() {
+    let app = spawn_app_with(|s| {
+        s.kafka.brokers = "127.0.0.1:1".into();
+        s.kafka.timeout_ms = 1000;
+    })
+    .await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let token = app.purchase_token(1, activity).await;
+    let res = app
+        .order(1, activity, &json!({"request_id": "r1", "token": token}))
+        .await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(json(res).await["code"], "RETRY_LATER");
+
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["redis_available"], 10, "the unit went back");
+    assert_eq!(stats["reservations_open"], 0);
+    // Nothing was kept: the same request_id with a new token is a fresh attempt
+    // (not a replay of a phantom order), and the limit was given back.
+    let token = app.purchase_token(1, activity).await;
+    let res = app
+        .order(1, activity, &json!({"request_id": "r1", "token": token}))
+        .await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(json(res).await["code"], "RETRY_LATER");
+    assert_eq!(app.stats(activity).await["redis_available"], 10);
+}
+
+#[tokio::test]
+async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_once() {
+    let app = spawn_app_with(|s| {
+        s.orders.consumer_enabled = false;
+        s.orders.batch_size = 10;
+    })
+    .await;
+    let activity = app.live_activity(300, 1, 2).await;
+    let results: Vec<(u16, serde_json::Value)> = stream::iter(1..=300)
+        .map(|u| app.buy(u, activity))
+        .buffer_unordered(50)
+        .collect()
+        .await;
+    assert!(results.iter().all(|(s, _)| *s == 202));
+
+    let first = consumer::spawn(ConsumerDeps::connect(app.settings.clone()).unwrap()).unwrap();
+    app.wait_for_stats(activity, 60, |s| {
+        s["orders"]["WAITING_PAY"].as_i64().unwrap() >= 30
+    })
+    .await;
+    first.abort(); // mid-stream: batches in flight, offsets partly committed
+
+    let waiting = app.stats(activity).await["orders"]["WAITING_PAY"]
+        .as_i64()
+        .unwrap();
+    assert!(waiting < 300, "killed before the end ({waiting} created)");
+    let second = consumer::spawn(ConsumerDeps::connect(app.settings.clone()).unwrap()).unwrap();
+    let stats = app.drained(activity, 300).await;
+    second.stop().await;
+
+    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 300);
+    assert_eq!(
+        app.count("SELECT count(DISTINCT request_id) AS n FROM orders")
+            .await,
+        300
+    );
+    assert_eq!(
+        app.count("SELECT count(*) AS n FROM stock_flow WHERE biz_type = 'LOCK'")
+            .await,
+        300
+    );
+    assert_eq!(stats["db_locked"], 300);
+    assert_eq!(stats["db_available"], 0);
+    assert_eq!(stats["redis_available"], 0);
+}
