@@ -57,9 +57,13 @@ impl AppState {
     /// called inside a Tokio runtime.
     pub fn connect(settings: Settings) -> anyhow::Result<Self> {
         let a = &settings.admission;
+        let redis = redis_pool(&settings.redis)?;
+        let gate_pool = (settings.redis.gate_connection == "pool").then(|| redis.clone());
         Ok(Self {
-            redis: redis_pool(&settings.redis)?,
-            gate: Arc::new(RedisGate::new(&settings.redis, a).context("creating the Redis gate")?),
+            gate: Arc::new(
+                RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?,
+            ),
+            redis,
             activities: ActivityCache::default(),
             limits: Limits {
                 activity: KeyedLimiter::new(a.activity_rate_per_sec, a.activity_burst),

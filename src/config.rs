@@ -103,6 +103,10 @@ pub struct RedisSettings {
     pub pool_size: usize,
     /// Connect / checkout timeout, in milliseconds.
     pub timeout_ms: u64,
+    /// Connection of the admission script: `multiplexed` (one long-lived
+    /// pipelined connection, the default) or `pool` (a deadpool checkout per
+    /// call, which PINGs on recycle). See BENCHMARKS.md.
+    pub gate_connection: String,
 }
 
 /// PostgreSQL connection settings.
@@ -180,6 +184,9 @@ impl Settings {
                 "auth.jwt_secret is the development secret or shorter than 32 bytes; \
                  set SECKILL__AUTH__JWT_SECRET for production"
             );
+        }
+        if !matches!(self.redis.gate_connection.as_str(), "multiplexed" | "pool") {
+            bail!("redis.gate_connection must be \"multiplexed\" or \"pool\"");
         }
         if self.app.instance_id > 1023 {
             bail!("app.instance_id must be within 0..=1023 (10 bits of the snowflake id)");

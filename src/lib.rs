@@ -9,6 +9,7 @@ pub mod config;
 pub mod domain;
 pub mod http;
 pub mod ids;
+pub mod loadgen;
 pub mod metrics;
 pub mod orders;
 pub mod store;

@@ -18,8 +18,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve HTTP (and, as they are built, the background workers).
-    Serve,
+    /// Serve HTTP and run the order consumer in the same process.
+    Serve {
+        /// Do not run the order consumer here (API-only instance).
+        #[arg(long)]
+        no_consumer: bool,
+    },
+    /// Run only the order consumer (a worker-only instance) until SIGINT/SIGTERM.
+    Consume,
     /// Apply (default) or revert the database migrations.
     Migrate {
         #[arg(value_enum, default_value = "up")]
@@ -37,6 +43,14 @@ enum Command {
         #[arg(long, default_value_t = 3600)]
         ttl: i64,
     },
+    /// Fire a flash-sale burst at a running server and check the invariants.
+    Loadgen {
+        #[command(flatten)]
+        args: seckill::loadgen::LoadgenArgs,
+        /// Also print the report as one JSON line.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -53,7 +67,24 @@ async fn main() -> anyhow::Result<()> {
     let settings = Settings::load()?;
     seckill::telemetry::init(&settings.log);
     match cli.command {
-        Command::Serve => serve(settings).await,
+        Command::Serve { no_consumer } => {
+            let mut settings = settings;
+            if no_consumer {
+                settings.orders.consumer_enabled = false;
+            }
+            serve(settings).await
+        }
+        Command::Consume => consume(settings).await,
+        Command::Loadgen { args, json } => {
+            let report = seckill::loadgen::run(&settings, args).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            if report.invariants_ok == Some(false) {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Command::Migrate { direction } => migrate(&settings, direction),
         Command::Token { user, admin, ttl } => {
             let role = if admin { Role::Admin } else { Role::User };
@@ -75,6 +106,35 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
         .context("HTTP server failed")?;
     tracing::info!("seckill stopped");
     Ok(())
+}
+
+async fn consume(settings: Settings) -> anyhow::Result<()> {
+    use seckill::orders::consumer::{self, ConsumerDeps};
+    let deps = ConsumerDeps::connect(settings)?;
+    if let Err(e) = seckill::bus::ensure_topics(&deps.settings.kafka, &deps.topics).await {
+        tracing::warn!(error = format!("{e:#}"), "could not create Kafka topics");
+    }
+    let handle = consumer::spawn(deps)?;
+    tracing::info!("order consumer running");
+    shutdown_signal().await;
+    handle.stop().await;
+    tracing::info!("order consumer stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 fn migrate(settings: &Settings, direction: Direction) -> anyhow::Result<()> {

@@ -93,6 +93,9 @@ pub struct WarmSpec {
 /// The Redis side of admission and reservations.
 pub struct RedisGate {
     conn: ConnectionManager,
+    /// When set (`redis.gate_connection = "pool"`), the admission script runs
+    /// on a pooled connection instead: kept to measure the difference.
+    pool: Option<deadpool_redis::Pool>,
     prefix: String,
     reservation_ttl_secs: u64,
     reserve: Script,
@@ -104,7 +107,11 @@ pub struct RedisGate {
 impl RedisGate {
     /// A gate over a lazily connected, self-reconnecting multiplexed
     /// connection. Must be called inside a Tokio runtime.
-    pub fn new(redis: &RedisSettings, admission: &AdmissionSettings) -> RedisResult<Self> {
+    pub fn new(
+        redis: &RedisSettings,
+        admission: &AdmissionSettings,
+        pool: Option<deadpool_redis::Pool>,
+    ) -> RedisResult<Self> {
         let timeout = Some(Duration::from_millis(redis.timeout_ms));
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(timeout)
@@ -113,6 +120,7 @@ impl RedisGate {
         let client = redis::Client::open(redis.url.as_str())?;
         Ok(Self {
             conn: client.get_connection_manager_lazy(config)?,
+            pool,
             prefix: redis.key_prefix.clone(),
             reservation_ttl_secs: admission.reservation_ttl_secs,
             reserve: Script::new(include_str!("lua/reserve.lua")),
@@ -157,7 +165,19 @@ impl RedisGate {
             .arg(r.now_ms)
             .arg(first_bucket)
             .arg(self.reservation_ttl_secs);
-        let (code, order_no): (i64, String) = call.invoke_async(&mut self.conn.clone()).await?;
+        let (code, order_no): (i64, String) = match &self.pool {
+            None => call.invoke_async(&mut self.conn.clone()).await?,
+            Some(pool) => {
+                let mut conn = pool.get().await.map_err(|e| {
+                    redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "no pooled connection",
+                        e.to_string(),
+                    ))
+                })?;
+                call.invoke_async(&mut conn).await?
+            }
+        };
         let order_no = || order_no.parse::<i64>().unwrap_or(0);
         Ok(match code {
             0 => Admission::Accepted(order_no()),

@@ -1,0 +1,474 @@
+//! `seckill loadgen`: a flash-sale burst against a running server, then an
+//! invariant check. Creates and warms an activity (or uses a given one),
+//! mints JWTs locally with the configured secret, fetches one purchase token
+//! per user, fires the purchases at a fixed concurrency over keep-alive
+//! connections, waits for the consumer to drain, and checks I1, I3, I4 and
+//! I7 against the stats route. Exits non-zero when an invariant fails.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures_util::{StreamExt, stream};
+use serde_json::{Value, json};
+
+use crate::config::Settings;
+use crate::http::auth::{JwtKeys, Role};
+
+/// What to run.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LoadgenArgs {
+    /// Base URL of the server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// Distinct buyers (one purchase each).
+    #[arg(long, default_value_t = 20_000)]
+    pub users: i64,
+    /// Units on sale (ignored with --activity).
+    #[arg(long, default_value_t = 1_000)]
+    pub stock: i32,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 256)]
+    pub concurrency: usize,
+    /// Stock buckets of the created activity.
+    #[arg(long, default_value_t = 1)]
+    pub buckets: i32,
+    /// Use this existing, warmed activity instead of creating one.
+    #[arg(long)]
+    pub activity: Option<i64>,
+    /// First user id (ids are first..first+users).
+    #[arg(long, default_value_t = 1)]
+    pub first_user: i64,
+    /// How long to wait for the consumer to drain, in seconds.
+    #[arg(long, default_value_t = 120)]
+    pub drain_timeout: u64,
+    /// Skip the drain wait and invariant check (pure admission throughput).
+    #[arg(long)]
+    pub no_check: bool,
+}
+
+/// The figures of one run, for scripts (`--json` prints them).
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct Report {
+    pub activity_id: i64,
+    pub requests: u64,
+    pub accepted: u64,
+    pub sold_out: u64,
+    pub limited: u64,
+    pub errors: u64,
+    pub seconds: f64,
+    pub per_sec: f64,
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    pub drain_seconds: Option<f64>,
+    pub invariants_ok: Option<bool>,
+}
+
+struct Client {
+    http: reqwest::Client,
+    url: String,
+    keys: JwtKeys,
+}
+
+impl Client {
+    fn token(&self, user: i64, role: Role) -> anyhow::Result<String> {
+        self.keys.mint(user, role, 3600)
+    }
+
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        bearer: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<(u16, Value)> {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .bearer_auth(bearer);
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let res = req.send().await?;
+        let status = res.status().as_u16();
+        let bytes = res.bytes().await?;
+        Ok((
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        ))
+    }
+}
+
+/// Runs the load and prints the report; errors when an invariant fails.
+pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Report> {
+    let client = Arc::new(Client {
+        http: reqwest::Client::builder()
+            .pool_max_idle_per_host(args.concurrency)
+            .timeout(Duration::from_secs(30))
+            .build()?,
+        url: args.url.trim_end_matches('/').to_owned(),
+        keys: JwtKeys::new(&settings.auth.jwt_secret)?,
+    });
+    let admin = client.token(1, Role::Admin)?;
+    let activity_id = match args.activity {
+        Some(id) => id,
+        None => create_activity(&client, &admin, &args).await?,
+    };
+    eprintln!(
+        "activity {activity_id}: fetching {} purchase tokens…",
+        args.users
+    );
+
+    let users: Vec<i64> = (args.first_user..args.first_user + args.users).collect();
+    let progress = Progress::start("tokens", users.len() as u64);
+    let tokens: Vec<(i64, String, String)> = stream::iter(users.iter().copied())
+        .map(|user| {
+            let client = client.clone();
+            let progress = progress.clone();
+            async move {
+                let jwt = client.token(user, Role::User)?;
+                let path = format!("/api/v1/activities/{activity_id}/token");
+                let (status, body) = client.send(reqwest::Method::GET, &path, &jwt, None).await?;
+                progress.tick();
+                if status != 200 {
+                    bail!("token for user {user}: {status} {body}");
+                }
+                let token = body["token"].as_str().context("token missing")?.to_owned();
+                Ok((user, jwt, token))
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .collect::<Vec<anyhow::Result<_>>>()
+        .await
+        .into_iter()
+        .collect::<anyhow::Result<_>>()?;
+    progress.finish();
+
+    eprintln!(
+        "firing {} purchases at concurrency {}…",
+        tokens.len(),
+        args.concurrency
+    );
+    let progress = Progress::start("purchases", tokens.len() as u64);
+    let started = Instant::now();
+    let outcomes: Vec<(u16, String, Option<String>, Duration)> = stream::iter(tokens)
+        .map(|(user, jwt, token)| {
+            let client = client.clone();
+            let progress = progress.clone();
+            async move {
+                let path = format!("/api/v1/activities/{activity_id}/orders");
+                let body = json!({"request_id": format!("lg-{user}-{}", uuid::Uuid::new_v4().simple()), "token": token});
+                let t0 = Instant::now();
+                let result = client.send(reqwest::Method::POST, &path, &jwt, Some(&body)).await;
+                let elapsed = t0.elapsed();
+                progress.tick();
+                match result {
+                    Ok((status, body)) => (
+                        status,
+                        body["code"].as_str().unwrap_or("").to_owned(),
+                        body["order_no"].as_str().map(str::to_owned),
+                        elapsed,
+                    ),
+                    Err(e) => (0, format!("transport: {e}"), None, elapsed),
+                }
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .collect()
+        .await;
+    let seconds = started.elapsed().as_secs_f64();
+    progress.finish();
+
+    let mut report = summarize(activity_id, &outcomes, seconds);
+    let mut codes: BTreeMap<String, u64> = BTreeMap::new();
+    for (status, code, _, _) in &outcomes {
+        *codes.entry(format!("{status} {code}")).or_default() += 1;
+    }
+    print_report(&report, &codes);
+
+    if !args.no_check {
+        let order_nos: Vec<&String> = outcomes.iter().filter_map(|o| o.2.as_ref()).collect();
+        let distinct = order_nos.iter().collect::<HashSet<_>>().len() as u64;
+        let drain_started = Instant::now();
+        let stats = drain(
+            &client,
+            &admin,
+            activity_id,
+            report.accepted,
+            args.drain_timeout,
+        )
+        .await?;
+        report.drain_seconds = Some(drain_started.elapsed().as_secs_f64());
+        println!(
+            "drained in {:.2}s after the burst ({} orders)",
+            report.drain_seconds.unwrap_or(0.0),
+            report.accepted
+        );
+        let failures = check(&stats, report.accepted, distinct);
+        report.invariants_ok = Some(failures.is_empty());
+        println!("stats: {stats}");
+        if failures.is_empty() {
+            println!("invariants I1 I3 I4 I7: OK");
+        } else {
+            for f in &failures {
+                println!("INVARIANT FAILED: {f}");
+            }
+        }
+    }
+    Ok(report)
+}
+
+async fn create_activity(client: &Client, admin: &str, args: &LoadgenArgs) -> anyhow::Result<i64> {
+    let now = chrono::Utc::now();
+    let body = json!({
+        "sku_id": 1, "name": "loadgen", "price_cents": 100, "stock": args.stock,
+        "start_at": now - chrono::Duration::seconds(5),
+        "end_at": now + chrono::Duration::hours(1),
+        "per_user_limit": 1, "pay_timeout_secs": 3600, "buckets": args.buckets,
+    });
+    let (status, created) = client
+        .send(
+            reqwest::Method::POST,
+            "/api/v1/admin/activities",
+            admin,
+            Some(&body),
+        )
+        .await?;
+    if status != 201 {
+        bail!("creating the activity: {status} {created}");
+    }
+    let id = created["activity_id"]
+        .as_i64()
+        .context("activity_id missing")?;
+    let path = format!("/api/v1/admin/activities/{id}/warmup");
+    let (status, warmed) = client
+        .send(reqwest::Method::POST, &path, admin, Some(&json!({})))
+        .await?;
+    if status != 200 {
+        bail!("warming up: {status} {warmed}");
+    }
+    Ok(id)
+}
+
+fn summarize(
+    activity_id: i64,
+    outcomes: &[(u16, String, Option<String>, Duration)],
+    seconds: f64,
+) -> Report {
+    let count =
+        |f: &dyn Fn(u16, &str) -> bool| outcomes.iter().filter(|o| f(o.0, &o.1)).count() as u64;
+    let mut latencies: Vec<Duration> = outcomes.iter().map(|o| o.3).collect();
+    latencies.sort_unstable();
+    let pct = |p: f64| -> f64 {
+        if latencies.is_empty() {
+            return 0.0;
+        }
+        let i = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
+        latencies[i].as_secs_f64() * 1000.0
+    };
+    let accepted = count(&|s, _| s == 202);
+    let sold_out = count(&|s, c| s == 409 && c == "SOLD_OUT");
+    let limited = count(&|s, c| (s == 409 && c == "LIMIT_EXCEEDED") || s == 429);
+    Report {
+        activity_id,
+        requests: outcomes.len() as u64,
+        accepted,
+        sold_out,
+        limited,
+        errors: outcomes.len() as u64 - accepted - sold_out - limited,
+        seconds,
+        per_sec: outcomes.len() as f64 / seconds.max(1e-9),
+        p50_ms: pct(0.50),
+        p90_ms: pct(0.90),
+        p99_ms: pct(0.99),
+        max_ms: pct(1.0),
+        drain_seconds: None,
+        invariants_ok: None,
+    }
+}
+
+fn print_report(r: &Report, codes: &BTreeMap<String, u64>) {
+    println!("activity        {}", r.activity_id);
+    println!("requests        {}", r.requests);
+    println!("accepted (202)  {}", r.accepted);
+    println!("sold out        {}", r.sold_out);
+    println!("limited         {}", r.limited);
+    println!("errors          {}", r.errors);
+    println!("by status/code  {codes:?}");
+    println!("elapsed         {:.3} s", r.seconds);
+    println!("throughput      {:.0} purchases/s", r.per_sec);
+    println!(
+        "latency ms      p50 {:.2}  p90 {:.2}  p99 {:.2}  max {:.2}",
+        r.p50_ms, r.p90_ms, r.p99_ms, r.max_ms
+    );
+}
+
+async fn stats(client: &Client, admin: &str, activity_id: i64) -> anyhow::Result<Value> {
+    let path = format!("/api/v1/admin/activities/{activity_id}/stats");
+    let (status, body) = client
+        .send(reqwest::Method::GET, &path, admin, None)
+        .await?;
+    if status != 200 {
+        bail!("stats: {status} {body}");
+    }
+    Ok(body)
+}
+
+/// Waits until no reservation is open and every accepted order has a row.
+async fn drain(
+    client: &Client,
+    admin: &str,
+    activity_id: i64,
+    accepted: u64,
+    timeout: u64,
+) -> anyhow::Result<Value> {
+    let deadline = Instant::now() + Duration::from_secs(timeout);
+    loop {
+        let s = stats(client, admin, activity_id).await?;
+        let rows = ["WAITING_PAY", "PAID", "CANCELLED", "CLOSED", "FAILED"]
+            .iter()
+            .map(|k| s["orders"][k].as_u64().unwrap_or(0))
+            .sum::<u64>();
+        if s["reservations_open"] == 0 && rows >= accepted {
+            return Ok(s);
+        }
+        if Instant::now() > deadline {
+            println!("drain timed out after {timeout}s");
+            return Ok(s);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The invariants checkable from outside; each failure described.
+fn check(s: &Value, accepted: u64, distinct_order_nos: u64) -> Vec<String> {
+    let n = |v: &Value| v.as_i64().unwrap_or(i64::MIN);
+    let (total, avail, locked, sold) = (
+        n(&s["stock_total"]),
+        n(&s["db_available"]),
+        n(&s["db_locked"]),
+        n(&s["db_sold"]),
+    );
+    let redis = n(&s["redis_available"]);
+    let o = &s["orders"];
+    let (waiting, paid, failed) = (n(&o["WAITING_PAY"]), n(&o["PAID"]), n(&o["FAILED"]));
+    let mut failures = Vec::new();
+    let mut expect = |ok: bool, what: String| {
+        if !ok {
+            failures.push(what);
+        }
+    };
+    expect(
+        accepted as i64 <= total,
+        format!("I1: accepted {accepted} > stock {total}"),
+    );
+    expect(
+        avail >= 0 && redis >= 0,
+        format!("I1: negative stock (db {avail}, redis {redis})"),
+    );
+    expect(
+        waiting + paid <= total,
+        format!("I1: live orders {} > stock {total}", waiting + paid),
+    );
+    expect(
+        distinct_order_nos == accepted,
+        format!("I3: {distinct_order_nos} distinct order_nos for {accepted} accepted"),
+    );
+    expect(
+        waiting + paid + failed == accepted as i64,
+        format!(
+            "I4: {accepted} accepted but {} order rows",
+            waiting + paid + failed
+        ),
+    );
+    expect(
+        n(&o["PROCESSING"]) == 0,
+        format!("I4: {} still PROCESSING", n(&o["PROCESSING"])),
+    );
+    expect(
+        total == avail + locked + sold,
+        format!("I7: total {total} ≠ {avail} + {locked} + {sold}"),
+    );
+    expect(
+        redis == avail,
+        format!("I7: redis available {redis} ≠ db available {avail}"),
+    );
+    expect(
+        locked == waiting,
+        format!("I7: locked {locked} ≠ WAITING_PAY {waiting} (quantity 1 each)"),
+    );
+    expect(sold == paid, format!("I7: sold {sold} ≠ PAID {paid}"));
+    failures
+}
+
+/// A once-a-second progress line on stderr.
+#[derive(Clone)]
+struct Progress {
+    done: Arc<AtomicU64>,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Progress {
+    fn start(label: &'static str, total: u64) -> Self {
+        let done = Arc::new(AtomicU64::new(0));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (d, s) = (done.clone(), stop.clone());
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let mut last = 0;
+            loop {
+                tokio::select! {
+                    _ = s.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                let now = d.load(Ordering::Relaxed);
+                eprintln!(
+                    "  {label}: {now}/{total} ({:.0}/s now, {:.1}s elapsed)",
+                    (now - last) as f64,
+                    started.elapsed().as_secs_f64()
+                );
+                last = now;
+            }
+        });
+        Self { done, stop }
+    }
+
+    fn tick(&self) {
+        self.done.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn finish(&self) {
+        self.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(total: i64, avail: i64, locked: i64, redis: i64, waiting: i64) -> Value {
+        json!({"stock_total": total, "db_available": avail, "db_locked": locked, "db_sold": 0,
+               "redis_available": redis,
+               "orders": {"PROCESSING": 0, "WAITING_PAY": waiting, "PAID": 0, "FAILED": 0}})
+    }
+
+    #[test]
+    fn the_check_passes_a_consistent_sale_and_names_each_broken_invariant() {
+        assert!(check(&stats(100, 0, 100, 0, 100), 100, 100).is_empty());
+        let oversold = check(&stats(100, 0, 100, 0, 100), 101, 101);
+        assert!(oversold.iter().any(|f| f.starts_with("I1")), "{oversold:?}");
+        let dup = check(&stats(100, 0, 100, 0, 100), 100, 99);
+        assert!(dup.iter().any(|f| f.starts_with("I3")));
+        let drift = check(&stats(100, 1, 99, 0, 99), 99, 99);
+        assert!(
+            drift.iter().any(|f| f.contains("redis available")),
+            "{drift:?}"
+        );
+        let lost = check(&stats(100, 1, 99, 1, 99), 100, 100);
+        assert!(lost.iter().any(|f| f.starts_with("I4")), "{lost:?}");
+    }
+}
