@@ -31,7 +31,13 @@ apt_install() {
   apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-pg_bindir() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
+# The newest installed server (the client package alone also has a bin/).
+pg_bindir() {
+  local initdb
+  initdb=$(ls /usr/lib/postgresql/*/bin/initdb 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$initdb" ] && dirname "$initdb"
+  return 0
+}
 
 install_missing() {
   local pkgs=()
@@ -84,8 +90,9 @@ redis_up() {
 
 redis_down() {
   pid_alive "$REDIS_DIR/redis.pid" || return 0
+  local pid; pid=$(cat "$REDIS_DIR/redis.pid")
   redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
-  wait_for 10 bash -c "! kill -0 $(cat "$REDIS_DIR/redis.pid") 2>/dev/null" || true
+  wait_for 10 bash -c "! kill -0 $pid 2>/dev/null" || true
   rm -f "$REDIS_DIR/redis.pid"
 }
 
