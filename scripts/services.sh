@@ -164,7 +164,7 @@ kafka_fetch() {
   [ -f "$KAFKA_LIBS/.complete" ] && return
   log "fetching Apache Kafka $KAFKA_VERSION from Maven Central into $KAFKA_LIBS"
   rm -rf "$KAFKA_LIBS"
-  mvn -B -q -f "$ROOT/scripts/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
+  mvn -B -q -Dstyle.color=never -f "$ROOT/scripts/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
     dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIBS" \
     || die "could not fetch Kafka with mvn"
   touch "$KAFKA_LIBS/.complete"

@@ -20,4 +20,6 @@ done
 
 command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >&2; exit 1; }
 # Integration tests mostly wait on I/O: run more of them than there are cores.
-cargo test --all-targets "$@" -- --test-threads="${SECKILL_TEST_THREADS:-8}"
+cargo test --lib --bins --tests "$@" -- --test-threads="${SECKILL_TEST_THREADS:-8}"
+# The criterion benches, once each in test mode (they must still run).
+if [ $# -eq 0 ]; then cargo test --benches; fi
