@@ -22,7 +22,11 @@ use crate::http;
 use crate::http::auth::JwtKeys;
 use crate::ids::{IdGenerator, Snowflake};
 use crate::metrics::Metrics;
+use crate::orders::closer::{self, CloserHandle};
 use crate::orders::consumer::{self, ConsumerDeps, ConsumerHandle};
+use crate::orders::releaser;
+use crate::outbox::relay::{self, Relay, RelayHandle};
+use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
 use crate::store::{self, PgPool};
 
 /// Shared state of every request handler and worker.
@@ -49,6 +53,14 @@ pub struct AppState {
     pub topics: Topics,
     /// Prometheus metrics.
     pub metrics: Metrics,
+    /// Where pay intents are registered.
+    pub provider: Box<dyn PaymentProvider>,
+    /// The mock provider, when `payment.mock = true`.
+    pub mock: Option<MockProvider>,
+    /// Outgoing HTTP (the mock provider's callbacks).
+    pub http: reqwest::Client,
+    /// This server's own base URL (the mock provider calls it back).
+    pub self_url: String,
 }
 
 impl AppState {
@@ -75,8 +87,36 @@ impl AppState {
             producer: bus::producer(&settings.kafka)?,
             topics: Topics::new(&settings.kafka.topic_prefix),
             metrics: Metrics::new()?,
+            provider: if settings.payment.mock {
+                Box::new(MockProvider::new(settings.payment.notify_secret.clone()))
+            } else {
+                Box::new(ExternalProvider)
+            },
+            mock: settings
+                .payment
+                .mock
+                .then(|| MockProvider::new(settings.payment.notify_secret.clone())),
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .build()?,
+            self_url: format!(
+                "http://{}:{}",
+                loopback(&settings.app.host),
+                settings.app.port
+            ),
             settings: Arc::new(settings),
         })
+    }
+
+    /// What the outbox relay needs, sharing this state's clients.
+    pub fn relay(&self) -> Relay {
+        Relay {
+            db: self.db.clone(),
+            producer: self.producer.clone(),
+            topics: self.topics.clone(),
+            settings: self.settings.workers.clone(),
+            metrics: self.metrics.clone(),
+        }
     }
 
     /// What the order consumer needs, sharing this state's clients.
@@ -89,6 +129,14 @@ impl AppState {
             settings: self.settings.clone(),
             metrics: self.metrics.clone(),
         }
+    }
+}
+
+/// The address to call ourselves on: a wildcard bind is reachable on loopback.
+fn loopback(host: &str) -> &str {
+    match host {
+        "0.0.0.0" | "::" | "[::]" => "127.0.0.1",
+        other => other,
     }
 }
 
@@ -109,11 +157,64 @@ pub fn redis_pool(settings: &RedisSettings) -> anyhow::Result<deadpool_redis::Po
         .context("creating the Redis pool")
 }
 
+/// The background workers of one process.
+#[derive(Default)]
+pub struct Workers {
+    consumer: Option<ConsumerHandle>,
+    releaser: Option<ConsumerHandle>,
+    closer: Option<CloserHandle>,
+    relay: Option<RelayHandle>,
+}
+
+impl Workers {
+    /// Starts the workers the settings enable.
+    pub fn start(state: &AppState) -> anyhow::Result<Self> {
+        let s = &state.settings;
+        let w = &s.workers;
+        Ok(Self {
+            consumer: s
+                .orders
+                .consumer_enabled
+                .then(|| consumer::spawn(state.consumer_deps()))
+                .transpose()?,
+            releaser: w
+                .releaser_enabled
+                .then(|| releaser::spawn(state.consumer_deps()))
+                .transpose()?,
+            closer: w.closer_enabled.then(|| {
+                closer::spawn(
+                    state.db.clone(),
+                    Duration::from_millis(w.closer_interval_ms),
+                    w.closer_batch.max(1),
+                    state.metrics.clone(),
+                )
+            }),
+            relay: w.relay_enabled.then(|| relay::spawn(state.relay())),
+        })
+    }
+
+    /// Stops every worker, each after the batch in hand.
+    pub async fn stop(self) {
+        if let Some(c) = self.consumer {
+            c.stop().await;
+        }
+        if let Some(c) = self.closer {
+            c.stop().await;
+        }
+        if let Some(r) = self.relay {
+            r.stop().await;
+        }
+        if let Some(r) = self.releaser {
+            r.stop().await;
+        }
+    }
+}
+
 /// A bound, not yet running, HTTP server and its workers.
 pub struct Application {
     port: u16,
     server: Server,
-    consumer: Option<ConsumerHandle>,
+    workers: Workers,
 }
 
 impl Application {
@@ -125,18 +226,16 @@ impl Application {
         let port = listener.local_addr()?.port();
         let shutdown = settings.app.shutdown_timeout_secs;
         let keys = web::Data::new(JwtKeys::new(&settings.auth.jwt_secret)?);
-        let state = web::Data::new(AppState::connect(settings)?);
+        let mut state = AppState::connect(settings)?;
+        state.self_url = format!("http://{}:{port}", loopback(&state.settings.app.host));
+        let state = web::Data::new(state);
 
         // A broker that is down must not stop the server from starting
         // (readiness reports it); producing later creates topics too.
         if let Err(e) = bus::ensure_topics(&state.settings.kafka, &state.topics).await {
             tracing::warn!(error = format!("{e:#}"), "could not create Kafka topics");
         }
-        let consumer = if state.settings.orders.consumer_enabled {
-            Some(consumer::spawn(state.consumer_deps())?)
-        } else {
-            None
-        };
+        let workers = Workers::start(&state)?;
 
         let server = HttpServer::new(move || {
             let metrics = state.metrics.clone();
@@ -155,7 +254,7 @@ impl Application {
         Ok(Self {
             port,
             server,
-            consumer,
+            workers,
         })
     }
 
@@ -165,12 +264,10 @@ impl Application {
     }
 
     /// Serves until SIGINT / SIGTERM, drains in-flight requests, then lets
-    /// the consumer finish its batch and leave the group.
+    /// each worker finish its batch.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
         let result = self.server.await;
-        if let Some(consumer) = self.consumer {
-            consumer.stop().await;
-        }
+        self.workers.stop().await;
         result
     }
 }

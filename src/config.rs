@@ -13,6 +13,9 @@ use serde::Deserialize;
 /// reads the repository, so production refuses to start with it.
 pub const DEV_JWT_SECRET: &str = "dev-only-secret-do-not-use-in-production";
 
+/// The payment callback secret shipped in `config/default.toml`.
+pub const DEV_NOTIFY_SECRET: &str = "dev-only-notify-secret-do-not-use-in-production";
+
 /// Everything the binary reads from configuration.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Settings {
@@ -30,8 +33,44 @@ pub struct Settings {
     pub admission: AdmissionSettings,
     /// The order-creating consumer.
     pub orders: OrderSettings,
+    /// Payment provider and callbacks.
+    pub payment: PaymentSettings,
+    /// Background workers: timeout closer, outbox relay, stock releaser.
+    pub workers: WorkerSettings,
     /// Log output.
     pub log: LogSettings,
+}
+
+/// The payment provider.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PaymentSettings {
+    /// Use the built-in mock provider and expose `/api/v1/dev/payments/...`.
+    pub mock: bool,
+    /// Shared HMAC-SHA256 secret of `X-Pay-Signature`.
+    pub notify_secret: SecretString,
+    /// Largest accepted |now − t| of a signed callback, in seconds.
+    pub signature_tolerance_secs: i64,
+}
+
+/// Background workers run by `serve` (each can be switched off).
+#[derive(Debug, Clone, Deserialize)]
+pub struct WorkerSettings {
+    /// Close overdue WAITING_PAY orders.
+    pub closer_enabled: bool,
+    /// Pause between closer scans, in milliseconds.
+    pub closer_interval_ms: u64,
+    /// Orders closed per transaction.
+    pub closer_batch: i64,
+    /// Publish the transactional outbox.
+    pub relay_enabled: bool,
+    /// Pause between outbox polls when idle, in milliseconds.
+    pub relay_poll_ms: u64,
+    /// Outbox rows published per transaction.
+    pub relay_batch: i64,
+    /// Attempts before an outbox row is marked DEAD.
+    pub relay_max_attempts: i32,
+    /// Consume `stock.released` and give the units back to Redis.
+    pub releaser_enabled: bool,
 }
 
 /// Admission (SPEC step 1) settings.
@@ -185,6 +224,13 @@ impl Settings {
                  set SECKILL__AUTH__JWT_SECRET for production"
             );
         }
+        let notify = self.payment.notify_secret.expose_secret();
+        if self.is_production() && (notify == DEV_NOTIFY_SECRET || notify.len() < 32) {
+            bail!(
+                "payment.notify_secret is the development secret or shorter than 32 bytes; \
+                 set SECKILL__PAYMENT__NOTIFY_SECRET for production"
+            );
+        }
         if !matches!(self.redis.gate_connection.as_str(), "multiplexed" | "pool") {
             bail!("redis.gate_connection must be \"multiplexed\" or \"pool\"");
         }
@@ -221,7 +267,13 @@ mod tests {
         assert!(settings("production", DEV_JWT_SECRET).validate().is_err());
         assert!(settings("production", "short").validate().is_err());
         let strong = "x".repeat(40);
-        assert!(settings("production", &strong).validate().is_ok());
+        let mut s = settings("production", &strong);
+        assert!(
+            s.validate().is_err(),
+            "the development notify secret is refused too"
+        );
+        s.payment.notify_secret = SecretString::from("y".repeat(40));
+        assert!(s.validate().is_ok());
         assert!(settings("development", DEV_JWT_SECRET).validate().is_ok());
     }
 

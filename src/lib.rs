@@ -12,5 +12,7 @@ pub mod ids;
 pub mod loadgen;
 pub mod metrics;
 pub mod orders;
+pub mod outbox;
+pub mod payments;
 pub mod store;
 pub mod telemetry;

@@ -1,7 +1,7 @@
 //! Prometheus metrics, served at `GET /metrics` in the text format.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
 };
 
 /// Every metric the process exports, registered in one registry. Cheap to
@@ -28,6 +28,14 @@ pub struct Metrics {
     pub consumer_events: IntCounterVec,
     /// Messages sent to a dead-letter topic.
     pub dead_letters: IntCounter,
+    /// Outbox rows by status (NEW, RETRY, DEAD), refreshed by the relay.
+    pub outbox_rows: IntGaugeVec,
+    /// Payment callbacks by outcome (applied, duplicate, refund_required, …).
+    pub callbacks: IntCounterVec,
+    /// Orders closed by the payment timeout.
+    pub orders_closed: IntCounter,
+    /// Reservations given back to Redis from `stock.released`.
+    pub stock_released: IntCounterVec,
 }
 
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -73,6 +81,22 @@ impl Metrics {
                 &["result"],
             )?,
             dead_letters: IntCounter::new("dead_letters_total", "Messages dead-lettered")?,
+            outbox_rows: IntGaugeVec::new(
+                Opts::new("outbox_rows", "Outbox rows by status"),
+                &["status"],
+            )?,
+            callbacks: IntCounterVec::new(
+                Opts::new("payment_callbacks_total", "Payment callbacks by outcome"),
+                &["outcome"],
+            )?,
+            orders_closed: IntCounter::new("orders_closed_total", "Orders closed by timeout")?,
+            stock_released: IntCounterVec::new(
+                Opts::new(
+                    "stock_released_total",
+                    "stock.released events applied to Redis",
+                ),
+                &["result"],
+            )?,
             registry,
         };
         let r = &metrics.registry;
@@ -85,6 +109,10 @@ impl Metrics {
         r.register(Box::new(metrics.consumer_batch_size.clone()))?;
         r.register(Box::new(metrics.consumer_events.clone()))?;
         r.register(Box::new(metrics.dead_letters.clone()))?;
+        r.register(Box::new(metrics.outbox_rows.clone()))?;
+        r.register(Box::new(metrics.callbacks.clone()))?;
+        r.register(Box::new(metrics.orders_closed.clone()))?;
+        r.register(Box::new(metrics.stock_released.clone()))?;
         Ok(metrics)
     }
 

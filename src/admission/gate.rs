@@ -60,6 +60,9 @@ pub enum ReleaseReason {
     PublishFailed,
     /// The database could not back the order (it is FAILED).
     OrderFailed,
+    /// The order was cancelled or closed after it was created; the units
+    /// come back even if Redis lost the reservation record.
+    OrderReleased { user_id: i64, quantity: i32 },
 }
 
 impl ReleaseReason {
@@ -67,6 +70,7 @@ impl ReleaseReason {
         match self {
             Self::PublishFailed => "PUBLISH_FAILED",
             Self::OrderFailed => "ORDER_FAILED",
+            Self::OrderReleased { .. } => "ORDER_RELEASED",
         }
     }
 }

@@ -56,6 +56,54 @@ impl OrderRequested {
     }
 }
 
+/// `stock.released`: an order was cancelled or closed and its units went
+/// back to `available` in the database; Redis must follow (once).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StockReleased {
+    /// Idempotency key: `release-<order_no>`.
+    pub event_id: String,
+    /// The order whose reservation is released.
+    pub order_no: OrderNo,
+    /// The activity.
+    pub activity_id: i64,
+    /// The buyer (their per-user holding goes down).
+    pub user_id: i64,
+    /// Units released.
+    pub quantity: i32,
+    /// The activity's Redis bucket count.
+    pub buckets: i32,
+    /// `CANCELLED` or `CLOSED`.
+    pub reason: String,
+}
+
+/// `order.paid`: for downstream systems (fulfilment, notifications).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrderPaid {
+    /// Idempotency key: `paid-<order_no>`.
+    pub event_id: String,
+    /// The order.
+    pub order_no: OrderNo,
+    /// The activity.
+    pub activity_id: i64,
+    /// The buyer.
+    pub user_id: i64,
+    /// Amount charged, cents.
+    pub amount_cents: i64,
+    /// The payment that paid it.
+    pub payment_no: String,
+}
+
+impl StockReleased {
+    /// Decodes and validates.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let e: Self = serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON: {e}"))?;
+        if e.quantity < 1 || e.buckets < 1 || e.activity_id < 1 {
+            return Err("quantity, buckets and activity_id must be positive".into());
+        }
+        Ok(e)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

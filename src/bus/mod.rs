@@ -25,6 +25,11 @@ pub struct Topics {
     pub order_requested: String,
     /// Dead letters of `order.requested`.
     pub order_requested_dlq: String,
+    /// `stock.released`: cancelled / closed orders (from the outbox).
+    pub stock_released: String,
+    /// `order.paid` (from the outbox).
+    pub order_paid: String,
+    prefix: String,
 }
 
 impl Topics {
@@ -33,11 +38,24 @@ impl Topics {
         Self {
             order_requested: format!("{prefix}order.requested"),
             order_requested_dlq: format!("{prefix}order.requested.dlq"),
+            stock_released: format!("{prefix}stock.released"),
+            order_paid: format!("{prefix}order.paid"),
+            prefix: prefix.to_owned(),
         }
     }
 
-    fn all(&self) -> [&str; 2] {
-        [&self.order_requested, &self.order_requested_dlq]
+    /// The full name of a logical topic (as stored in the outbox).
+    pub fn resolve(&self, logical: &str) -> String {
+        format!("{}{logical}", self.prefix)
+    }
+
+    fn all(&self) -> [&str; 4] {
+        [
+            &self.order_requested,
+            &self.order_requested_dlq,
+            &self.stock_released,
+            &self.order_paid,
+        ]
     }
 }
 

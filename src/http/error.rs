@@ -38,6 +38,8 @@ pub enum ErrorCode {
     RateLimited,
     Busy,
     RetryLater,
+    BadSignature,
+    AmountMismatch,
     Internal,
 }
 
@@ -62,6 +64,8 @@ impl ErrorCode {
             Self::RateLimited => "RATE_LIMITED",
             Self::Busy => "BUSY",
             Self::RetryLater => "RETRY_LATER",
+            Self::BadSignature => "BAD_SIGNATURE",
+            Self::AmountMismatch => "AMOUNT_MISMATCH",
             Self::Internal => "INTERNAL",
         }
     }
@@ -81,7 +85,8 @@ impl ErrorCode {
                 StatusCode::CONFLICT
             }
             Self::InvalidToken => StatusCode::FORBIDDEN,
-            Self::CouponInvalid => StatusCode::BAD_REQUEST,
+            Self::CouponInvalid | Self::AmountMismatch => StatusCode::BAD_REQUEST,
+            Self::BadSignature => StatusCode::UNAUTHORIZED,
             Self::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }

@@ -16,6 +16,7 @@ use tracing::Instrument;
 use crate::activities::routes as activities;
 use crate::metrics::Metrics;
 use crate::orders::routes as orders;
+use crate::payments::routes as payments;
 
 /// The request-id header, echoed when valid, generated otherwise.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -41,7 +42,13 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(web::resource("/api/v1/activities/{id}/token").get(activities::token))
         .service(web::resource("/api/v1/activities/{id}/orders").post(orders::place))
         .service(web::resource("/api/v1/orders").get(orders::list))
-        .service(web::resource("/api/v1/orders/{order_no}").get(orders::show));
+        .service(web::resource("/api/v1/orders/{order_no}").get(orders::show))
+        .service(web::resource("/api/v1/orders/{order_no}/cancel").post(orders::cancel))
+        .service(web::resource("/api/v1/orders/{order_no}/pay").post(payments::pay))
+        .service(web::resource("/api/v1/payments/notify").post(payments::notify))
+        .service(
+            web::resource("/api/v1/dev/payments/{payment_no}/simulate").post(payments::simulate),
+        );
 }
 
 /// Extractor configs whose failures answer in the API error shape.

@@ -71,6 +71,11 @@ pub struct ConsumerHandle {
 }
 
 impl ConsumerHandle {
+    /// Wraps a spawned consumer loop.
+    pub fn new(shutdown: CancellationToken, join: JoinHandle<()>) -> Self {
+        Self { shutdown, join }
+    }
+
     /// Finishes the batch in hand, then leaves the group.
     pub async fn stop(self) {
         self.shutdown.cancel();

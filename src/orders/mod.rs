@@ -1,6 +1,9 @@
 //! Orders: the purchase route (admission + publish, SPEC steps 1–2), the
 //! consumer that writes them (step 3) and the status routes (step 8).
 
+pub mod closer;
 pub mod consumer;
+pub mod releaser;
 pub mod repo;
 pub mod routes;
+pub mod transitions;

@@ -354,6 +354,43 @@ pub async fn show(
     Err(not_found())
 }
 
+/// `POST /api/v1/orders/{order_no}/cancel` (SPEC step 6): WAITING_PAY →
+/// CANCELLED with its release, once; cancelling a CANCELLED order again is
+/// 200 with no effect; any other state is 409 INVALID_STATE.
+pub async fn cancel(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    use super::transitions::{self, ReleaseTo};
+    let order_no = OrderNo::parse(&path)
+        .ok_or_else(|| ApiError::not_found("no such order"))?
+        .get();
+    let user_id = user.user_id.get();
+    let outcome = store::run(&state.db, move |conn| {
+        use diesel::Connection;
+        Ok(conn.transaction(|conn| {
+            let Some((order, status)) = transitions::lock_for_user(conn, order_no, user_id)? else {
+                return Ok::<_, diesel::result::Error>(None);
+            };
+            if status == "WAITING_PAY" {
+                transitions::release(conn, &[order], ReleaseTo::Cancelled)?;
+            }
+            repo::find_for_user(conn, order_no, user_id)
+        })?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    let order = outcome.ok_or_else(|| ApiError::not_found("no such order"))?;
+    if order.status != "CANCELLED" {
+        return Err(ApiError::new(
+            ErrorCode::InvalidState,
+            "only a WAITING_PAY order can be cancelled",
+        ));
+    }
+    Ok(HttpResponse::Ok().json(order_view(&order)))
+}
+
 /// `GET /api/v1/orders` query.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

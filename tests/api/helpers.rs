@@ -296,3 +296,116 @@ impl TestApp {
         .unwrap()
     }
 }
+
+impl TestApp {
+    /// An open, warmed activity whose orders must be paid within `secs`.
+    pub async fn live_activity_paying_within(&self, stock: i32, secs: i32) -> i64 {
+        let now = chrono::Utc::now();
+        let body = serde_json::json!({
+            "sku_id": 1001, "name": "Phone", "price_cents": 9900, "stock": stock,
+            "start_at": now - chrono::Duration::seconds(60),
+            "end_at": now + chrono::Duration::seconds(3600),
+            "per_user_limit": 1, "pay_timeout_secs": secs, "buckets": 1,
+        });
+        let res = self
+            .post_json("/api/v1/admin/activities", &body, Some(&self.admin_token()))
+            .await;
+        assert_eq!(res.status(), 201);
+        let id = json(res).await["activity_id"]
+            .as_i64()
+            .expect("activity_id");
+        self.warmup(id).await;
+        id
+    }
+
+    /// Users `first..first+n` each buy one unit; waits until none is still
+    /// PROCESSING. Returns `(user_id, order_no)` pairs.
+    pub async fn waiting_orders(&self, activity_id: i64, first: i64, n: i64) -> Vec<(i64, String)> {
+        let mut out = Vec::new();
+        for user in first..first + n {
+            let (status, body) = self.buy(user, activity_id).await;
+            assert_eq!(status, 202, "{body}");
+            out.push((user, body["order_no"].as_str().unwrap().to_owned()));
+        }
+        self.wait_for_stats(activity_id, 60, |s| {
+            s["reservations_open"] == 0 && s["orders"]["WAITING_PAY"].as_i64() >= Some(n)
+        })
+        .await;
+        out
+    }
+
+    /// `POST /orders/{no}/pay` as `user_id`.
+    pub async fn pay(&self, user_id: i64, order_no: &str) -> reqwest::Response {
+        let path = format!("/api/v1/orders/{order_no}/pay");
+        self.post_json(
+            &path,
+            &serde_json::json!({}),
+            Some(&self.user_token(user_id)),
+        )
+        .await
+    }
+
+    /// `POST /orders/{no}/cancel` as `user_id`.
+    pub async fn cancel(&self, user_id: i64, order_no: &str) -> reqwest::Response {
+        let path = format!("/api/v1/orders/{order_no}/cancel");
+        self.post_json(
+            &path,
+            &serde_json::json!({}),
+            Some(&self.user_token(user_id)),
+        )
+        .await
+    }
+
+    /// The order's status as its owner sees it.
+    pub async fn order_status(&self, user_id: i64, order_no: &str) -> String {
+        let res = self
+            .get(
+                &format!("/api/v1/orders/{order_no}"),
+                Some(&self.user_token(user_id)),
+            )
+            .await;
+        json(res).await["status"].as_str().unwrap_or("?").to_owned()
+    }
+
+    /// A callback body for `payment` (the JSON of `pay`), signed `t_offset`
+    /// seconds from now with `secret` (the app's own when `None`).
+    pub fn signed_callback(
+        &self,
+        payment: &serde_json::Value,
+        status: &str,
+        amount_cents: i64,
+        secret: Option<&str>,
+        t_offset: i64,
+    ) -> (Vec<u8>, String) {
+        let body = serde_json::to_vec(&serde_json::json!({
+            "payment_no": payment["payment_no"], "order_no": payment["order_no"],
+            "amount_cents": amount_cents, "status": status,
+            "provider_txn_id": format!("txn-{}", payment["payment_no"].as_str().unwrap()),
+            "paid_at": chrono::Utc::now(),
+        }))
+        .unwrap();
+        let own = self
+            .settings
+            .payment
+            .notify_secret
+            .expose_secret()
+            .to_owned();
+        let secret = secret.unwrap_or(&own);
+        let t = chrono::Utc::now().timestamp() + t_offset;
+        let header = seckill::payments::signature::sign(secret.as_bytes(), t, &body);
+        (body, header)
+    }
+
+    /// `POST /payments/notify` with a raw body and an optional signature.
+    pub async fn notify(&self, body: Vec<u8>, signature: Option<&str>) -> reqwest::Response {
+        let mut req = self
+            .client
+            .post(format!("{}/api/v1/payments/notify", self.address))
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(sig) = signature {
+            req = req.header("X-Pay-Signature", sig);
+        }
+        req.send().await.expect("request sent")
+    }
+}

@@ -8,3 +8,5 @@ mod health;
 mod helpers;
 mod migrations;
 mod orders;
+mod outbox;
+mod payments;

@@ -6,10 +6,26 @@
 -- ARGV[1] order_no   ARGV[2] reason
 -- ARGV[3] "1" to forget the request_id too (the order never existed: a
 --         retry with the same request_id is a new attempt), else "0"
+-- ARGV[4] units to give back if Redis has no record of the reservation
+--         (expired or lost; "0" = give nothing back)
+-- ARGV[5] the buyer, for that same case
 --
 -- Returns 1 when released now, 0 when already released or unknown.
 local r = redis.call('HMGET', KEYS[1], 'status', 'user', 'qty', 'alloc', 'req')
-if not r[1] or r[1] == 'released' then return 0 end
+if r[1] == 'released' then return 0 end
+if not r[1] then
+  local qty = tonumber(ARGV[4])
+  if qty <= 0 then return 0 end
+  -- Record the release first, so a repeat of this call is a no-op.
+  redis.call('HSET', KEYS[1], 'status', 'released', 'reason', ARGV[2],
+    'user', ARGV[5], 'qty', qty, 'alloc', '0:' .. qty, 'req', '')
+  redis.call('EXPIRE', KEYS[1], 604800)
+  redis.call('INCRBY', KEYS[5], qty)
+  if redis.call('HINCRBY', KEYS[3], ARGV[5], -qty) <= 0 then
+    redis.call('HDEL', KEYS[3], ARGV[5])
+  end
+  return 1
+end
 for part in string.gmatch(r[4], '[^,]+') do
   local b, q = string.match(part, '(%d+):(%d+)')
   redis.call('INCRBY', KEYS[5 + tonumber(b)], tonumber(q))

@@ -1,0 +1,201 @@
+//! The outbox relay: publishes NEW / due RETRY rows in id order, marks them
+//! SENT, or RETRY with exponential backoff, or DEAD after
+//! `workers.relay_max_attempts`. Rows are claimed with `FOR UPDATE SKIP
+//! LOCKED` inside the transaction that marks them, so several relays (in one
+//! process or many) share the work without publishing a row twice at once.
+
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::sql_types::{Array, BigInt, Integer, Text};
+use rdkafka::producer::FutureProducer;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::bus::{self, Topics};
+use crate::config::WorkerSettings;
+use crate::metrics::Metrics;
+use crate::store::{self, PgConn, PgPool};
+
+/// A running relay.
+pub struct RelayHandle {
+    shutdown: CancellationToken,
+    join: JoinHandle<()>,
+}
+
+impl RelayHandle {
+    /// Finishes the batch in hand and stops.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = self.join.await;
+    }
+}
+
+/// What the relay works with.
+#[derive(Clone)]
+pub struct Relay {
+    /// Where the outbox lives.
+    pub db: PgPool,
+    /// Where it goes.
+    pub producer: FutureProducer,
+    /// Logical → full topic names.
+    pub topics: Topics,
+    /// Poll interval, batch size, attempts.
+    pub settings: WorkerSettings,
+    /// Outbox gauges.
+    pub metrics: Metrics,
+}
+
+/// Starts the relay loop on the current runtime.
+pub fn spawn(relay: Relay) -> RelayHandle {
+    let shutdown = CancellationToken::new();
+    let join = tokio::spawn(run(relay, shutdown.clone()));
+    RelayHandle { shutdown, join }
+}
+
+async fn run(relay: Relay, shutdown: CancellationToken) {
+    let idle = Duration::from_millis(relay.settings.relay_poll_ms.max(10));
+    let mut last_gauges = std::time::Instant::now() - Duration::from_secs(60);
+    while !shutdown.is_cancelled() {
+        let handled = match tick(&relay).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = format!("{e:#}"), "outbox relay pass failed");
+                0
+            }
+        };
+        if last_gauges.elapsed() > Duration::from_secs(2) {
+            last_gauges = std::time::Instant::now();
+            if let Err(e) = update_gauges(&relay).await {
+                tracing::debug!(error = format!("{e:#}"), "outbox gauges not updated");
+            }
+        }
+        if handled == 0 {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(idle) => {}
+            }
+        }
+    }
+}
+
+#[derive(QueryableByName)]
+struct Row {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Text)]
+    event_key: String,
+    #[diesel(sql_type = Text)]
+    payload: String,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+}
+
+/// One pass: claim due rows, publish them, record the results; returns how
+/// many rows it handled.
+pub async fn tick(relay: &Relay) -> anyhow::Result<usize> {
+    let rt = tokio::runtime::Handle::current();
+    let relay = relay.clone();
+    let db = relay.db.clone();
+    store::run(&db, move |conn| {
+        let handled = conn.transaction(|conn| pass(conn, &relay, &rt))?;
+        Ok(handled)
+    })
+    .await
+}
+
+fn pass(conn: &mut PgConn, relay: &Relay, rt: &tokio::runtime::Handle) -> QueryResult<usize> {
+    let rows: Vec<Row> = diesel::sql_query(
+        "SELECT id, topic, event_key, payload::text AS payload, attempts FROM outbox \
+         WHERE status IN ('NEW', 'RETRY') AND next_attempt_at <= now() \
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+    )
+    .bind::<BigInt, _>(relay.settings.relay_batch.max(1))
+    .load(conn)?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    // Enqueue in id order (librdkafka keeps that order per partition), then
+    // await every delivery report. This is a blocking-pool thread, where
+    // `block_on` is allowed.
+    let results: Vec<Result<(), String>> = rt.block_on(async {
+        let sends = rows.iter().map(|r| {
+            let topic = relay.topics.resolve(&r.topic);
+            let producer = relay.producer.clone();
+            async move {
+                bus::publish(&producer, &topic, &r.event_key, r.payload.as_bytes(), None)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+        });
+        futures_util::future::join_all(sends).await
+    });
+
+    let mut sent = Vec::new();
+    for (row, result) in rows.iter().zip(results) {
+        match result {
+            Ok(()) => sent.push(row.id),
+            Err(error) => {
+                let attempts = row.attempts + 1;
+                let dead = attempts >= relay.settings.relay_max_attempts;
+                let backoff_secs = 2i64.saturating_pow(attempts.clamp(0, 6) as u32).min(60);
+                diesel::sql_query(
+                    "UPDATE outbox SET attempts = $2, last_error = $3, \
+                     status = CASE WHEN $4 THEN 'DEAD' ELSE 'RETRY' END, \
+                     next_attempt_at = now() + make_interval(secs => $5) WHERE id = $1",
+                )
+                .bind::<BigInt, _>(row.id)
+                .bind::<Integer, _>(attempts)
+                .bind::<Text, _>(&error)
+                .bind::<diesel::sql_types::Bool, _>(dead)
+                .bind::<diesel::sql_types::Double, _>(backoff_secs as f64)
+                .execute(conn)?;
+                if dead {
+                    tracing::error!(outbox_id = row.id, attempts, error, "outbox event is DEAD");
+                }
+            }
+        }
+    }
+    if !sent.is_empty() {
+        diesel::sql_query(
+            "UPDATE outbox SET status = 'SENT', sent_at = now(), attempts = attempts + 1 \
+             WHERE id = ANY($1)",
+        )
+        .bind::<Array<BigInt>, _>(&sent)
+        .execute(conn)?;
+    }
+    Ok(rows.len())
+}
+
+#[derive(QueryableByName)]
+struct StatusCount {
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn update_gauges(relay: &Relay) -> anyhow::Result<()> {
+    let counts: Vec<StatusCount> = store::run(&relay.db, |conn| {
+        Ok(diesel::sql_query(
+            "SELECT status, count(*) AS n FROM outbox WHERE status IN ('NEW', 'RETRY', 'DEAD') \
+             GROUP BY status",
+        )
+        .load(conn)?)
+    })
+    .await?;
+    for status in ["NEW", "RETRY", "DEAD"] {
+        let n = counts
+            .iter()
+            .find(|c| c.status == status)
+            .map_or(0, |c| c.n);
+        relay
+            .metrics
+            .outbox_rows
+            .with_label_values(&[status])
+            .set(n);
+    }
+    Ok(())
+}

@@ -1,0 +1,7 @@
+//! Payments (SPEC step 5): pay intents through a [`provider::PaymentProvider`],
+//! signed provider callbacks applied once, and the built-in mock provider.
+
+pub mod provider;
+pub mod repo;
+pub mod routes;
+pub mod signature;

@@ -1,0 +1,265 @@
+//! Payment rows: intents and the one transaction that applies a callback.
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::sql_types::{BigInt, Integer, Nullable, Text, Timestamptz};
+use serde::Serialize;
+
+use super::provider::Callback;
+use crate::bus::events::OrderPaid;
+use crate::ids::OrderNo;
+use crate::outbox;
+use crate::store::PgConn;
+use crate::store::schema::{orders, payments};
+
+/// A payment row.
+#[derive(Debug, Clone, Queryable, Selectable, Serialize)]
+#[diesel(table_name = payments)]
+pub struct Payment {
+    #[serde(serialize_with = "as_string")]
+    pub payment_no: i64,
+    #[serde(serialize_with = "as_string")]
+    pub order_no: i64,
+    pub amount_cents: i64,
+    pub status: String,
+    #[serde(skip)]
+    pub provider: String,
+    #[serde(skip)]
+    pub provider_txn_id: Option<String>,
+}
+
+fn as_string<S: serde::Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+/// Result of asking to pay.
+#[derive(Debug)]
+pub enum PayIntent {
+    /// No such order for this user.
+    NotFound,
+    /// The order is not WAITING_PAY.
+    InvalidState,
+    /// The pending payment (new or existing).
+    Pending(Payment),
+}
+
+/// Creates the order's pending payment, or returns the one already pending.
+pub fn create_or_get(
+    conn: &mut PgConn,
+    order_no: i64,
+    user_id: i64,
+    payment_no: i64,
+    provider: &str,
+) -> QueryResult<PayIntent> {
+    conn.transaction(|conn| {
+        let order: Option<(String, i64)> = orders::table
+            .find(order_no)
+            .filter(orders::user_id.eq(user_id))
+            .select((orders::status, orders::amount_cents))
+            .for_update()
+            .first(conn)
+            .optional()?;
+        let Some((status, amount)) = order else {
+            return Ok(PayIntent::NotFound);
+        };
+        if status != "WAITING_PAY" {
+            return Ok(PayIntent::InvalidState);
+        }
+        let pending: Option<Payment> = payments::table
+            .filter(payments::order_no.eq(order_no))
+            .filter(payments::status.eq("PENDING"))
+            .select(Payment::as_select())
+            .first(conn)
+            .optional()?;
+        if let Some(p) = pending {
+            return Ok(PayIntent::Pending(p));
+        }
+        let created = diesel::insert_into(payments::table)
+            .values((
+                payments::payment_no.eq(payment_no),
+                payments::order_no.eq(order_no),
+                payments::amount_cents.eq(amount),
+                payments::provider.eq(provider),
+            ))
+            .returning(Payment::as_returning())
+            .get_result(conn)?;
+        Ok(PayIntent::Pending(created))
+    })
+}
+
+/// The payment, if it belongs to an order of `user_id`.
+pub fn find_for_user(
+    conn: &mut PgConn,
+    payment_no: i64,
+    user_id: i64,
+) -> QueryResult<Option<Payment>> {
+    payments::table
+        .inner_join(orders::table)
+        .filter(payments::payment_no.eq(payment_no))
+        .filter(orders::user_id.eq(user_id))
+        .select(Payment::as_select())
+        .first(conn)
+        .optional()
+}
+
+/// What a callback did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallbackOutcome {
+    /// WAITING_PAY → PAID with all its effects.
+    Applied,
+    /// Seen before: acknowledged, nothing changed.
+    Duplicate,
+    /// A successful charge for an order that is no longer payable: recorded
+    /// REFUND_REQUIRED, the order untouched.
+    RefundRequired,
+    /// A FAILED callback: the payment is failed, the order still WAITING_PAY.
+    MarkedFailed,
+    /// No such payment.
+    UnknownPayment,
+    /// The body's order_no is not the payment's.
+    OrderMismatch,
+    /// The amount differs from the payment's.
+    AmountMismatch,
+    /// The provider_txn_id was already recorded for another payment.
+    TxnReused,
+}
+
+impl CallbackOutcome {
+    /// Metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Applied => "applied",
+            Self::Duplicate => "duplicate",
+            Self::RefundRequired => "refund_required",
+            Self::MarkedFailed => "failed",
+            Self::UnknownPayment => "unknown_payment",
+            Self::OrderMismatch => "order_mismatch",
+            Self::AmountMismatch => "amount_mismatch",
+            Self::TxnReused => "txn_reused",
+        }
+    }
+}
+
+#[derive(QueryableByName)]
+struct PaidOrder {
+    #[diesel(sql_type = BigInt)]
+    activity_id: i64,
+    #[diesel(sql_type = BigInt)]
+    user_id: i64,
+    #[diesel(sql_type = Integer)]
+    quantity: i32,
+    #[diesel(sql_type = BigInt)]
+    amount_cents: i64,
+}
+
+/// Applies a verified callback in ONE transaction (SPEC step 5). The
+/// payment row is locked first, so concurrent duplicates serialize and all
+/// but the first see a settled payment.
+pub fn apply_callback(
+    conn: &mut PgConn,
+    payment_no: i64,
+    order_no: i64,
+    cb: &Callback,
+) -> QueryResult<CallbackOutcome> {
+    let result = conn.transaction(|conn| {
+        let payment: Option<Payment> = payments::table
+            .find(payment_no)
+            .select(Payment::as_select())
+            .for_update()
+            .first(conn)
+            .optional()?;
+        let Some(payment) = payment else {
+            return Ok(CallbackOutcome::UnknownPayment);
+        };
+        if payment.order_no != order_no {
+            return Ok(CallbackOutcome::OrderMismatch);
+        }
+        if payment.amount_cents != cb.amount_cents {
+            return Ok(CallbackOutcome::AmountMismatch);
+        }
+        if cb.status == "FAILED" {
+            let n = diesel::update(payments::table.find(payment_no).filter(payments::status.eq("PENDING")))
+                .set((payments::status.eq("FAILED"), payments::updated_at.eq(diesel::dsl::now)))
+                .execute(conn)?;
+            return Ok(if n == 1 { CallbackOutcome::MarkedFailed } else { CallbackOutcome::Duplicate });
+        }
+        if matches!(payment.status.as_str(), "SUCCESS" | "REFUND_REQUIRED") {
+            return Ok(CallbackOutcome::Duplicate);
+        }
+        let paid_at = cb.paid_at.unwrap_or_else(Utc::now);
+        let paid: Option<PaidOrder> = diesel::sql_query(
+            "UPDATE orders SET status = 'PAID', paid_at = $2, updated_at = now() \
+             WHERE order_no = $1 AND status = 'WAITING_PAY' \
+             RETURNING activity_id, user_id, quantity, amount_cents",
+        )
+        .bind::<BigInt, _>(order_no)
+        .bind::<Timestamptz, _>(paid_at)
+        .get_result(conn)
+        .optional()?;
+        let Some(order) = paid else {
+            // Closed, cancelled, or paid by another payment: never revived,
+            // never charged twice.
+            settle(conn, payment_no, "REFUND_REQUIRED", cb.provider_txn_id.as_deref(), None)?;
+            return Ok(CallbackOutcome::RefundRequired);
+        };
+        settle(conn, payment_no, "SUCCESS", cb.provider_txn_id.as_deref(), Some(paid_at))?;
+        diesel::sql_query(
+            "UPDATE stock SET locked = locked - $2, sold = sold + $2, updated_at = now() \
+             WHERE activity_id = $1",
+        )
+        .bind::<BigInt, _>(order.activity_id)
+        .bind::<Integer, _>(order.quantity)
+        .execute(conn)?;
+        diesel::sql_query(
+            "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) VALUES ($1, 'CONFIRM', $2, $3)",
+        )
+        .bind::<BigInt, _>(order.activity_id)
+        .bind::<BigInt, _>(order_no)
+        .bind::<Integer, _>(order.quantity)
+        .execute(conn)?;
+        diesel::sql_query(
+            "UPDATE user_coupons SET status = 'USED', updated_at = now() \
+             WHERE order_no = $1 AND status = 'LOCKED'",
+        )
+        .bind::<BigInt, _>(order_no)
+        .execute(conn)?;
+        let event = OrderPaid {
+            event_id: format!("paid-{order_no}"),
+            order_no: OrderNo::new(order_no),
+            activity_id: order.activity_id,
+            user_id: order.user_id,
+            amount_cents: order.amount_cents,
+            payment_no: payment_no.to_string(),
+        };
+        outbox::enqueue(conn, outbox::ORDER_PAID, &order_no.to_string(), &event)?;
+        Ok(CallbackOutcome::Applied)
+    });
+    match result {
+        Err(DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, info))
+            if info.constraint_name() == Some("payments_provider_txn_id_key") =>
+        {
+            Ok(CallbackOutcome::TxnReused)
+        }
+        other => other,
+    }
+}
+
+fn settle(
+    conn: &mut PgConn,
+    payment_no: i64,
+    status: &str,
+    txn: Option<&str>,
+    paid_at: Option<DateTime<Utc>>,
+) -> QueryResult<()> {
+    diesel::sql_query(
+        "UPDATE payments SET status = $2, provider_txn_id = COALESCE($3, provider_txn_id), \
+         paid_at = $4, updated_at = now() WHERE payment_no = $1",
+    )
+    .bind::<BigInt, _>(payment_no)
+    .bind::<Text, _>(status)
+    .bind::<Nullable<Text>, _>(txn)
+    .bind::<Nullable<Timestamptz>, _>(paid_at)
+    .execute(conn)?;
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! `POST /orders/{no}/pay`, `POST /payments/notify` and the mock provider's
+//! `POST /dev/payments/{no}/simulate`.
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use chrono::Utc;
+use secrecy::ExposeSecret;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::provider::Callback;
+use super::repo::{self, CallbackOutcome, PayIntent};
+use super::signature;
+use crate::app::AppState;
+use crate::http::auth::AuthUser;
+use crate::http::error::{ApiError, ErrorCode};
+use crate::ids::OrderNo;
+use crate::store;
+
+/// `POST /api/v1/orders/{order_no}/pay`: the pending payment of a
+/// WAITING_PAY order (created on the first call, returned on later ones).
+pub async fn pay(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let order_no = OrderNo::parse(&path)
+        .ok_or_else(|| ApiError::not_found("no such order"))?
+        .get();
+    let user_id = user.user_id.get();
+    let payment_no = state.ids.next_id();
+    let provider = state.provider.name();
+    let intent = store::run(&state.db, move |conn| {
+        Ok(repo::create_or_get(
+            conn, order_no, user_id, payment_no, provider,
+        )?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    match intent {
+        PayIntent::NotFound => Err(ApiError::not_found("no such order")),
+        PayIntent::InvalidState => Err(ApiError::new(
+            ErrorCode::InvalidState,
+            "only a WAITING_PAY order can be paid",
+        )),
+        PayIntent::Pending(p) => Ok(HttpResponse::Ok().json(p)),
+    }
+}
+
+/// `POST /api/v1/payments/notify`: the provider's signed callback. The raw
+/// body is what was signed, so it is read as bytes and verified before it is
+/// parsed.
+pub async fn notify(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    body: web::Bytes,
+) -> Result<HttpResponse, ApiError> {
+    let settings = &state.settings.payment;
+    let header = req
+        .headers()
+        .get("x-pay-signature")
+        .and_then(|v| v.to_str().ok());
+    if let Err(e) = signature::verify(
+        settings.notify_secret.expose_secret().as_bytes(),
+        header,
+        &body,
+        Utc::now().timestamp(),
+        settings.signature_tolerance_secs,
+    ) {
+        state
+            .metrics
+            .callbacks
+            .with_label_values(&["bad_signature"])
+            .inc();
+        return Err(ApiError::new(ErrorCode::BadSignature, e.to_string()));
+    }
+    let cb: Callback = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid callback body: {e}")))?;
+    if !matches!(cb.status.as_str(), "SUCCESS" | "FAILED") {
+        return Err(ApiError::bad_request("status must be SUCCESS or FAILED"));
+    }
+    let (Some(payment_no), Some(order_no)) =
+        (OrderNo::parse(&cb.payment_no), OrderNo::parse(&cb.order_no))
+    else {
+        return Err(ApiError::bad_request(
+            "payment_no and order_no must be decimal ids",
+        ));
+    };
+    if cb
+        .provider_txn_id
+        .as_ref()
+        .is_some_and(|t| t.is_empty() || t.len() > 128)
+    {
+        return Err(ApiError::bad_request(
+            "provider_txn_id must be 1..=128 characters",
+        ));
+    }
+    let outcome = store::run(&state.db, move |conn| {
+        Ok(repo::apply_callback(
+            conn,
+            payment_no.get(),
+            order_no.get(),
+            &cb,
+        )?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    state
+        .metrics
+        .callbacks
+        .with_label_values(&[outcome.label()])
+        .inc();
+    match outcome {
+        CallbackOutcome::Applied
+        | CallbackOutcome::Duplicate
+        | CallbackOutcome::RefundRequired
+        | CallbackOutcome::MarkedFailed => Ok(HttpResponse::Ok().json(json!({"code": "SUCCESS"}))),
+        CallbackOutcome::UnknownPayment => Err(ApiError::not_found("no such payment")),
+        CallbackOutcome::OrderMismatch => Err(ApiError::bad_request(
+            "order_no is not this payment's order",
+        )),
+        CallbackOutcome::AmountMismatch => Err(ApiError::new(
+            ErrorCode::AmountMismatch,
+            "amount_cents differs from the payment's amount",
+        )),
+        CallbackOutcome::TxnReused => Err(ApiError::bad_request(
+            "provider_txn_id is already recorded for another payment",
+        )),
+    }
+}
+
+/// `POST /api/v1/dev/payments/{payment_no}/simulate` body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Simulate {
+    #[serde(default = "success")]
+    status: String,
+    #[serde(default = "one")]
+    times: u32,
+}
+
+fn success() -> String {
+    "SUCCESS".into()
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// The mock provider delivers `times` signed callbacks for one of the
+/// caller's payments, over HTTP to this server, like a real provider would.
+pub async fn simulate(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+    body: web::Json<Simulate>,
+) -> Result<HttpResponse, ApiError> {
+    let Some(mock) = state.mock.as_ref() else {
+        return Err(ApiError::not_found("no such route"));
+    };
+    let body = body.into_inner();
+    if !matches!(body.status.as_str(), "SUCCESS" | "FAILED") {
+        return Err(ApiError::bad_request("status must be SUCCESS or FAILED"));
+    }
+    if !(1..=20).contains(&body.times) {
+        return Err(ApiError::bad_request("times must be 1..=20"));
+    }
+    let payment_no = OrderNo::parse(&path)
+        .ok_or_else(|| ApiError::not_found("no such payment"))?
+        .get();
+    let user_id = user.user_id.get();
+    let payment = store::run(&state.db, move |conn| {
+        Ok(repo::find_for_user(conn, payment_no, user_id)?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?
+    .ok_or_else(|| ApiError::not_found("no such payment"))?;
+    let callback = Callback {
+        payment_no: payment.payment_no.to_string(),
+        order_no: payment.order_no.to_string(),
+        amount_cents: payment.amount_cents,
+        status: body.status,
+        provider_txn_id: Some(format!("mock-{}", payment.payment_no)),
+        paid_at: Some(Utc::now()),
+    };
+    let url = format!("{}/api/v1/payments/notify", state.self_url);
+    let mut statuses = Vec::with_capacity(body.times as usize);
+    for _ in 0..body.times {
+        let (bytes, header) = mock.signed_callback(&callback);
+        let sent = state
+            .http
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("x-pay-signature", header)
+            .body(bytes)
+            .send()
+            .await;
+        statuses.push(sent.map(|r| r.status().as_u16()).unwrap_or(0));
+    }
+    Ok(HttpResponse::Ok().json(json!({"delivered": statuses.len(), "responses": statuses})))
+}

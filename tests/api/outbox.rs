@@ -1,0 +1,130 @@
+//! The outbox relay: nothing lost while the broker is down, several relays
+//! at once, and the Redis release applied once (SPEC step 7, I5).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use rdkafka::Message;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use seckill::app::AppState;
+use seckill::bus::{Topics, client_config};
+use seckill::outbox::relay;
+
+use crate::helpers::{TestApp, spawn_app_with};
+
+async fn cancel_all(app: &TestApp, orders: &[(i64, String)]) {
+    for (user, order_no) in orders {
+        assert_eq!(app.cancel(*user, order_no).await.status(), 200);
+    }
+}
+
+async fn outbox_count(app: &TestApp, status: &str) -> i64 {
+    app.count(&format!(
+        "SELECT count(*) AS n FROM outbox WHERE topic = 'stock.released' AND status = '{status}'"
+    ))
+    .await
+}
+
+#[tokio::test]
+async fn with_the_broker_down_released_stock_waits_in_the_outbox_and_is_applied_once_when_it_is_back()
+ {
+    let app = spawn_app_with(|s| s.workers.relay_enabled = false).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 5).await;
+    cancel_all(&app, &orders).await;
+    assert_eq!(outbox_count(&app, "NEW").await, 5);
+
+    // A relay whose broker is unreachable.
+    let mut down = app.settings.clone();
+    down.kafka.brokers = "127.0.0.1:1".into();
+    down.kafka.timeout_ms = 500;
+    let dead_relay = relay::spawn(AppState::connect(down).unwrap().relay());
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while outbox_count(&app, "RETRY").await < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rows never moved to RETRY"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    dead_relay.stop().await;
+    assert_eq!(outbox_count(&app, "SENT").await, 0);
+    assert_eq!(
+        app.count("SELECT count(*) AS n FROM outbox").await,
+        5,
+        "nothing lost"
+    );
+    assert!(
+        app.count("SELECT min(attempts)::bigint AS n FROM outbox")
+            .await
+            >= 1
+    );
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["db_available"], 10);
+    assert_eq!(stats["redis_available"], 5, "Redis waits for the events");
+
+    // The broker is reachable again.
+    let live_relay = relay::spawn(AppState::connect(app.settings.clone()).unwrap().relay());
+    let stats = app
+        .wait_for_stats(activity, 30, |s| s["redis_available"] == 10)
+        .await;
+    live_relay.stop().await;
+    assert_eq!(outbox_count(&app, "SENT").await, 5);
+    assert_eq!(stats["db_available"], 10);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        app.stats(activity).await["redis_available"],
+        10,
+        "released exactly once"
+    );
+}
+
+#[tokio::test]
+async fn two_relays_at_once_publish_every_event_and_redis_releases_each_once() {
+    let app = spawn_app_with(|s| s.workers.relay_enabled = false).await;
+    let activity = app.live_activity(20, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 20).await;
+    cancel_all(&app, &orders).await;
+    assert_eq!(outbox_count(&app, "NEW").await, 20);
+    assert_eq!(app.stats(activity).await["redis_available"], 0);
+
+    let a = relay::spawn(AppState::connect(app.settings.clone()).unwrap().relay());
+    let b = relay::spawn(AppState::connect(app.settings.clone()).unwrap().relay());
+    let stats = app
+        .wait_for_stats(activity, 30, |s| s["redis_available"] == 20)
+        .await;
+    a.stop().await;
+    b.stop().await;
+    assert_eq!(outbox_count(&app, "SENT").await, 20);
+    assert_eq!(stats["db_available"], 20);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        app.stats(activity).await["redis_available"],
+        20,
+        "never more than was released"
+    );
+
+    // Every event is on the topic (at least once).
+    let topics = Topics::new(&app.settings.kafka.topic_prefix);
+    let reader: StreamConsumer = client_config(&app.settings.kafka)
+        .set(
+            "group.id",
+            format!("{}reader", app.settings.kafka.topic_prefix),
+        )
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    reader.subscribe(&[&topics.stock_released]).unwrap();
+    let mut seen = HashSet::new();
+    while seen.len() < 20 {
+        let m = tokio::time::timeout(Duration::from_secs(20), reader.recv())
+            .await
+            .expect("events")
+            .unwrap();
+        let event: serde_json::Value = serde_json::from_slice(m.payload().unwrap()).unwrap();
+        seen.insert(event["event_id"].as_str().unwrap().to_owned());
+    }
+    let expected: HashSet<String> = orders.iter().map(|(_, o)| format!("release-{o}")).collect();
+    assert_eq!(seen, expected);
+    let _ = tokio::task::spawn_blocking(move || drop(reader)).await;
+}
