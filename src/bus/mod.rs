@@ -4,6 +4,7 @@
 //! librdkafka's own background thread.
 
 pub mod events;
+pub mod runner;
 
 use std::time::Duration;
 

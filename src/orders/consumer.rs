@@ -11,29 +11,25 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use chrono::Utc;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use rdkafka::Message;
-use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
+use rdkafka::message::OwnedMessage;
 use rdkafka::producer::FutureProducer;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::repo::{self, BatchOutcome};
 use crate::admission::{RedisGate, ReleaseReason};
+use crate::bus::Topics;
 use crate::bus::events::OrderRequested;
-use crate::bus::{self, Topics};
+pub use crate::bus::runner::ConsumerHandle;
+use crate::bus::runner::{self, Handler, Subscription};
 use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::store::{self, PgPool};
 
 /// Name of this consumer in `consume_log` and in its group id.
 pub const CONSUMER: &str = "order-creator";
-
-/// Longest pause between retries of a failing batch.
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// A permanent error is retried this often before the batch is split (and a
 /// single event dead-lettered).
@@ -64,92 +60,32 @@ impl ConsumerDeps {
     }
 }
 
-/// A running consumer.
-pub struct ConsumerHandle {
-    shutdown: CancellationToken,
-    join: JoinHandle<()>,
-}
-
-impl ConsumerHandle {
-    /// Wraps a spawned consumer loop.
-    pub fn new(shutdown: CancellationToken, join: JoinHandle<()>) -> Self {
-        Self { shutdown, join }
-    }
-
-    /// Finishes the batch in hand, then leaves the group.
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = self.join.await;
-    }
-
-    /// Stops at once, wherever it is (tests simulate a crash with this).
-    pub fn abort(self) {
-        self.join.abort();
-    }
-}
-
-/// Subscribes and starts the loop on the current runtime.
+/// Subscribes and starts the consumer on the current runtime.
 pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
-    let kafka = &deps.settings.kafka;
-    let consumer: StreamConsumer = bus::client_config(kafka)
-        .set("group.id", format!("{}{CONSUMER}", kafka.topic_prefix))
-        .set("enable.auto.commit", "true")
-        .set("auto.commit.interval.ms", "500")
-        .set("enable.auto.offset.store", "false")
-        .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "10000")
-        .set("fetch.wait.max.ms", "50")
-        .create()
-        .context("creating the order consumer")?;
-    consumer
-        .subscribe(&[&deps.topics.order_requested])
-        .context("subscribing to order.requested")?;
-    let shutdown = CancellationToken::new();
-    let join = tokio::spawn(run(consumer, deps, shutdown.clone()));
-    Ok(ConsumerHandle { shutdown, join })
+    let sub = Subscription {
+        group: CONSUMER,
+        topic: deps.topics.order_requested.clone(),
+        batch_size: deps.settings.orders.batch_size,
+        batch_wait: Duration::from_millis(deps.settings.orders.batch_wait_ms),
+    };
+    let kafka = deps.settings.kafka.clone();
+    runner::spawn(&kafka, sub, OrderCreator(deps))
 }
 
-async fn run(consumer: StreamConsumer, deps: ConsumerDeps, shutdown: CancellationToken) {
-    let max = deps.settings.orders.batch_size.max(1);
-    let wait = Duration::from_millis(deps.settings.orders.batch_wait_ms);
-    loop {
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            m = consumer.recv() => m,
-        };
-        let first = match first {
-            Ok(m) => m.detach(),
-            Err(e) => {
-                tracing::warn!(error = %e, "order consumer receive failed");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + wait;
-        while batch.len() < max {
-            match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                Ok(Ok(m)) => batch.push(m.detach()),
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "order consumer receive failed");
-                    break;
-                }
-                Err(_) => break,
-            }
-        }
-        deps.metrics.consumer_batch_size.observe(batch.len() as f64);
-        if !process(&deps, &batch, &shutdown).await {
-            break; // shutting down mid-retry: these offsets stay uncommitted
-        }
-        for m in &batch {
-            if let Err(e) = consumer.store_offset(m.topic(), m.partition(), m.offset()) {
-                // Partition revoked meanwhile: its new owner replays, harmlessly.
-                tracing::debug!(error = %e, "offset not stored");
-            }
-        }
+struct OrderCreator(ConsumerDeps);
+
+impl Handler for OrderCreator {
+    fn handle<'a>(
+        &'a self,
+        batch: &'a [OwnedMessage],
+        shutdown: &'a CancellationToken,
+    ) -> impl Future<Output = bool> + Send + 'a {
+        self.0
+            .metrics
+            .consumer_batch_size
+            .observe(batch.len() as f64);
+        process(&self.0, batch, shutdown)
     }
-    // Closing commits the stored offsets and leaves the group: blocking.
-    let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
 }
 
 /// Applies one batch; false when shutdown interrupted a retry.
@@ -199,15 +135,13 @@ async fn process(
             }
             Err(e) => {
                 attempt += 1;
-                let backoff = backoff(attempt);
                 tracing::warn!(
                     error = format!("{e:#}"),
                     attempt,
                     "order batch failed; retrying"
                 );
-                tokio::select! {
-                    _ = shutdown.cancelled() => return false,
-                    _ = tokio::time::sleep(backoff) => {}
+                if !runner::pause(attempt, shutdown).await {
+                    return false;
                 }
             }
         }
@@ -318,68 +252,22 @@ fn is_permanent(e: &anyhow::Error) -> bool {
     )
 }
 
-fn backoff(attempt: u32) -> Duration {
-    (Duration::from_millis(100) * 2u32.saturating_pow(attempt.min(10))).min(MAX_BACKOFF)
-}
-
-/// Publishes `m` to the dead-letter topic with the reason in headers,
-/// retrying until the broker takes it (a dead letter must not be lost).
 async fn dead_letter(
     deps: &ConsumerDeps,
     m: &OwnedMessage,
     reason: &str,
     shutdown: &CancellationToken,
 ) -> bool {
-    tracing::warn!(
+    let sent = runner::dead_letter(
+        &deps.producer,
+        &deps.topics.order_requested_dlq,
+        m,
         reason,
-        partition = m.partition(),
-        offset = m.offset(),
-        "order event dead-lettered"
-    );
-    let partition = m.partition().to_string();
-    let offset = m.offset().to_string();
-    let mut attempt = 0;
-    loop {
-        let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: "error",
-                value: Some(reason),
-            })
-            .insert(Header {
-                key: "source.topic",
-                value: Some(m.topic()),
-            })
-            .insert(Header {
-                key: "source.partition",
-                value: Some(partition.as_str()),
-            })
-            .insert(Header {
-                key: "source.offset",
-                value: Some(offset.as_str()),
-            });
-        let key = m.key().map(String::from_utf8_lossy).unwrap_or_default();
-        let payload = m.payload().unwrap_or_default();
-        match bus::publish(
-            &deps.producer,
-            &deps.topics.order_requested_dlq,
-            &key,
-            payload,
-            Some(headers),
-        )
-        .await
-        {
-            Ok(()) => {
-                deps.metrics.dead_letters.inc();
-                return true;
-            }
-            Err(e) => {
-                attempt += 1;
-                tracing::warn!(error = %e, attempt, "dead-letter publish failed; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return false,
-                    _ = tokio::time::sleep(backoff(attempt)) => {}
-                }
-            }
-        }
+        shutdown,
+    )
+    .await;
+    if sent {
+        deps.metrics.dead_letters.inc();
     }
+    sent
 }
