@@ -18,6 +18,7 @@ use crate::admission::RedisGate;
 use crate::admission::limits::{KeyedLimiter, Limits};
 use crate::bus::{self, Topics};
 use crate::config::{RedisSettings, Settings};
+use crate::coupons::gate::CouponGate;
 use crate::http;
 use crate::http::auth::JwtKeys;
 use crate::ids::{IdGenerator, Snowflake};
@@ -39,6 +40,8 @@ pub struct AppState {
     pub gate: Arc<RedisGate>,
     /// Warmed activities' windows and limits, cached in process.
     pub activities: ActivityCache,
+    /// Coupon scripts (same multiplexed connection as the gate).
+    pub coupons: Arc<CouponGate>,
     /// In-process token buckets (per activity, per client IP).
     pub limits: Limits,
     /// Purchases awaiting their delivery report; empty → 503 BUSY.
@@ -71,10 +74,11 @@ impl AppState {
         let a = &settings.admission;
         let redis = redis_pool(&settings.redis)?;
         let gate_pool = (settings.redis.gate_connection == "pool").then(|| redis.clone());
+        let gate =
+            RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?;
         Ok(Self {
-            gate: Arc::new(
-                RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?,
-            ),
+            coupons: Arc::new(CouponGate::new(gate.conn(), &settings.redis.key_prefix)),
+            gate: Arc::new(gate),
             redis,
             activities: ActivityCache::default(),
             limits: Limits {
@@ -162,6 +166,7 @@ pub fn redis_pool(settings: &RedisSettings) -> anyhow::Result<deadpool_redis::Po
 pub struct Workers {
     consumer: Option<ConsumerHandle>,
     releaser: Option<ConsumerHandle>,
+    claimer: Option<ConsumerHandle>,
     closer: Option<CloserHandle>,
     relay: Option<RelayHandle>,
 }
@@ -180,6 +185,11 @@ impl Workers {
             releaser: w
                 .releaser_enabled
                 .then(|| releaser::spawn(state.consumer_deps()))
+                .transpose()?,
+            claimer: s
+                .orders
+                .consumer_enabled
+                .then(|| crate::coupons::consumer::spawn(state.consumer_deps()))
                 .transpose()?,
             closer: w.closer_enabled.then(|| {
                 closer::spawn(
@@ -206,6 +216,9 @@ impl Workers {
         }
         if let Some(r) = self.releaser {
             r.stop().await;
+        }
+        if let Some(c) = self.claimer {
+            c.stop().await;
         }
     }
 }

@@ -6,6 +6,7 @@ pub mod admission;
 pub mod app;
 pub mod bus;
 pub mod config;
+pub mod coupons;
 pub mod domain;
 pub mod http;
 pub mod ids;

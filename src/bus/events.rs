@@ -93,6 +93,41 @@ pub struct OrderPaid {
     pub payment_no: String,
 }
 
+/// `coupon.claimed`: a claim admitted by Redis, to be written to
+/// `user_coupons` by the claims consumer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CouponClaimed {
+    /// Idempotency key: `claim-<coupon_id>-<user_id>`.
+    pub event_id: String,
+    /// The batch.
+    pub coupon_id: i64,
+    /// The claimant.
+    pub user_id: i64,
+    /// The client's idempotency key.
+    pub request_id: String,
+    /// When Redis admitted the claim, unix ms.
+    pub claimed_at_ms: i64,
+}
+
+impl CouponClaimed {
+    /// Encodes for the wire.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Decodes and validates.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let e: Self = serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON: {e}"))?;
+        if e.coupon_id < 1 || e.user_id < 1 {
+            return Err("coupon_id and user_id must be positive".into());
+        }
+        if e.request_id.is_empty() || e.request_id.len() > 64 || e.event_id.is_empty() {
+            return Err("request_id must be 1..=64 characters".into());
+        }
+        Ok(e)
+    }
+}
+
 impl StockReleased {
     /// Decodes and validates.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {

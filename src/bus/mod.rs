@@ -30,6 +30,10 @@ pub struct Topics {
     pub stock_released: String,
     /// `order.paid` (from the outbox).
     pub order_paid: String,
+    /// `coupon.claimed`: admitted coupon claims.
+    pub coupon_claimed: String,
+    /// Dead letters of `coupon.claimed`.
+    pub coupon_claimed_dlq: String,
     prefix: String,
 }
 
@@ -41,6 +45,8 @@ impl Topics {
             order_requested_dlq: format!("{prefix}order.requested.dlq"),
             stock_released: format!("{prefix}stock.released"),
             order_paid: format!("{prefix}order.paid"),
+            coupon_claimed: format!("{prefix}coupon.claimed"),
+            coupon_claimed_dlq: format!("{prefix}coupon.claimed.dlq"),
             prefix: prefix.to_owned(),
         }
     }

@@ -40,6 +40,9 @@ pub enum ErrorCode {
     RetryLater,
     BadSignature,
     AmountMismatch,
+    CouponExhausted,
+    AlreadyClaimed,
+    CouponExpired,
     Internal,
 }
 
@@ -66,6 +69,9 @@ impl ErrorCode {
             Self::RetryLater => "RETRY_LATER",
             Self::BadSignature => "BAD_SIGNATURE",
             Self::AmountMismatch => "AMOUNT_MISMATCH",
+            Self::CouponExhausted => "COUPON_EXHAUSTED",
+            Self::AlreadyClaimed => "ALREADY_CLAIMED",
+            Self::CouponExpired => "COUPON_EXPIRED",
             Self::Internal => "INTERNAL",
         }
     }
@@ -81,9 +87,13 @@ impl ErrorCode {
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::NotReady | Self::Busy | Self::RetryLater => StatusCode::SERVICE_UNAVAILABLE,
-            Self::NotActive | Self::SoldOut | Self::LimitExceeded | Self::InvalidState => {
-                StatusCode::CONFLICT
-            }
+            Self::NotActive
+            | Self::SoldOut
+            | Self::LimitExceeded
+            | Self::InvalidState
+            | Self::CouponExhausted
+            | Self::AlreadyClaimed
+            | Self::CouponExpired => StatusCode::CONFLICT,
             Self::InvalidToken => StatusCode::FORBIDDEN,
             Self::CouponInvalid | Self::AmountMismatch => StatusCode::BAD_REQUEST,
             Self::BadSignature => StatusCode::UNAUTHORIZED,

@@ -14,6 +14,7 @@ use actix_web::{HttpMessage, HttpResponse, web};
 use tracing::Instrument;
 
 use crate::activities::routes as activities;
+use crate::coupons::routes as coupons;
 use crate::metrics::Metrics;
 use crate::orders::routes as orders;
 use crate::payments::routes as payments;
@@ -48,7 +49,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(web::resource("/api/v1/payments/notify").post(payments::notify))
         .service(
             web::resource("/api/v1/dev/payments/{payment_no}/simulate").post(payments::simulate),
-        );
+        )
+        .service(web::resource("/api/v1/admin/coupons").post(coupons::create))
+        .service(web::resource("/api/v1/admin/coupons/{id}/stats").get(coupons::stats))
+        .service(web::resource("/api/v1/coupons/mine").get(coupons::mine))
+        .service(web::resource("/api/v1/coupons/{id}/claim").post(coupons::claim));
 }
 
 /// Extractor configs whose failures answer in the API error shape.

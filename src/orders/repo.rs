@@ -116,6 +116,9 @@ struct OrderNoRow {
 
 /// Why an order could not be backed by the database.
 pub const STOCK_UNAVAILABLE: &str = "STOCK_UNAVAILABLE";
+/// The coupon it named could not be locked (used by another order, expired,
+/// or the order is below the coupon's minimum).
+pub const COUPON_UNAVAILABLE: &str = "COUPON_UNAVAILABLE";
 /// Its reservation was released before the event was processed (the publish
 /// was reported failed, or the reconciler voided it).
 pub const RESERVATION_RELEASED: &str = "RESERVATION_RELEASED";
@@ -164,6 +167,7 @@ pub fn apply_batch(
         outcome.duplicates = events.len() - fresh.len();
 
         let mut rows = OrderColumns::default();
+        let mut coupon_locked: Vec<i64> = Vec::new();
         let mut seen = HashSet::new();
         for e in events.iter().filter(|e| fresh.contains(&e.event_id)) {
             // The same event twice in one batch counts once.
@@ -175,14 +179,28 @@ pub fn apply_batch(
                 continue;
             };
             let order_no = e.order_no.get();
-            let (status, reason, deadline) = if released.contains(&order_no) {
-                ("FAILED", Some(RESERVATION_RELEASED), None)
+            let gross = t.price_cents.saturating_mul(i64::from(e.quantity));
+            let deadline = Some(now + Duration::seconds(i64::from(t.pay_timeout_secs)));
+            let (status, reason, deadline, amount) = if released.contains(&order_no) {
+                ("FAILED", Some(RESERVATION_RELEASED), None, gross)
+            } else if let Some(coupon_id) = e.coupon_id {
+                match lock_coupon(conn, coupon_id, e.user_id, order_no, gross)? {
+                    Some(discount) => {
+                        coupon_locked.push(order_no);
+                        ("WAITING_PAY", None, deadline, gross.saturating_sub(discount).max(0))
+                    }
+                    None => ("FAILED", Some(COUPON_UNAVAILABLE), None, gross),
+                }
             } else {
-                ("WAITING_PAY", None, Some(now + Duration::seconds(i64::from(t.pay_timeout_secs))))
+                ("WAITING_PAY", None, deadline, gross)
             };
-            rows.push(e, t.price_cents.saturating_mul(i64::from(e.quantity)), status, reason, deadline);
+            rows.push(e, amount, status, reason, deadline);
         }
         let inserted: HashSet<i64> = rows.insert(conn)?;
+        // A coupon locked for an order whose row already existed goes back.
+        let orphaned: Vec<i64> =
+            coupon_locked.iter().filter(|o| !inserted.contains(o)).copied().collect();
+        unlock_coupons(conn, &orphaned)?;
 
         // Stock for the inserted WAITING_PAY orders, per activity.
         let mut by_activity: HashMap<i64, Vec<(i64, i32)>> = HashMap::new();
@@ -218,6 +236,7 @@ pub fn apply_batch(
             .bind::<Array<BigInt>, _>(&unbacked)
             .bind::<Text, _>(STOCK_UNAVAILABLE)
             .execute(conn)?;
+            unlock_coupons(conn, &unbacked)?;
         }
         if !locked.is_empty() {
             let (a, o, q): (Vec<i64>, Vec<i64>, Vec<i32>) = unzip3(&locked);
@@ -235,6 +254,46 @@ pub fn apply_batch(
         outcome.failed = inserted.len() - locked.len();
         Ok(outcome)
     })
+}
+
+/// Locks the user's UNUSED coupon of batch `coupon_id` for `order_no`, if
+/// the batch is still valid and the order reaches its minimum; returns the
+/// discount. The conditional update makes one coupon back one order (I8).
+fn lock_coupon(
+    conn: &mut PgConn,
+    coupon_id: i64,
+    user_id: i64,
+    order_no: i64,
+    gross_cents: i64,
+) -> QueryResult<Option<i64>> {
+    #[derive(QueryableByName)]
+    struct Discount {
+        #[diesel(sql_type = BigInt)]
+        discount_cents: i64,
+    }
+    let locked: Option<Discount> = diesel::sql_query(
+        "UPDATE user_coupons uc SET status = 'LOCKED', order_no = $3, updated_at = now()          FROM coupons c          WHERE uc.coupon_id = $1 AND uc.user_id = $2 AND uc.status = 'UNUSED'            AND c.id = uc.coupon_id AND c.valid_until > now() AND c.min_amount_cents <= $4          RETURNING c.discount_cents",
+    )
+    .bind::<BigInt, _>(coupon_id)
+    .bind::<BigInt, _>(user_id)
+    .bind::<BigInt, _>(order_no)
+    .bind::<BigInt, _>(gross_cents)
+    .get_result(conn)
+    .optional()?;
+    Ok(locked.map(|d| d.discount_cents))
+}
+
+/// Returns the coupons locked by `order_nos` to UNUSED.
+fn unlock_coupons(conn: &mut PgConn, order_nos: &[i64]) -> QueryResult<()> {
+    if order_nos.is_empty() {
+        return Ok(());
+    }
+    diesel::sql_query(
+        "UPDATE user_coupons SET status = 'UNUSED', order_no = NULL, updated_at = now()          WHERE order_no = ANY($1) AND status = 'LOCKED'",
+    )
+    .bind::<Array<BigInt>, _>(order_nos)
+    .execute(conn)?;
+    Ok(())
 }
 
 /// `available → locked` for `units`, only if that many are available.

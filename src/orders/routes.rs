@@ -112,12 +112,21 @@ pub async fn place(
     if quantity > meta.per_user_limit {
         return Err(ApiError::bad_request("quantity exceeds the per-user limit"));
     }
-    if body.coupon_id.is_some() {
-        // Coupons are not claimable yet, so no caller holds one.
-        return Err(ApiError::new(
-            ErrorCode::CouponInvalid,
-            "you hold no such coupon",
-        ));
+    if let Some(coupon_id) = body.coupon_id {
+        // A cheap membership check; the coupon is locked (or the order
+        // fails) in the order-creating transaction.
+        let holds = coupon_id >= 1
+            && state
+                .coupons
+                .holds(coupon_id, user.user_id.get())
+                .await
+                .map_err(|e| ApiError::unavailable(e.into()))?;
+        if !holds {
+            return Err(ApiError::new(
+                ErrorCode::CouponInvalid,
+                "you hold no such coupon",
+            ));
+        }
     }
     let token = body
         .token

@@ -1,0 +1,154 @@
+//! The Redis side of coupons. Keys carry the hash tag `{c:<coupon_id>}`.
+
+use redis::aio::ConnectionManager;
+use redis::{RedisResult, Script};
+
+/// What the claim script decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Claimed now.
+    Claimed,
+    /// This request_id claimed it before.
+    Replay,
+    /// None left.
+    Exhausted,
+    /// The user holds one already.
+    AlreadyClaimed,
+    /// Past `valid_until`.
+    Expired,
+    /// No such batch in Redis.
+    Unknown,
+}
+
+/// Keys of one coupon batch.
+pub struct CouponKeys {
+    base: String,
+}
+
+impl CouponKeys {
+    /// Keys for `coupon_id` under `prefix`.
+    pub fn new(prefix: &str, coupon_id: i64) -> Self {
+        Self {
+            base: format!("{prefix}{{c:{coupon_id}}}:"),
+        }
+    }
+
+    /// Hash: remaining, valid_until_ms.
+    pub fn meta(&self) -> String {
+        format!("{}meta", self.base)
+    }
+
+    /// Set of user ids holding one.
+    pub fn claimants(&self) -> String {
+        format!("{}claimed", self.base)
+    }
+
+    /// Hash `"<user>:<request_id>"` → 1.
+    pub fn requests(&self) -> String {
+        format!("{}reqs", self.base)
+    }
+}
+
+/// Coupon scripts over the shared multiplexed connection.
+pub struct CouponGate {
+    conn: ConnectionManager,
+    prefix: String,
+    claim: Script,
+    unclaim: Script,
+}
+
+impl CouponGate {
+    /// A gate on `conn` (the admission gate's connection).
+    pub fn new(conn: ConnectionManager, prefix: &str) -> Self {
+        Self {
+            conn,
+            prefix: prefix.to_owned(),
+            claim: Script::new(include_str!("lua/claim.lua")),
+            unclaim: Script::new(include_str!("lua/unclaim.lua")),
+        }
+    }
+
+    /// Keys of a batch.
+    pub fn keys(&self, coupon_id: i64) -> CouponKeys {
+        CouponKeys::new(&self.prefix, coupon_id)
+    }
+
+    /// Loads a new batch (`remaining = total`).
+    pub async fn warm(&self, coupon_id: i64, total: i32, valid_until_ms: i64) -> RedisResult<()> {
+        redis::cmd("HSET")
+            .arg(self.keys(coupon_id).meta())
+            .arg("remaining")
+            .arg(total)
+            .arg("valid_until_ms")
+            .arg(valid_until_ms)
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// Runs the claim script.
+    pub async fn claim(
+        &self,
+        coupon_id: i64,
+        user_id: i64,
+        request_id: &str,
+        now_ms: i64,
+    ) -> RedisResult<Claim> {
+        let k = self.keys(coupon_id);
+        let code: i64 = self
+            .claim
+            .key(k.meta())
+            .key(k.claimants())
+            .key(k.requests())
+            .arg(user_id)
+            .arg(request_id)
+            .arg(now_ms)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(match code {
+            0 => Claim::Claimed,
+            1 => Claim::Replay,
+            2 => Claim::Exhausted,
+            3 => Claim::AlreadyClaimed,
+            4 => Claim::Expired,
+            _ => Claim::Unknown,
+        })
+    }
+
+    /// Undoes a claim (its event was not published); idempotent.
+    pub async fn unclaim(
+        &self,
+        coupon_id: i64,
+        user_id: i64,
+        request_id: &str,
+    ) -> RedisResult<bool> {
+        let k = self.keys(coupon_id);
+        let undone: i64 = self
+            .unclaim
+            .key(k.meta())
+            .key(k.claimants())
+            .key(k.requests())
+            .arg(user_id)
+            .arg(request_id)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(undone == 1)
+    }
+
+    /// Whether `user_id` holds a coupon of the batch (the admission check).
+    pub async fn holds(&self, coupon_id: i64, user_id: i64) -> RedisResult<bool> {
+        redis::cmd("SISMEMBER")
+            .arg(self.keys(coupon_id).claimants())
+            .arg(user_id)
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// Coupons left in Redis (None if the batch is unknown there).
+    pub async fn remaining(&self, coupon_id: i64) -> RedisResult<Option<i64>> {
+        redis::cmd("HGET")
+            .arg(self.keys(coupon_id).meta())
+            .arg("remaining")
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+}

@@ -1,0 +1,170 @@
+//! Coupon rows: batches, the claims consumer's transaction, the owner's list.
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Text};
+use serde::Serialize;
+
+use crate::bus::events::CouponClaimed;
+use crate::store::PgConn;
+use crate::store::schema::{coupons, user_coupons};
+
+/// A coupon batch.
+#[derive(Debug, Clone, Queryable, Selectable, Serialize)]
+#[diesel(table_name = coupons)]
+pub struct Coupon {
+    #[serde(rename = "coupon_id")]
+    pub id: i64,
+    pub name: String,
+    pub total: i32,
+    pub discount_cents: i64,
+    pub min_amount_cents: i64,
+    pub per_user_limit: i32,
+    pub valid_until: DateTime<Utc>,
+}
+
+/// A new batch, validated by the route.
+#[derive(Debug, Insertable)]
+#[diesel(table_name = coupons)]
+pub struct NewCoupon {
+    pub name: String,
+    pub total: i32,
+    pub discount_cents: i64,
+    pub min_amount_cents: i64,
+    pub per_user_limit: i32,
+    pub valid_until: DateTime<Utc>,
+}
+
+/// Inserts a batch; `warm` loads it into Redis before the transaction
+/// commits, so a failed warm-up leaves no row behind.
+pub fn create(
+    conn: &mut PgConn,
+    new: &NewCoupon,
+    warm: impl FnOnce(&Coupon) -> anyhow::Result<()>,
+) -> anyhow::Result<Coupon> {
+    conn.transaction(|conn| {
+        let coupon: Coupon = diesel::insert_into(coupons::table)
+            .values(new)
+            .returning(Coupon::as_returning())
+            .get_result(conn)?;
+        warm(&coupon)?;
+        Ok(coupon)
+    })
+}
+
+/// The batch, if it exists.
+pub fn find(conn: &mut PgConn, id: i64) -> QueryResult<Option<(Coupon, i32)>> {
+    coupons::table
+        .find(id)
+        .select((Coupon::as_select(), coupons::claimed))
+        .first(conn)
+        .optional()
+}
+
+/// One of the caller's coupons.
+#[derive(Debug, Clone, Queryable, Serialize)]
+pub struct Mine {
+    pub coupon_id: i64,
+    pub status: String,
+    #[serde(serialize_with = "opt_string")]
+    pub order_no: Option<i64>,
+}
+
+fn opt_string<S: serde::Serializer>(v: &Option<i64>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(n) => s.collect_str(n),
+        None => s.serialize_none(),
+    }
+}
+
+/// The caller's coupons, newest claim first.
+pub fn mine(conn: &mut PgConn, user_id: i64) -> QueryResult<Vec<Mine>> {
+    user_coupons::table
+        .filter(user_coupons::user_id.eq(user_id))
+        .order(user_coupons::id.desc())
+        .select((
+            user_coupons::coupon_id,
+            user_coupons::status,
+            user_coupons::order_no,
+        ))
+        .load(conn)
+}
+
+/// User coupons of a batch per status.
+pub fn status_counts(conn: &mut PgConn, coupon_id: i64) -> QueryResult<Vec<(String, i64)>> {
+    user_coupons::table
+        .filter(user_coupons::coupon_id.eq(coupon_id))
+        .group_by(user_coupons::status)
+        .select((user_coupons::status, diesel::dsl::count_star()))
+        .load(conn)
+}
+
+#[derive(QueryableByName)]
+struct Id {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+}
+
+/// What a claims batch did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ClaimsOutcome {
+    /// Rows written.
+    pub written: usize,
+    /// Events applied before.
+    pub duplicates: usize,
+    /// The user already had one (the unique key refused it).
+    pub refused_duplicate_user: usize,
+    /// The batch was full in the database (Redis issued too many): refused.
+    pub refused_over_issue: usize,
+}
+
+/// Writes claims in ONE transaction. The database stays the last guard:
+/// `ON CONFLICT DO NOTHING` on `(coupon_id, user_id)`, and `claimed` only
+/// grows while it is below `total`.
+pub fn apply_claims(
+    conn: &mut PgConn,
+    consumer: &str,
+    events: &[CouponClaimed],
+) -> QueryResult<ClaimsOutcome> {
+    conn.transaction(|conn| {
+        let mut out = ClaimsOutcome::default();
+        for e in events {
+            let fresh = diesel::sql_query(
+                "INSERT INTO consume_log (event_id, consumer) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            )
+            .bind::<Text, _>(&e.event_id)
+            .bind::<Text, _>(consumer)
+            .execute(conn)?;
+            if fresh == 0 {
+                out.duplicates += 1;
+                continue;
+            }
+            let inserted: Option<Id> = diesel::sql_query(
+                "INSERT INTO user_coupons (coupon_id, user_id, request_id) \
+                 SELECT id, $2, $3 FROM coupons WHERE id = $1 \
+                 ON CONFLICT DO NOTHING RETURNING id",
+            )
+            .bind::<BigInt, _>(e.coupon_id)
+            .bind::<BigInt, _>(e.user_id)
+            .bind::<Text, _>(&e.request_id)
+            .get_result(conn)
+            .optional()?;
+            let Some(row) = inserted else {
+                out.refused_duplicate_user += 1;
+                continue;
+            };
+            let counted = diesel::sql_query(
+                "UPDATE coupons SET claimed = claimed + 1 WHERE id = $1 AND claimed < total",
+            )
+            .bind::<BigInt, _>(e.coupon_id)
+            .execute(conn)?;
+            if counted == 0 {
+                diesel::sql_query("DELETE FROM user_coupons WHERE id = $1").bind::<BigInt, _>(row.id).execute(conn)?;
+                out.refused_over_issue += 1;
+                continue;
+            }
+            out.written += 1;
+        }
+        Ok(out)
+    })
+}

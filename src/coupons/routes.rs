@@ -1,0 +1,218 @@
+//! Coupon routes: create (admin), claim, mine, stats (admin).
+
+use actix_web::{HttpResponse, web};
+use chrono::{DateTime, Utc};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::gate::Claim;
+use super::repo::{self, NewCoupon};
+use crate::app::AppState;
+use crate::bus::{self, events::CouponClaimed};
+use crate::http::auth::{AdminUser, AuthUser};
+use crate::http::error::{ApiError, ErrorCode};
+use crate::store;
+
+/// `POST /api/v1/admin/coupons` body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateCoupon {
+    name: String,
+    total: i32,
+    discount_cents: i64,
+    #[serde(default)]
+    min_amount_cents: i64,
+    #[serde(default = "one")]
+    per_user_limit: i32,
+    valid_until: DateTime<Utc>,
+}
+
+fn one() -> i32 {
+    1
+}
+
+impl CreateCoupon {
+    fn validate(self) -> Result<NewCoupon, ApiError> {
+        let name = self.name.trim().to_owned();
+        if name.is_empty() || name.chars().count() > 200 {
+            return Err(ApiError::bad_request("name must be 1..=200 characters"));
+        }
+        if self.total < 1 {
+            return Err(ApiError::bad_request("total must be at least 1"));
+        }
+        if self.discount_cents < 1 {
+            return Err(ApiError::bad_request("discount_cents must be at least 1"));
+        }
+        if self.min_amount_cents < 0 {
+            return Err(ApiError::bad_request(
+                "min_amount_cents must not be negative",
+            ));
+        }
+        if self.per_user_limit != 1 {
+            // user_coupons is unique per (coupon_id, user_id): one per user.
+            return Err(ApiError::bad_request("per_user_limit must be 1"));
+        }
+        if self.valid_until <= Utc::now() {
+            return Err(ApiError::bad_request("valid_until must be in the future"));
+        }
+        Ok(NewCoupon {
+            name,
+            total: self.total,
+            discount_cents: self.discount_cents,
+            min_amount_cents: self.min_amount_cents,
+            per_user_limit: self.per_user_limit,
+            valid_until: self.valid_until,
+        })
+    }
+}
+
+/// `POST /api/v1/admin/coupons` → 201; the batch is in Redis before the row
+/// commits, so a claim can never meet a batch that is only half there.
+pub async fn create(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+    body: web::Json<CreateCoupon>,
+) -> Result<HttpResponse, ApiError> {
+    let new = body.into_inner().validate()?;
+    let rt = tokio::runtime::Handle::current();
+    let st = state.clone();
+    let coupon = store::run(&state.db, move |conn| {
+        repo::create(conn, &new, |c| {
+            rt.block_on(
+                st.coupons
+                    .warm(c.id, c.total, c.valid_until.timestamp_millis()),
+            )?;
+            Ok(())
+        })
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    Ok(HttpResponse::Created().json(coupon))
+}
+
+/// `POST /api/v1/coupons/{id}/claim` body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimBody {
+    request_id: String,
+}
+
+/// `POST /api/v1/coupons/{id}/claim`: one Lua call, then `coupon.claimed`;
+/// if the publish fails the claim is undone and the answer is 503.
+pub async fn claim(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<i64>,
+    body: web::Json<ClaimBody>,
+) -> Result<HttpResponse, ApiError> {
+    let coupon_id = path.into_inner();
+    let request_id = body.into_inner().request_id;
+    if request_id.is_empty()
+        || request_id.len() > 64
+        || !request_id.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(ApiError::bad_request(
+            "request_id must be 1..=64 printable ASCII characters",
+        ));
+    }
+    let user_id = user.user_id.get();
+    let now_ms = Utc::now().timestamp_millis();
+    let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
+    let claimed = json!({"coupon_id": coupon_id, "status": "CLAIMED"});
+    match state
+        .coupons
+        .claim(coupon_id, user_id, &request_id, now_ms)
+        .await
+        .map_err(redis_err)?
+    {
+        Claim::Replay => return Ok(HttpResponse::Ok().json(claimed)),
+        Claim::Exhausted => {
+            return Err(ApiError::new(ErrorCode::CouponExhausted, "no coupons left"));
+        }
+        Claim::AlreadyClaimed => {
+            return Err(ApiError::new(
+                ErrorCode::AlreadyClaimed,
+                "you already hold this coupon",
+            ));
+        }
+        Claim::Expired => {
+            return Err(ApiError::new(
+                ErrorCode::CouponExpired,
+                "this coupon batch has expired",
+            ));
+        }
+        Claim::Unknown => return Err(ApiError::not_found("no such coupon")),
+        Claim::Claimed => {}
+    }
+    let event = CouponClaimed {
+        event_id: format!("claim-{coupon_id}-{user_id}"),
+        coupon_id,
+        user_id,
+        request_id,
+        claimed_at_ms: now_ms,
+    };
+    let key = user_id.to_string();
+    if let Err(e) = bus::publish(
+        &state.producer,
+        &state.topics.coupon_claimed,
+        &key,
+        &event.encode(),
+        None,
+    )
+    .await
+    {
+        tracing::warn!(error = %e, coupon_id, user_id, "coupon claim publish failed; undoing the claim");
+        if let Err(e) = state
+            .coupons
+            .unclaim(coupon_id, user_id, &event.request_id)
+            .await
+        {
+            tracing::error!(error = %e, coupon_id, user_id, "undoing a coupon claim failed");
+        }
+        return Err(ApiError::new(
+            ErrorCode::RetryLater,
+            "the claim could not be recorded; nothing was kept",
+        ));
+    }
+    Ok(HttpResponse::Accepted().json(claimed))
+}
+
+/// `GET /api/v1/coupons/mine`.
+pub async fn mine(user: AuthUser, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let user_id = user.user_id.get();
+    let coupons = store::run(&state.db, move |conn| Ok(repo::mine(conn, user_id)?))
+        .await
+        .map_err(ApiError::unavailable)?;
+    Ok(HttpResponse::Ok().json(json!({"coupons": coupons})))
+}
+
+/// `GET /api/v1/admin/coupons/{id}/stats`: Redis and database figures.
+pub async fn stats(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+    path: web::Path<i64>,
+) -> Result<HttpResponse, ApiError> {
+    let id = path.into_inner();
+    let (found, counts) = store::run(&state.db, move |conn| {
+        Ok((repo::find(conn, id)?, repo::status_counts(conn, id)?))
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    let (coupon, claimed) = found.ok_or_else(|| ApiError::not_found("no such coupon"))?;
+    let remaining = state
+        .coupons
+        .remaining(id)
+        .await
+        .map_err(|e| ApiError::unavailable(e.into()))?;
+    let mut by_status = json!({"UNUSED": 0, "LOCKED": 0, "USED": 0});
+    for (status, n) in counts {
+        by_status[status] = json!(n);
+    }
+    Ok(HttpResponse::Ok().json(json!({
+        "coupon_id": coupon.id,
+        "total": coupon.total,
+        "redis_remaining": remaining,
+        "db_claimed": claimed,
+        "user_coupons": by_status,
+    })))
+}

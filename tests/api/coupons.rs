@@ -1,0 +1,393 @@
+//! Coupons: atomic claims without over-issue, one per user, used and
+//! released with the order (I8, and I1 alongside).
+
+use std::time::Duration;
+
+use futures_util::{StreamExt, stream};
+use serde_json::json;
+
+use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
+
+async fn create_coupon(app: &TestApp, total: i32, discount: i64, min: i64, valid_secs: i64) -> i64 {
+    let body = json!({"name": "Spring", "total": total, "discount_cents": discount,
+        "min_amount_cents": min, "per_user_limit": 1,
+        "valid_until": chrono::Utc::now() + chrono::Duration::seconds(valid_secs)});
+    let res = app
+        .post_json("/api/v1/admin/coupons", &body, Some(&app.admin_token()))
+        .await;
+    assert_eq!(res.status(), 201);
+    json(res).await["coupon_id"].as_i64().unwrap()
+}
+
+async fn claim(
+    app: &TestApp,
+    user: i64,
+    coupon: i64,
+    request_id: &str,
+) -> (u16, serde_json::Value) {
+    let res = app
+        .post_json(
+            &format!("/api/v1/coupons/{coupon}/claim"),
+            &json!({"request_id": request_id}),
+            Some(&app.user_token(user)),
+        )
+        .await;
+    (res.status().as_u16(), json(res).await)
+}
+
+async fn coupon_stats(app: &TestApp, coupon: i64) -> serde_json::Value {
+    json(
+        app.get(
+            &format!("/api/v1/admin/coupons/{coupon}/stats"),
+            Some(&app.admin_token()),
+        )
+        .await,
+    )
+    .await
+}
+
+async fn mine(app: &TestApp, user: i64) -> Vec<serde_json::Value> {
+    let body = json(
+        app.get("/api/v1/coupons/mine", Some(&app.user_token(user)))
+            .await,
+    )
+    .await;
+    body["coupons"].as_array().unwrap().clone()
+}
+
+/// Waits until the claims consumer has written `n` rows for the batch.
+async fn claims_written(app: &TestApp, coupon: i64, n: i64) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = coupon_stats(app, coupon).await;
+        if s["db_claimed"] == n {
+            return s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "claims not written: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn four_hundred_claims_from_three_hundred_users_for_fifty_coupons_issue_exactly_fifty() {
+    let app = spawn_app().await;
+    let coupon = create_coupon(&app, 50, 500, 0, 3600).await;
+    // Users 1..=300 claim once; users 1..=100 claim a second time with a new request_id.
+    let attempts: Vec<(i64, String)> = (1..=300)
+        .map(|u| (u, format!("a-{u}")))
+        .chain((1..=100).map(|u| (u, format!("b-{u}"))))
+        .collect();
+    let results: Vec<(u16, serde_json::Value)> = stream::iter(attempts)
+        .map(|(user, req)| {
+            let app = &app;
+            async move { claim(app, user, coupon, &req).await }
+        })
+        .buffer_unordered(100)
+        .collect()
+        .await;
+    assert_eq!(results.iter().filter(|(s, _)| *s == 202).count(), 50);
+    for (status, body) in &results {
+        assert!(
+            *status == 202
+                || (*status == 409
+                    && (body["code"] == "COUPON_EXHAUSTED" || body["code"] == "ALREADY_CLAIMED")),
+            "{status} {body}"
+        );
+    }
+    let stats = claims_written(&app, coupon, 50).await;
+    assert_eq!(stats["redis_remaining"], 0);
+    assert_eq!(stats["user_coupons"]["UNUSED"], 50);
+    assert_eq!(
+        app.count("SELECT count(*) AS n FROM user_coupons").await,
+        50
+    );
+    assert_eq!(
+        app.count("SELECT count(DISTINCT user_id) AS n FROM user_coupons")
+            .await,
+        50
+    );
+}
+
+#[tokio::test]
+async fn one_user_gets_one_coupon_and_a_replayed_request_id_answers_the_same() {
+    let app = spawn_app().await;
+    let coupon = create_coupon(&app, 10, 500, 0, 3600).await;
+    let different: Vec<(u16, serde_json::Value)> = stream::iter(0..20)
+        .map(|i| {
+            let app = &app;
+            async move { claim(app, 7, coupon, &format!("r-{i}")).await }
+        })
+        .buffer_unordered(20)
+        .collect()
+        .await;
+    assert_eq!(different.iter().filter(|(s, _)| *s == 202).count(), 1);
+    assert!(
+        different
+            .iter()
+            .filter(|(s, _)| *s != 202)
+            .all(|(s, b)| *s == 409 && b["code"] == "ALREADY_CLAIMED")
+    );
+
+    let same: Vec<(u16, serde_json::Value)> = stream::iter(0..20)
+        .map(|_| {
+            let app = &app;
+            async move { claim(app, 8, coupon, "only-once").await }
+        })
+        .buffer_unordered(20)
+        .collect()
+        .await;
+    assert_eq!(same.iter().filter(|(s, _)| *s == 202).count(), 1);
+    assert_eq!(same.iter().filter(|(s, _)| *s == 200).count(), 19);
+    assert!(
+        same.iter()
+            .all(|(_, b)| b["status"] == "CLAIMED" && b["coupon_id"] == coupon)
+    );
+
+    let stats = claims_written(&app, coupon, 2).await;
+    assert_eq!(stats["redis_remaining"], 8);
+    assert_eq!(
+        mine(&app, 8).await,
+        vec![json!({"coupon_id": coupon, "status": "UNUSED", "order_no": null})]
+    );
+}
+
+/// Buys with a coupon as `user`: (status, body).
+async fn buy_with_coupon(
+    app: &TestApp,
+    user: i64,
+    activity: i64,
+    coupon: i64,
+    request_id: &str,
+) -> (u16, serde_json::Value) {
+    let token = app.purchase_token(user, activity).await;
+    let res = app
+        .order(
+            user,
+            activity,
+            &json!({"request_id": request_id, "token": token, "coupon_id": coupon}),
+        )
+        .await;
+    (res.status().as_u16(), json(res).await)
+}
+
+#[tokio::test]
+async fn an_order_with_a_coupon_is_discounted_locks_it_uses_it_on_pay_and_a_second_order_cannot_share_it()
+ {
+    let app = spawn_app().await;
+    let coupon = create_coupon(&app, 5, 1500, 5000, 3600).await;
+    assert_eq!(claim(&app, 1, coupon, "c").await.0, 202);
+    claims_written(&app, coupon, 1).await;
+    // Limit 2, so one user can race two orders that both name the coupon.
+    let activity = app.live_activity(10, 2, 1).await;
+    let (t1, t2) = (
+        app.purchase_token(1, activity).await,
+        app.purchase_token(1, activity).await,
+    );
+    let first = json!({"request_id": "o1", "token": t1, "coupon_id": coupon});
+    let second = json!({"request_id": "o2", "token": t2, "coupon_id": coupon});
+    let (a, b) = tokio::join!(
+        app.order(1, activity, &first),
+        app.order(1, activity, &second)
+    );
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (202, 202));
+    let (a, b) = (json(a).await, json(b).await);
+    let stats = app
+        .wait_for_stats(activity, 30, |s| {
+            s["reservations_open"] == 0 && s["orders"]["FAILED"] == 1
+        })
+        .await;
+    assert_eq!(stats["orders"]["WAITING_PAY"], 1);
+
+    let mut orders = Vec::new();
+    for body in [&a, &b] {
+        let no = body["order_no"].as_str().unwrap();
+        orders.push(
+            json(
+                app.get(&format!("/api/v1/orders/{no}"), Some(&app.user_token(1)))
+                    .await,
+            )
+            .await,
+        );
+    }
+    let holder = orders
+        .iter()
+        .find(|o| o["status"] == "WAITING_PAY")
+        .expect("one order holds it");
+    let loser = orders
+        .iter()
+        .find(|o| o["status"] == "FAILED")
+        .expect("the other failed");
+    assert_eq!(holder["amount_cents"], 9900 - 1500);
+    assert_eq!(holder["coupon_id"], coupon);
+    assert_eq!(loser["failure_reason"], "COUPON_UNAVAILABLE");
+    // I1: the failed order's unit is back in Redis; the DB never moved it.
+    assert_eq!(stats["redis_available"], 9);
+    assert_eq!(stats["db_available"], 9);
+    assert_eq!(stats["db_locked"], 1);
+    // I8: the coupon backs exactly the live order.
+    let held = mine(&app, 1).await;
+    assert_eq!(
+        held,
+        vec![json!({"coupon_id": coupon, "status": "LOCKED", "order_no": holder["order_no"]})]
+    );
+
+    let holder_no = holder["order_no"].as_str().unwrap();
+    let payment = json(app.pay(1, holder_no).await).await;
+    assert_eq!(payment["amount_cents"], 8400);
+    let (body, sig) = app.signed_callback(&payment, "SUCCESS", 8400, None, 0);
+    assert_eq!(app.notify(body, Some(&sig)).await.status(), 200);
+    assert_eq!(mine(&app, 1).await[0]["status"], "USED");
+    assert_eq!(coupon_stats(&app, coupon).await["user_coupons"]["USED"], 1);
+}
+
+#[tokio::test]
+async fn below_the_minimum_amount_the_order_fails_and_keeps_its_coupon_free() {
+    let app = spawn_app().await;
+    let coupon = create_coupon(&app, 5, 500, 100_000, 3600).await;
+    assert_eq!(claim(&app, 1, coupon, "c").await.0, 202);
+    claims_written(&app, coupon, 1).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, body) = buy_with_coupon(&app, 1, activity, coupon, "o").await;
+    assert_eq!(status, 202);
+    let stats = app
+        .wait_for_stats(activity, 30, |s| {
+            s["orders"]["FAILED"] == 1 && s["reservations_open"] == 0
+        })
+        .await;
+    assert_eq!(stats["redis_available"], 10);
+    let no = body["order_no"].as_str().unwrap();
+    let order = json(
+        app.get(&format!("/api/v1/orders/{no}"), Some(&app.user_token(1)))
+            .await,
+    )
+    .await;
+    assert_eq!(order["failure_reason"], "COUPON_UNAVAILABLE");
+    assert_eq!(mine(&app, 1).await[0]["status"], "UNUSED");
+}
+
+#[tokio::test]
+async fn cancel_and_timeout_each_return_the_coupon_exactly_once() {
+    let app = spawn_app_with(|s| s.workers.closer_interval_ms = 200).await;
+    let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
+    for user in [1, 2] {
+        assert_eq!(claim(&app, user, coupon, "c").await.0, 202);
+    }
+    claims_written(&app, coupon, 2).await;
+
+    // Cancel, ten times at once.
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, body) = buy_with_coupon(&app, 1, activity, coupon, "o").await;
+    assert_eq!(status, 202);
+    app.drained(activity, 1).await;
+    assert_eq!(mine(&app, 1).await[0]["status"], "LOCKED");
+    let no = body["order_no"].as_str().unwrap().to_owned();
+    let cancels: Vec<u16> = stream::iter(0..10)
+        .map(|_| {
+            let (app, no) = (&app, no.clone());
+            async move { app.cancel(1, &no).await.status().as_u16() }
+        })
+        .buffer_unordered(10)
+        .collect()
+        .await;
+    assert!(cancels.iter().all(|s| *s == 200));
+    assert_eq!(
+        mine(&app, 1).await,
+        vec![json!({"coupon_id": coupon, "status": "UNUSED", "order_no": null})]
+    );
+    assert_eq!(
+        app.count("SELECT count(*) AS n FROM stock_flow WHERE biz_type = 'RELEASE'")
+            .await,
+        1
+    );
+
+    // The returned coupon works again (once Redis has the unit and the
+    // user's limit back, through stock.released).
+    app.wait_for_stats(activity, 30, |s| s["redis_available"] == 10).await;
+    let token = app.purchase_token(1, activity).await;
+    let res = app
+        .order(
+            1,
+            activity,
+            &json!({"request_id": "again", "token": token, "coupon_id": coupon}),
+        )
+        .await;
+    assert_eq!(res.status(), 202);
+
+    // Timeout.
+    let slow = app.live_activity_paying_within(10, 1).await;
+    let (status, _) = buy_with_coupon(&app, 2, slow, coupon, "t").await;
+    assert_eq!(status, 202);
+    let stats = app
+        .wait_for_stats(slow, 30, |s| s["orders"]["CLOSED"] == 1)
+        .await;
+    assert_eq!(stats["db_locked"], 0);
+    assert_eq!(
+        mine(&app, 2).await,
+        vec![json!({"coupon_id": coupon, "status": "UNUSED", "order_no": null})]
+    );
+}
+
+#[tokio::test]
+async fn an_expired_batch_is_409_and_someone_elses_coupon_on_an_order_is_400() {
+    let app = spawn_app().await;
+    let short = create_coupon(&app, 5, 500, 0, 2).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let (status, body) = claim(&app, 1, short, "x").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("COUPON_EXPIRED"))
+    );
+
+    let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
+    assert_eq!(claim(&app, 1, coupon, "c").await.0, 202);
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, body) = buy_with_coupon(&app, 2, activity, coupon, "o").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("COUPON_INVALID"))
+    );
+    assert_eq!(
+        app.stats(activity).await["redis_available"],
+        10,
+        "nothing reserved"
+    );
+
+    let (status, _) = claim(&app, 1, 999_999, "x").await;
+    assert_eq!(status, 404);
+    let res = app
+        .post_json(
+            "/api/v1/admin/coupons",
+            &json!({"name": "x", "total": 0, "discount_cents": 1, "valid_until": chrono::Utc::now() + chrono::Duration::hours(1)}),
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(res.status(), 400);
+    let res = app
+        .post_json(
+            &format!("/api/v1/coupons/{coupon}/claim"),
+            &json!({"request_id": ""}),
+            Some(&app.user_token(3)),
+        )
+        .await;
+    assert_eq!(res.status(), 400);
+}
+
+#[tokio::test]
+async fn with_kafka_unreachable_a_claim_is_503_and_undone() {
+    let app = spawn_app_with(|s| {
+        s.kafka.brokers = "127.0.0.1:1".into();
+        s.kafka.timeout_ms = 1000;
+    })
+    .await;
+    let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
+    let (status, body) = claim(&app, 1, coupon, "c").await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("RETRY_LATER")));
+    let stats = coupon_stats(&app, coupon).await;
+    assert_eq!(stats["redis_remaining"], 5, "the claim was undone");
+    // Not "already claimed": the same user may try again.
+    let (status, body) = claim(&app, 1, coupon, "c").await;
+    assert_eq!((status, body["code"].as_str()), (503, Some("RETRY_LATER")));
+}
