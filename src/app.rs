@@ -14,8 +14,8 @@ use rdkafka::producer::FutureProducer;
 use tokio::sync::Semaphore;
 
 use crate::activities::cache::ActivityCache;
-use crate::admission::RedisGate;
 use crate::admission::limits::{KeyedLimiter, Limits};
+use crate::admission::{RedisGate, WorkerGate};
 use crate::bus::{self, Topics};
 use crate::config::{RedisSettings, Settings};
 use crate::coupons::gate::CouponGate;
@@ -252,7 +252,13 @@ impl Application {
 
         let server = HttpServer::new(move || {
             let metrics = state.metrics.clone();
+            // Runs on each worker's thread: the worker's own Redis connection.
+            let gate = state.gate.on_own_connection().unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "worker Redis connection; sharing the main one");
+                (*state.gate).clone()
+            });
             App::new()
+                .app_data(web::Data::new(WorkerGate(gate)))
                 .app_data(state.clone())
                 .app_data(keys.clone())
                 .configure(http::extractor_configs)

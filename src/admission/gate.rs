@@ -95,7 +95,11 @@ pub struct WarmSpec {
 }
 
 /// The Redis side of admission and reservations.
+#[derive(Clone)]
 pub struct RedisGate {
+    /// Kept to open per-worker connections ([`RedisGate::on_own_connection`]).
+    client: redis::Client,
+    config: ConnectionManagerConfig,
     conn: ConnectionManager,
     /// When set (`redis.gate_connection = "pool"`), the admission script runs
     /// on a pooled connection instead: kept to measure the difference.
@@ -123,7 +127,9 @@ impl RedisGate {
             .set_number_of_retries(1);
         let client = redis::Client::open(redis.url.as_str())?;
         Ok(Self {
-            conn: client.get_connection_manager_lazy(config)?,
+            conn: client.get_connection_manager_lazy(config.clone())?,
+            client,
+            config,
             pool,
             prefix: redis.key_prefix.clone(),
             reservation_ttl_secs: admission.reservation_ttl_secs,
@@ -132,6 +138,17 @@ impl RedisGate {
             commit: Script::new(include_str!("lua/commit.lua")),
             warmup: Script::new(include_str!("lua/warmup.lua")),
         })
+    }
+
+    /// The same gate on a connection of its own, driven by the runtime this
+    /// is called on. Each HTTP worker gets one, so a purchase's script call
+    /// never hops to another thread's runtime and back (see BENCHMARKS.md).
+    pub fn on_own_connection(&self) -> RedisResult<Self> {
+        let mut gate = self.clone();
+        gate.conn = self
+            .client
+            .get_connection_manager_lazy(self.config.clone())?;
+        Ok(gate)
     }
 
     /// The keys of one activity.
@@ -319,6 +336,9 @@ impl RedisGate {
         })
     }
 }
+
+/// The gate of one HTTP worker (its own multiplexed connection).
+pub struct WorkerGate(pub RedisGate);
 
 /// A reservation as stored in Redis.
 #[derive(Debug, Clone)]

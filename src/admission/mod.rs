@@ -7,4 +7,4 @@ pub mod gate;
 pub mod keys;
 pub mod limits;
 
-pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, WarmSpec};
+pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, WarmSpec, WorkerGate};

@@ -90,7 +90,8 @@ where
         .and_then(|v| v.to_str().ok())
         .filter(|v| is_valid_request_id(v))
         .map(str::to_owned)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        // Not a secret: a thread-local PRNG, no getrandom syscall per request.
+        .unwrap_or_else(|| format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..)));
     req.extensions_mut().insert(RequestId(request_id.clone()));
     let route = req
         .match_pattern()

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::repo::{self, Order};
-use crate::admission::{Admission, ReleaseReason, ReserveRequest};
+use crate::admission::{Admission, ReleaseReason, ReserveRequest, WorkerGate};
 use crate::app::AppState;
 use crate::bus::events::OrderRequested;
 use crate::bus::{self, PublishError};
@@ -63,6 +63,7 @@ fn reject(state: &AppState, name: &str, code: ErrorCode, message: &'static str) 
 pub async fn place(
     user: AuthUser,
     state: web::Data<AppState>,
+    gate: web::Data<WorkerGate>,
     path: web::Path<i64>,
     req: HttpRequest,
     body: web::Json<PlaceOrder>,
@@ -98,7 +99,7 @@ pub async fn place(
     }
     let meta = state
         .activities
-        .get(&state.gate, activity_id)
+        .get(&gate.0, activity_id)
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?
         .ok_or_else(|| {
@@ -155,7 +156,7 @@ pub async fn place(
         now_ms,
     };
     let started = Instant::now();
-    let admission = state.gate.reserve(&reserve).await.map_err(|e| {
+    let admission = gate.0.reserve(&reserve).await.map_err(|e| {
         outcome(&state, "retry_later");
         ApiError::unavailable(e.into())
     })?;

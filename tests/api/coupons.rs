@@ -305,7 +305,8 @@ async fn cancel_and_timeout_each_return_the_coupon_exactly_once() {
 
     // The returned coupon works again (once Redis has the unit and the
     // user's limit back, through stock.released).
-    app.wait_for_stats(activity, 30, |s| s["redis_available"] == 10).await;
+    app.wait_for_stats(activity, 30, |s| s["redis_available"] == 10)
+        .await;
     let token = app.purchase_token(1, activity).await;
     let res = app
         .order(

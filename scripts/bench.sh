@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# The side-by-side benchmark: our admission path against the local limits of
+# this machine and against the naive synchronous design, in ONE run.
+#
+#   scripts/bench.sh [--users N] [--stock S] [--concurrency C] [--drain N]
+#                    [--pg-seconds S] [--profile]
+#
+# Rows (see BENCHMARKS.md):
+#   1 ceiling: redis-benchmark running our reserve script (EVALSHA)
+#   2 ceiling: a trivial actix-web handler (examples/plain.rs) under the load generator
+#   3 ceiling: pgbench inserting order-shaped rows, one per transaction and 100 per transaction
+#   4 the naive baseline (examples/naive.rs) under the load generator
+#   5 our admission path under the load generator
+#   6 consumer drain rate, Kafka → PostgreSQL, batched
+# Everything runs on this machine (loopback), in a database, Redis key prefix
+# and Kafka topic prefix of its own; the services come from scripts/services.sh.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+USERS=20000 STOCK=1000 CONC=256 DRAIN=50000 PG_SECONDS=10 PROFILE=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --users) USERS=$2; shift 2 ;;
+    --stock) STOCK=$2; shift 2 ;;
+    --concurrency) CONC=$2; shift 2 ;;
+    --drain) DRAIN=$2; shift 2 ;;
+    --pg-seconds) PG_SECONDS=$2; shift 2 ;;
+    --profile) PROFILE=1; shift ;;
+    *) echo "unknown flag $1" >&2; exit 2 ;;
+  esac
+done
+
+say() { printf '\n== %s\n' "$*" >&2; }
+
+scripts/services.sh up >/dev/null
+eval "$(python3 scripts/settings.py)"
+say "building (release)"
+cargo build --release --quiet --bin seckill --example naive --example plain
+BIN=target/release/seckill
+OUT=$(mktemp -d /tmp/seckill-bench.XXXXXX)
+RUN=bench$(date +%s)
+export SECKILL__LOG__LEVEL=warn
+export SECKILL__REDIS__KEY_PREFIX="$RUN:" SECKILL__KAFKA__TOPIC_PREFIX="$RUN."
+export PGPASSWORD=$PG_PASSWORD
+DB=seckill_bench
+export SECKILL__POSTGRES__URL="postgres://$PG_USER:$PG_PASSWORD@$PG_HOST:$PG_PORT/$DB"
+psql_admin() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -qtA "$@"; }
+psql_bench() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d "$DB" -qtA "$@"; }
+psql_admin -c "drop database if exists $DB with (force)"
+psql_admin -c "create database $DB"
+$BIN migrate >/dev/null
+
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+# start NAME PORT CMD...: runs CMD in the background, waits for the port.
+start() {
+  local name=$1 port=$2; shift 2
+  "$@" >"$OUT/$name.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 100); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "$name did not start; see $OUT/$name.log" >&2; exit 1
+}
+stop_all() { cleanup; PIDS=(); }
+# The load generator's JSON report (its last line).
+loadgen() { $BIN loadgen --json "$@" 2>/dev/null | tee -a "$OUT/loadgen.txt" | tail -n 1; }
+field() { python3 -c "import json,sys; print(json.loads(sys.argv[1])$2)" "$1"; }
+
+say "1/6 redis-benchmark: reserve.lua (sold-out path) at -c $CONC"
+R="redis-cli -h $REDIS_HOST -p $REDIS_PORT"
+SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/reserve.lua)")
+K="$RUN:{a:0}:"
+$R HSET "${K}meta" start_ms 0 end_ms 99999999999999 limit 1 buckets 1 >/dev/null
+$R SET "${K}stock:0" 0 >/dev/null
+$R SET "${K}token:t" 42 >/dev/null
+REDIS_RPS=$(redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" -c "$CONC" -n 300000 -r 1000000000 --threads 1 -q \
+  EVALSHA "$SHA" 7 "${K}meta" "${K}reqs" "${K}users" "${K}token:t" "${K}res:1" "${K}open" "${K}stock:0" \
+  42 req__rand_int__ 1 1 1700000000000 0 600 | tr '\r' '\n' | grep -o '[0-9.]* requests per second' | tail -n 1 | cut -d' ' -f1)
+
+say "2/6 trivial actix-web handler under the load generator"
+start plain 18082 target/release/examples/plain 127.0.0.1:18082
+PLAIN=$(loadgen --ceiling-url http://127.0.0.1:18082/api/v1/activities/1/orders --users "$USERS" --concurrency "$CONC")
+stop_all
+
+say "3/6 pgbench: order-shaped inserts for ${PG_SECONDS}s each"
+psql_bench -c "insert into activities (sku_id, name, price_cents, start_at, end_at, per_user_limit, pay_timeout_secs, buckets)
+  values (1, 'pgbench', 100, now(), now() + interval '1 day', 1, 900, 1)"
+AID=$(psql_bench -c "select max(id) from activities")
+psql_bench -c "create sequence if not exists bench_seq"
+cat >"$OUT/single.sql" <<EOF
+INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
+SELECT n, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes' FROM (SELECT nextval('bench_seq') AS n) s;
+EOF
+cat >"$OUT/batch.sql" <<EOF
+INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
+SELECT n, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes'
+FROM (SELECT nextval('bench_seq') AS n FROM generate_series(1, 100)) s;
+EOF
+pgb() { pgbench -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -n -c 16 -j 2 -T "$PG_SECONDS" -f "$1" "$DB" 2>&1 \
+  | grep -E '^tps' | head -n 1 | grep -oE '[0-9]+\.[0-9]+' | head -n 1; }
+PG_SINGLE_TPS=$(pgb "$OUT/single.sql")
+PG_BATCH_TPS=$(pgb "$OUT/batch.sql")
+PG_SINGLE=$(python3 -c "print(round($PG_SINGLE_TPS))")
+PG_BATCH=$(python3 -c "print(round($PG_BATCH_TPS * 100))")
+
+say "4/6 naive baseline: $USERS buyers, $STOCK units, concurrency $CONC"
+start naive 18081 env SECKILL__APP__PORT=18081 target/release/examples/naive
+NAIVE=$(loadgen --url http://127.0.0.1:18081 --users "$USERS" --stock "$STOCK" --concurrency "$CONC" --db-only)
+stop_all
+
+say "5/6 seckill admission: $USERS buyers, $STOCK units, concurrency $CONC"
+start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
+if [ "$PROFILE" = 1 ]; then
+  perf record -e cpu-clock -F 499 -g -p "${PIDS[-1]}" -o "$OUT/perf.data" >/dev/null 2>&1 &
+  PERF=$!
+fi
+OURS=$(loadgen --url http://127.0.0.1:18080 --users "$USERS" --stock "$STOCK" --concurrency "$CONC" --first-user 1000000)
+if [ "$PROFILE" = 1 ]; then
+  kill -INT "$PERF"; wait "$PERF" 2>/dev/null || true
+  perf report -i "$OUT/perf.data" --stdio --no-children --sort dso,symbol 2>/dev/null | grep -E '^ +[0-9]' | head -n 40 >"$OUT/profile.txt" || true
+fi
+stop_all
+
+say "6/6 consumer drain: $DRAIN accepted orders queued, then a worker-only consumer"
+start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve --no-consumer
+QUEUED=$(loadgen --url http://127.0.0.1:18080 --users "$DRAIN" --stock "$DRAIN" --concurrency "$CONC" --first-user 5000000 --no-check)
+ACT=$(field "$QUEUED" "['activity_id']")
+ADMIN=$($BIN token --admin)
+stats() { curl -s "http://127.0.0.1:18080/api/v1/admin/activities/$ACT/stats" -H "Authorization: Bearer $ADMIN"; }
+T0=$(date +%s.%N)
+$BIN consume >"$OUT/consume.log" 2>&1 &
+PIDS+=($!)
+while :; do
+  done_=$(stats | python3 -c "import json,sys; d=json.load(sys.stdin); print(int(d['orders']['WAITING_PAY']==$DRAIN and d['reservations_open']==0))")
+  [ "$done_" = 1 ] && break
+  sleep 0.05
+done
+T1=$(date +%s.%N)
+DRAIN_RATE=$(python3 -c "print(round($DRAIN / ($T1 - $T0)))")
+DRAIN_SECS=$(python3 -c "print(round($T1 - $T0, 2))")
+stop_all
+
+python3 - "$REDIS_RPS" "$PLAIN" "$PG_SINGLE" "$PG_BATCH" "$NAIVE" "$OURS" "$DRAIN_RATE" "$DRAIN_SECS" "$DRAIN" "$USERS" "$STOCK" "$CONC" <<'EOF'
+import json, sys
+redis, plain, pg1, pgb, naive, ours, drain, drain_s, drain_n, users, stock, conc = sys.argv[1:]
+plain, naive, ours = json.loads(plain), json.loads(naive), json.loads(ours)
+redis, pg1, pgb, drain = float(redis), int(pg1), int(pgb), int(drain)
+def lat(r): return f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"
+ok = lambda r: {True: "pass", False: "FAIL", None: "-"}[r.get('invariants_ok')]
+rows = [
+  ("1 ceiling: redis-benchmark, reserve.lua EVALSHA (sold-out path)", f"{redis:,.0f} calls/s", "-", "-"),
+  ("2 ceiling: trivial actix-web handler, same load generator", f"{plain['per_sec']:,.0f} req/s", lat(plain), "-"),
+  ("3 ceiling: pgbench order inserts, 1 row/txn", f"{pg1:,} rows/s", "-", "-"),
+  ("3 ceiling: pgbench order inserts, 100 rows/txn", f"{pgb:,} rows/s", "-", "-"),
+  ("4 naive baseline (sync DB transaction per purchase)", f"{naive['per_sec']:,.0f} purchases/s", lat(naive), ok(naive)),
+  ("5 seckill admission (Redis Lua + Kafka)", f"{ours['per_sec']:,.0f} purchases/s", lat(ours), ok(ours)),
+  (f"6 consumer drain, Kafka -> PostgreSQL ({drain_n} orders in {drain_s}s)", f"{drain:,} orders/s", "-", "-"),
+]
+print(f"\nscenario: {users} buyers, {stock} units, concurrency {conc}\n")
+print("| row | throughput | p50 / p99 ms | invariants |")
+print("|---|---|---|---|")
+for r in rows: print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |")
+print()
+print("| ratio | value |")
+print("|---|---|")
+print(f"| ours / redis-benchmark ceiling | {ours['per_sec']/redis:.0%} |")
+print(f"| ours / trivial HTTP handler ceiling | {ours['per_sec']/plain['per_sec']:.0%} |")
+print(f"| ours / naive baseline | {ours['per_sec']/naive['per_sec']:.1f}x |")
+print(f"| drain / pgbench batched insert ceiling | {drain/pgb:.0%} |")
+print(f"| drain / pgbench single-row insert ceiling | {drain/pg1:.1f}x |")
+EOF
+echo
+echo "logs and raw output: $OUT"
+[ "$PROFILE" = 1 ] && echo "profile of the admission run: $OUT/profile.txt"
+exit 0
