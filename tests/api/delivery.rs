@@ -178,11 +178,11 @@ async fn with_kafka_unreachable_a_purchase_is_503_retry_later_and_keeps_nothing(
 async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_once() {
     let app = spawn_app_with(|s| {
         s.orders.consumer_enabled = false;
-        s.orders.batch_size = 10;
+        s.orders.batch_size = 5;
     })
     .await;
-    let activity = app.live_activity(300, 1, 2).await;
-    let results: Vec<(u16, serde_json::Value)> = stream::iter(1..=300)
+    let activity = app.live_activity(500, 1, 2).await;
+    let results: Vec<(u16, serde_json::Value)> = stream::iter(1..=500)
         .map(|u| app.buy(u, activity))
         .buffer_unordered(50)
         .collect()
@@ -199,23 +199,23 @@ async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_
     let waiting = app.stats(activity).await["orders"]["WAITING_PAY"]
         .as_i64()
         .unwrap();
-    assert!(waiting < 300, "killed before the end ({waiting} created)");
+    assert!(waiting < 500, "killed before the end ({waiting} created)");
     let second = consumer::spawn(ConsumerDeps::connect(app.settings.clone()).unwrap()).unwrap();
-    let stats = app.drained(activity, 300).await;
+    let stats = app.drained(activity, 500).await;
     second.stop().await;
 
-    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 300);
+    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 500);
     assert_eq!(
         app.count("SELECT count(DISTINCT request_id) AS n FROM orders")
             .await,
-        300
+        500
     );
     assert_eq!(
         app.count("SELECT count(*) AS n FROM stock_flow WHERE biz_type = 'LOCK'")
             .await,
-        300
+        500
     );
-    assert_eq!(stats["db_locked"], 300);
+    assert_eq!(stats["db_locked"], 500);
     assert_eq!(stats["db_available"], 0);
     assert_eq!(stats["redis_available"], 0);
 }
