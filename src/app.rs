@@ -23,12 +23,13 @@ use crate::http;
 use crate::http::auth::JwtKeys;
 use crate::ids::{IdGenerator, Snowflake};
 use crate::metrics::Metrics;
-use crate::orders::closer::{self, CloserHandle};
-use crate::orders::consumer::{self, ConsumerDeps, ConsumerHandle};
+use crate::orders::closer;
+use crate::orders::consumer::{self, ConsumerDeps};
 use crate::orders::releaser;
-use crate::outbox::relay::{self, Relay, RelayHandle};
+use crate::outbox::relay::{self, Relay};
 use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
 use crate::store::{self, PgPool};
+use crate::worker::WorkerHandle;
 
 /// Shared state of every request handler and worker.
 pub struct AppState {
@@ -164,11 +165,11 @@ pub fn redis_pool(settings: &RedisSettings) -> anyhow::Result<deadpool_redis::Po
 /// The background workers of one process.
 #[derive(Default)]
 pub struct Workers {
-    consumer: Option<ConsumerHandle>,
-    releaser: Option<ConsumerHandle>,
-    claimer: Option<ConsumerHandle>,
-    closer: Option<CloserHandle>,
-    relay: Option<RelayHandle>,
+    consumer: Option<WorkerHandle>,
+    releaser: Option<WorkerHandle>,
+    claimer: Option<WorkerHandle>,
+    closer: Option<WorkerHandle>,
+    relay: Option<WorkerHandle>,
 }
 
 impl Workers {

@@ -17,3 +17,4 @@ pub mod outbox;
 pub mod payments;
 pub mod store;
 pub mod telemetry;
+pub mod worker;

@@ -12,10 +12,10 @@ use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::FutureProducer;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KafkaSettings;
+use crate::worker::WorkerHandle;
 
 /// What to consume.
 #[derive(Debug, Clone)]
@@ -42,23 +42,7 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 /// A running consumer.
-pub struct ConsumerHandle {
-    shutdown: CancellationToken,
-    join: JoinHandle<()>,
-}
-
-impl ConsumerHandle {
-    /// Finishes the batch in hand, then leaves the group.
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = self.join.await;
-    }
-
-    /// Stops at once, wherever it is (tests simulate a crash with this).
-    pub fn abort(self) {
-        self.join.abort();
-    }
-}
+pub type ConsumerHandle = WorkerHandle;
 
 /// Subscribes and starts the loop on the current runtime.
 pub fn spawn<H: Handler>(
@@ -79,9 +63,9 @@ pub fn spawn<H: Handler>(
     consumer
         .subscribe(&[&sub.topic])
         .with_context(|| format!("subscribing to {}", sub.topic))?;
-    let shutdown = CancellationToken::new();
-    let join = tokio::spawn(run(consumer, sub, handler, shutdown.clone()));
-    Ok(ConsumerHandle { shutdown, join })
+    Ok(WorkerHandle::spawn(|shutdown| {
+        run(consumer, sub, handler, shutdown)
+    }))
 }
 
 async fn run<H: Handler>(
@@ -133,6 +117,28 @@ async fn run<H: Handler>(
 /// Exponential backoff: 200 ms, 400 ms, … capped at 5 s.
 pub fn backoff(attempt: u32) -> Duration {
     (Duration::from_millis(100) * 2u32.saturating_pow(attempt.min(10))).min(Duration::from_secs(5))
+}
+
+/// Runs `op` until it succeeds, logging each failure as `what` and backing
+/// off between attempts. `None` if shutdown came first.
+pub async fn retry<T, F, Fut>(what: &str, shutdown: &CancellationToken, mut op: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
+    let mut attempt = 0;
+    loop {
+        match op().await {
+            Ok(value) => return Some(value),
+            Err(e) => {
+                attempt += 1;
+                tracing::warn!(error = format!("{e:#}"), attempt, "{what} failed; retrying");
+                if !pause(attempt, shutdown).await {
+                    return None;
+                }
+            }
+        }
+    }
 }
 
 /// Sleeps for `backoff(attempt)`; false if shutdown came first.

@@ -49,41 +49,25 @@ impl Handler for Claimer {
         if events.is_empty() {
             return true;
         }
-        let mut attempt = 0;
-        loop {
+        let applied = runner::retry("coupon claims batch", shutdown, || {
             let owned = events.clone();
-            match store::run(&deps.db, move |conn| {
+            store::run(&deps.db, move |conn| {
                 Ok(repo::apply_claims(conn, CONSUMER, &owned)?)
             })
-            .await
-            {
-                Ok(outcome) => {
-                    if outcome.refused_over_issue > 0 {
-                        tracing::error!(
-                            count = outcome.refused_over_issue,
-                            "coupon claims beyond the batch total refused by the database"
-                        );
-                    }
-                    let m = &deps.metrics.consumer_events;
-                    m.with_label_values(&["coupon_written"])
-                        .inc_by(outcome.written as u64);
-                    m.with_label_values(&["coupon_refused"]).inc_by(
-                        (outcome.refused_over_issue + outcome.refused_duplicate_user) as u64,
-                    );
-                    return true;
-                }
-                Err(e) => {
-                    attempt += 1;
-                    tracing::warn!(
-                        error = format!("{e:#}"),
-                        attempt,
-                        "coupon claims batch failed; retrying"
-                    );
-                    if !runner::pause(attempt, shutdown).await {
-                        return false;
-                    }
-                }
-            }
+        })
+        .await;
+        let Some(outcome) = applied else { return false };
+        if outcome.refused_over_issue > 0 {
+            tracing::error!(
+                count = outcome.refused_over_issue,
+                "coupon claims beyond the batch total refused by the database"
+            );
         }
+        let m = &deps.metrics.consumer_events;
+        m.with_label_values(&["coupon_written"])
+            .inc_by(outcome.written as u64);
+        m.with_label_values(&["coupon_refused"])
+            .inc_by((outcome.refused_over_issue + outcome.refused_duplicate_user) as u64);
+        true
     }
 }

@@ -3,32 +3,14 @@
 
 use std::time::Duration;
 
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
-
 use super::transitions;
 use crate::metrics::Metrics;
 use crate::store::{self, PgPool};
-
-/// A running closer.
-pub struct CloserHandle {
-    shutdown: CancellationToken,
-    join: JoinHandle<()>,
-}
-
-impl CloserHandle {
-    /// Finishes the batch in hand and stops.
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = self.join.await;
-    }
-}
+use crate::worker::WorkerHandle;
 
 /// Starts the closer loop on the current runtime.
-pub fn spawn(db: PgPool, interval: Duration, batch: i64, metrics: Metrics) -> CloserHandle {
-    let shutdown = CancellationToken::new();
-    let stop = shutdown.clone();
-    let join = tokio::spawn(async move {
+pub fn spawn(db: PgPool, interval: Duration, batch: i64, metrics: Metrics) -> WorkerHandle {
+    WorkerHandle::spawn(|stop| async move {
         while !stop.is_cancelled() {
             // Drain every overdue order before sleeping again.
             loop {
@@ -54,6 +36,5 @@ pub fn spawn(db: PgPool, interval: Duration, batch: i64, metrics: Metrics) -> Cl
                 _ = tokio::time::sleep(interval) => {}
             }
         }
-    });
-    CloserHandle { shutdown, join }
+    })
 }

@@ -64,28 +64,20 @@ async fn release(deps: &ConsumerDeps, m: &OwnedMessage, shutdown: &CancellationT
         quantity: e.quantity,
     };
     let buckets = usize::try_from(e.buckets).unwrap_or(1).max(1);
-    let mut attempt = 0u32;
-    loop {
-        match deps
+    let released = runner::retry("Redis release", shutdown, || async {
+        Ok(deps
             .gate
             .release(e.activity_id, e.order_no.get(), buckets, reason)
-            .await
-        {
-            Ok(released) => {
-                let result = if released { "released" } else { "already" };
-                deps.metrics
-                    .stock_released
-                    .with_label_values(&[result])
-                    .inc();
-                return true;
-            }
-            Err(err) => {
-                attempt += 1;
-                tracing::warn!(error = %err, attempt, "Redis release failed; retrying");
-                if !runner::pause(attempt, shutdown).await {
-                    return false;
-                }
-            }
-        }
-    }
+            .await?)
+    })
+    .await;
+    let Some(released) = released else {
+        return false;
+    };
+    let result = if released { "released" } else { "already" };
+    deps.metrics
+        .stock_released
+        .with_label_values(&[result])
+        .inc();
+    true
 }

@@ -9,27 +9,13 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Integer, Text};
 use rdkafka::producer::FutureProducer;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::bus::{self, Topics};
 use crate::config::WorkerSettings;
 use crate::metrics::Metrics;
 use crate::store::{self, PgConn, PgPool};
-
-/// A running relay.
-pub struct RelayHandle {
-    shutdown: CancellationToken,
-    join: JoinHandle<()>,
-}
-
-impl RelayHandle {
-    /// Finishes the batch in hand and stops.
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = self.join.await;
-    }
-}
+use crate::worker::WorkerHandle;
 
 /// What the relay works with.
 #[derive(Clone)]
@@ -47,10 +33,8 @@ pub struct Relay {
 }
 
 /// Starts the relay loop on the current runtime.
-pub fn spawn(relay: Relay) -> RelayHandle {
-    let shutdown = CancellationToken::new();
-    let join = tokio::spawn(run(relay, shutdown.clone()));
-    RelayHandle { shutdown, join }
+pub fn spawn(relay: Relay) -> WorkerHandle {
+    WorkerHandle::spawn(|shutdown| run(relay, shutdown))
 }
 
 async fn run(relay: Relay, shutdown: CancellationToken) {
