@@ -19,7 +19,7 @@ for db in $stale; do
 done
 
 command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >&2; exit 1; }
-# Integration tests mostly wait on I/O: run more of them than there are cores.
-cargo test --lib --bins --tests "$@" -- --test-threads="${SECKILL_TEST_THREADS:-8}"
 # The criterion benches, once each in test mode (they must still run).
 if [ $# -eq 0 ]; then cargo test --benches; fi
+# Integration tests mostly wait on I/O: run more of them than there are cores.
+cargo test --lib --bins --tests "$@" -- --test-threads="${SECKILL_TEST_THREADS:-8}"

@@ -215,62 +215,47 @@ pub async fn place(
         coupon_id: body.coupon_id,
         reserved_at_ms: now_ms,
     };
-    let started = Instant::now();
-    let published = bus::publish(
-        &state.producer,
-        &state.topics.order_requested,
-        &event.event_id,
-        &event.encode(),
-        None,
-    )
-    .await;
-    state
-        .metrics
-        .produce_duration
-        .observe(started.elapsed().as_secs_f64());
-    if let Err(e) = published {
-        let (kind, code, message) = match e {
-            PublishError::QueueFull => (
-                "queue_full",
-                ErrorCode::Busy,
-                "the order queue is full; retry shortly",
-            ),
-            PublishError::Failed(_) => (
-                "delivery",
-                ErrorCode::RetryLater,
-                "the order could not be queued; nothing was kept",
-            ),
+    // Publish-or-release runs in a task of its own: if the client goes away
+    // and this handler is dropped, the reservation is still either backed by
+    // a message or given back — never left occupied with nothing behind it.
+    let (st, buckets, payload) = (state.clone(), meta.buckets, event.encode());
+    let key = event.event_id.clone();
+    let published = tokio::spawn(async move {
+        let started = Instant::now();
+        let published = bus::publish(&st.producer, &st.topics.order_requested, &key, &payload, None).await;
+        st.metrics.produce_duration.observe(started.elapsed().as_secs_f64());
+        let Err(e) = published else { return Ok(()) };
+        let kind = match e {
+            PublishError::QueueFull => "queue_full",
+            PublishError::Failed(_) => "delivery",
         };
-        state
-            .metrics
-            .produce_errors
-            .with_label_values(&[kind])
-            .inc();
+        st.metrics.produce_errors.with_label_values(&[kind]).inc();
         tracing::warn!(error = %e, order_no, activity_id, "order publish failed; releasing the reservation");
         // Nothing was kept: give the stock and the request_id back. If Redis
-        // fails here too, the reservation stays open and the reconciler voids it.
-        if let Err(e) = state
-            .gate
-            .release(
-                activity_id,
-                order_no,
-                meta.buckets,
-                ReleaseReason::PublishFailed,
-            )
-            .await
-        {
+        // fails here too, the reservation stays open for the reconciler.
+        if let Err(e) = st.gate.release(activity_id, order_no, buckets, ReleaseReason::PublishFailed).await {
             tracing::error!(error = %e, order_no, activity_id, "release after a failed publish failed");
         }
-        return Err(reject(
-            &state,
-            if kind == "queue_full" {
-                "busy"
-            } else {
-                "retry_later"
-            },
-            code,
-            message,
-        ));
+        Err(kind)
+    })
+    .await
+    .unwrap_or(Err("delivery"));
+    if let Err(kind) = published {
+        return Err(if kind == "queue_full" {
+            reject(
+                &state,
+                "busy",
+                ErrorCode::Busy,
+                "the order queue is full; retry shortly",
+            )
+        } else {
+            reject(
+                &state,
+                "retry_later",
+                ErrorCode::RetryLater,
+                "the order could not be queued; nothing was kept",
+            )
+        });
     }
     outcome(&state, "accepted");
     Ok(HttpResponse::Accepted().json(json!({
