@@ -73,7 +73,7 @@ fn events(ids: &Snowflake, n: usize) -> Vec<OrderRequested> {
 
 fn batch(c: &mut Criterion) {
     let Some(pool) = connect() else { return };
-    let mut conn: seckill::store::PgConn = pool.get().expect("connection");
+    let mut conn: seckill::store::PooledConn = pool.get().expect("connection");
     let terms = HashMap::from([(
         1,
         ActivityTerms {

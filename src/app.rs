@@ -28,6 +28,7 @@ use crate::orders::consumer::{self, ConsumerDeps};
 use crate::orders::releaser;
 use crate::outbox::relay::{self, Relay};
 use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
+use crate::reconcile::{self, Reconciler};
 use crate::store::{self, PgPool};
 use crate::worker::WorkerHandle;
 
@@ -113,6 +114,16 @@ impl AppState {
         })
     }
 
+    /// What reconciliation needs, sharing this state's clients.
+    pub fn reconciler(&self) -> Reconciler {
+        Reconciler {
+            db: self.db.clone(),
+            gate: self.gate.clone(),
+            settings: self.settings.clone(),
+            metrics: self.metrics.clone(),
+        }
+    }
+
     /// What the outbox relay needs, sharing this state's clients.
     pub fn relay(&self) -> Relay {
         Relay {
@@ -170,6 +181,7 @@ pub struct Workers {
     claimer: Option<WorkerHandle>,
     closer: Option<WorkerHandle>,
     relay: Option<WorkerHandle>,
+    reconciler: Option<WorkerHandle>,
 }
 
 impl Workers {
@@ -201,6 +213,10 @@ impl Workers {
                 )
             }),
             relay: w.relay_enabled.then(|| relay::spawn(state.relay())),
+            reconciler: s
+                .reconcile
+                .enabled
+                .then(|| reconcile::spawn(state.reconciler())),
         })
     }
 
@@ -213,6 +229,9 @@ impl Workers {
             c.stop().await;
         }
         if let Some(r) = self.relay {
+            r.stop().await;
+        }
+        if let Some(r) = self.reconciler {
             r.stop().await;
         }
         if let Some(r) = self.releaser {

@@ -37,8 +37,27 @@ pub struct Settings {
     pub payment: PaymentSettings,
     /// Background workers: timeout closer, outbox relay, stock releaser.
     pub workers: WorkerSettings,
+    /// Reconciliation of Redis, PostgreSQL and stale reservations.
+    pub reconcile: ReconcileSettings,
     /// Log output.
     pub log: LogSettings,
+}
+
+/// Reconciliation (SPEC step 4 and "Reconciliation and degradation").
+#[derive(Debug, Clone, Deserialize)]
+pub struct ReconcileSettings {
+    /// Run the reconciler periodically inside `serve`.
+    pub enabled: bool,
+    /// Pause between runs, in seconds.
+    pub interval_secs: u64,
+    /// A reservation still open this long after it was made has no order
+    /// event behind it (a crash between reserve and publish): it is voided.
+    /// Must be well above `2 × kafka.timeout_ms` plus the consumer's lag.
+    pub reservation_grace_secs: u64,
+    /// Stock released within this many seconds may still be on its way to
+    /// Redis; Redis is only compared with (and repaired from) the database
+    /// when nothing is in flight.
+    pub settle_secs: u64,
 }
 
 /// The payment provider.

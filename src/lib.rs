@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod orders;
 pub mod outbox;
 pub mod payments;
+pub mod reconcile;
 pub mod store;
 pub mod telemetry;
 pub mod worker;

@@ -26,6 +26,8 @@ enum Command {
     },
     /// Run only the order consumer (a worker-only instance) until SIGINT/SIGTERM.
     Consume,
+    /// Reconcile every recent activity once and print the report (JSON).
+    Reconcile,
     /// Apply (default) or revert the database migrations.
     Migrate {
         #[arg(value_enum, default_value = "up")]
@@ -75,6 +77,15 @@ async fn main() -> anyhow::Result<()> {
             serve(settings).await
         }
         Command::Consume => consume(settings).await,
+        Command::Reconcile => {
+            let state = seckill::app::AppState::connect(settings)?;
+            let reports = state.reconciler().run().await?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({"activities": reports}))?
+            );
+            Ok(())
+        }
         Command::Loadgen { args, json } => {
             let report = seckill::loadgen::run(&settings, args).await?;
             if json {

@@ -36,6 +36,8 @@ pub struct Metrics {
     pub orders_closed: IntCounter,
     /// Reservations given back to Redis from `stock.released`.
     pub stock_released: IntCounterVec,
+    /// Reconciliation findings by what (difference | repair) and kind.
+    pub reconcile: IntCounterVec,
 }
 
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -97,6 +99,10 @@ impl Metrics {
                 ),
                 &["result"],
             )?,
+            reconcile: IntCounterVec::new(
+                Opts::new("reconcile_total", "Reconciliation differences and repairs"),
+                &["what", "kind"],
+            )?,
             registry,
         };
         let r = &metrics.registry;
@@ -113,6 +119,7 @@ impl Metrics {
         r.register(Box::new(metrics.callbacks.clone()))?;
         r.register(Box::new(metrics.orders_closed.clone()))?;
         r.register(Box::new(metrics.stock_released.clone()))?;
+        r.register(Box::new(metrics.reconcile.clone()))?;
         Ok(metrics)
     }
 

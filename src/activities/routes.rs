@@ -195,10 +195,24 @@ pub async fn stats(
     path: web::Path<i64>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    let (activity, stock) = load(&state, id).await?;
-    let counts = store::run(&state.db, move |conn| Ok(repo::order_counts(conn, id)?))
-        .await
-        .map_err(ApiError::unavailable)?;
+    // The stock row and the order counts from ONE snapshot, so a transition
+    // committing in between can never show, say, CLOSED with its units still
+    // locked.
+    let (found, counts) = store::run(&state.db, move |conn| {
+        Ok(conn
+            .build_transaction()
+            .read_only()
+            .repeatable_read()
+            .run(|conn| {
+                Ok::<_, diesel::result::Error>((
+                    repo::find_with_stock(conn, id)?,
+                    repo::order_counts(conn, id)?,
+                ))
+            })?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    let (activity, stock) = found.ok_or_else(|| ApiError::not_found("no such activity"))?;
     let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
     let redis_available = state
         .gate

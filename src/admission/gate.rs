@@ -110,6 +110,7 @@ pub struct RedisGate {
     release: Script,
     commit: Script,
     warmup: Script,
+    repair: Script,
 }
 
 impl RedisGate {
@@ -137,6 +138,7 @@ impl RedisGate {
             release: Script::new(include_str!("lua/release.lua")),
             commit: Script::new(include_str!("lua/commit.lua")),
             warmup: Script::new(include_str!("lua/warmup.lua")),
+            repair: Script::new(include_str!("lua/repair.lua")),
         })
     }
 
@@ -277,6 +279,39 @@ impl RedisGate {
             .query_async(&mut self.conn.clone())
             .await?;
         Ok(values.into_iter().flatten().sum())
+    }
+
+    /// Moves the activity's Redis stock by `delta` units (never below zero);
+    /// returns the delta applied. Reconciliation only.
+    pub async fn repair(&self, activity_id: i64, buckets: usize, delta: i64) -> RedisResult<i64> {
+        let k = self.keys(activity_id);
+        let mut call = self.repair.prepare_invoke();
+        for b in 0..buckets {
+            call.key(k.bucket(b));
+        }
+        call.arg(delta).invoke_async(&mut self.conn.clone()).await
+    }
+
+    /// Open reservations made before `cutoff_ms`.
+    pub async fn open_before(&self, activity_id: i64, cutoff_ms: i64) -> RedisResult<Vec<i64>> {
+        redis::cmd("ZRANGEBYSCORE")
+            .arg(self.keys(activity_id).open())
+            .arg("-inf")
+            .arg(format!("({cutoff_ms}"))
+            .arg("LIMIT")
+            .arg(0)
+            .arg(1000)
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// Drops an order from the open index (its record is gone).
+    pub async fn forget_open(&self, activity_id: i64, order_no: i64) -> RedisResult<()> {
+        redis::cmd("ZREM")
+            .arg(self.keys(activity_id).open())
+            .arg(order_no)
+            .query_async(&mut self.conn.clone())
+            .await
     }
 
     /// Number of open (not yet committed) reservations.

@@ -50,6 +50,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(
             web::resource("/api/v1/dev/payments/{payment_no}/simulate").post(payments::simulate),
         )
+        .service(web::resource("/api/v1/admin/reconcile").post(crate::reconcile::route))
         .service(web::resource("/api/v1/admin/coupons").post(coupons::create))
         .service(web::resource("/api/v1/admin/coupons/{id}/stats").get(coupons::stats))
         .service(web::resource("/api/v1/coupons/mine").get(coupons::mine))

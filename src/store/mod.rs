@@ -19,7 +19,9 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 /// Pooled PostgreSQL connections.
 pub type PgPool = Pool<ConnectionManager<PgConnection>>;
 /// One connection checked out of [`PgPool`].
-pub type PgConn = PooledConnection<ConnectionManager<PgConnection>>;
+pub type PooledConn = PooledConnection<ConnectionManager<PgConnection>>;
+/// What repositories take: any PostgreSQL connection (a pooled one derefs to it).
+pub type PgConn = PgConnection;
 
 /// Builds the pool without connecting: the server starts (and reports "not
 /// ready") while PostgreSQL is down, and connects when it comes back.
@@ -47,7 +49,7 @@ where
 {
     let pool = pool.clone();
     tokio::task::spawn_blocking(move || {
-        let mut conn = pool.get().map_err(Unavailable)?;
+        let mut conn: PooledConn = pool.get().map_err(Unavailable)?;
         f(&mut conn)
     })
     .await

@@ -11,3 +11,4 @@ mod migrations;
 mod orders;
 mod outbox;
 mod payments;
+mod reconcile;

@@ -1,0 +1,198 @@
+//! Reconciliation: SPEC step 4 (voiding reservations no event backs) and the
+//! I7 check with its Redis repair.
+
+use std::time::Duration;
+
+use seckill::admission::{Admission, RedisGate, ReserveRequest};
+use seckill::bus::Topics;
+use seckill::bus::events::OrderRequested;
+use seckill::ids::OrderNo;
+use serde_json::json;
+
+use crate::helpers::{TestApp, json, spawn_app_with};
+
+async fn reconcile(app: &TestApp) -> serde_json::Value {
+    let res = app
+        .post_json(
+            "/api/v1/admin/reconcile",
+            &json!({}),
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(res.status(), 200);
+    json(res).await
+}
+
+fn report(all: &serde_json::Value, activity: i64) -> serde_json::Value {
+    all["activities"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["activity_id"] == activity)
+        .cloned()
+        .expect("reported")
+}
+
+/// A reservation made the way admission makes it, but never published: what
+/// a crash between the script and the publish leaves behind.
+async fn orphan(app: &TestApp, activity: i64, user: i64, order_no: i64) {
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let token = app.purchase_token(user, activity).await;
+    let r = gate
+        .reserve(&ReserveRequest {
+            activity_id: activity,
+            user_id: user,
+            request_id: "crashed",
+            token: &token,
+            quantity: 1,
+            order_no,
+            buckets: 1,
+            now_ms: chrono::Utc::now().timestamp_millis(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, Admission::Accepted(order_no));
+}
+
+#[tokio::test]
+async fn a_reservation_no_event_backs_is_voided_and_a_late_event_cannot_revive_it() {
+    let app = spawn_app_with(|s| s.reconcile.reservation_grace_secs = 1).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    assert_eq!(app.buy(1, activity).await.0, 202);
+    app.drained(activity, 1).await;
+    orphan(&app, activity, 2, 777_000_001).await;
+    let stats = app.stats(activity).await;
+    assert_eq!(
+        (
+            stats["redis_available"].as_i64(),
+            stats["reservations_open"].as_i64()
+        ),
+        (Some(3), Some(1))
+    );
+
+    // Younger than the grace: left alone.
+    let first = report(&reconcile(&app).await, activity);
+    assert_eq!(first["repaired"], json!([]), "{first}");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    let second = report(&reconcile(&app).await, activity);
+    assert!(
+        second["repaired"][0]
+            .as_str()
+            .unwrap()
+            .contains("voided reservation 777000001"),
+        "{second}"
+    );
+    assert_eq!(second["consistent"], true, "{second}");
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["reservations_open"], 0);
+    assert_eq!(stats["redis_available"], 4, "the unit is back");
+    assert_eq!(stats["orders"]["FAILED"], 1);
+    let order = json(
+        app.get("/api/v1/orders/777000001", Some(&app.user_token(2)))
+            .await,
+    )
+    .await;
+    assert_eq!(order["status"], "FAILED");
+    assert_eq!(order["failure_reason"], "RESERVATION_EXPIRED");
+
+    // The event turns up after all: the FAILED row wins, nothing moves twice.
+    let late = OrderRequested {
+        event_id: "777000001".into(),
+        order_no: OrderNo::new(777_000_001),
+        activity_id: activity,
+        user_id: 2,
+        request_id: "crashed".into(),
+        quantity: 1,
+        coupon_id: None,
+        reserved_at_ms: 0,
+    };
+    let producer: rdkafka::producer::FutureProducer =
+        seckill::bus::client_config(&app.settings.kafka)
+            .create()
+            .unwrap();
+    let topic = Topics::new(&app.settings.kafka.topic_prefix).order_requested;
+    let payload = late.encode();
+    let record = rdkafka::producer::FutureRecord::to(&topic)
+        .key("777000001")
+        .payload(&payload);
+    producer
+        .send(record, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while app
+        .count("SELECT count(*) AS n FROM consume_log WHERE event_id = '777000001'")
+        .await
+        == 0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "late event never consumed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["orders"]["FAILED"], 1);
+    assert_eq!(stats["orders"]["WAITING_PAY"], 1);
+    assert_eq!(stats["db_locked"], 1);
+    assert_eq!(stats["redis_available"], 4);
+    assert_eq!(report(&reconcile(&app).await, activity)["consistent"], true);
+}
+
+#[tokio::test]
+async fn redis_drift_is_reported_and_repaired_from_the_database_when_nothing_is_in_flight() {
+    let app = spawn_app_with(|s| s.reconcile.settle_secs = 0).await;
+    let activity = app.live_activity(10, 1, 2).await;
+    assert_eq!(app.buy(1, activity).await.0, 202);
+    app.drained(activity, 1).await;
+    assert_eq!(report(&reconcile(&app).await, activity)["consistent"], true);
+
+    // Redis loses three units (and, separately, gains too many).
+    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let bucket = format!("{}{{a:{activity}}}:stock:0", app.settings.redis.key_prefix);
+    let _: () = redis::cmd("DECRBY")
+        .arg(&bucket)
+        .arg(3)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(app.stats(activity).await["redis_available"], 6);
+
+    let found = report(&reconcile(&app).await, activity);
+    assert_eq!(found["consistent"], false);
+    assert!(
+        found["differences"][0]
+            .as_str()
+            .unwrap()
+            .contains("redis available 6"),
+        "{found}"
+    );
+    assert!(!found["repaired"].as_array().unwrap().is_empty());
+    assert_eq!(app.stats(activity).await["redis_available"], 9);
+
+    let _: () = redis::cmd("INCRBY")
+        .arg(&bucket)
+        .arg(5)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    reconcile(&app).await;
+    assert_eq!(app.stats(activity).await["redis_available"], 9);
+    assert_eq!(report(&reconcile(&app).await, activity)["consistent"], true);
+    assert!(
+        app.get("/api/v1/admin/reconcile", Some(&app.admin_token()))
+            .await
+            .status()
+            == 405
+    );
+    let res = app
+        .post_json(
+            "/api/v1/admin/reconcile",
+            &json!({}),
+            Some(&app.user_token(1)),
+        )
+        .await;
+    assert_eq!(res.status(), 403);
+}
