@@ -3,6 +3,7 @@
 //! prefix and Kafka topic prefix, so they run in parallel.
 
 mod coupons;
+mod degradation;
 mod delivery;
 mod errors_and_auth;
 mod health;

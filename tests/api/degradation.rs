@@ -1,0 +1,149 @@
+//! Degradation: Redis down, rate limits, backpressure, and a consumer
+//! process killed with SIGKILL (SPEC "Reconciliation and degradation", I4).
+
+use std::process::{Child, Command, Stdio};
+
+use futures_util::{StreamExt, stream};
+use secrecy::ExposeSecret;
+use serde_json::json;
+
+use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
+
+#[tokio::test]
+async fn with_redis_down_a_purchase_is_503_retry_later() {
+    let app = spawn_app_with(|s| s.redis.url = "redis://127.0.0.1:1".into()).await;
+    let res = app
+        .order(1, 1, &json!({"request_id": "r", "token": "t"}))
+        .await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(json(res).await["code"], "RETRY_LATER");
+    let res = app
+        .get("/api/v1/activities/1/token", Some(&app.user_token(1)))
+        .await;
+    assert_eq!(res.status(), 503);
+}
+
+#[tokio::test]
+async fn a_client_over_its_rate_gets_429_rate_limited() {
+    let app = spawn_app_with(|s| {
+        s.admission.ip_rate_per_sec = 1;
+        s.admission.ip_burst = 2;
+    })
+    .await;
+    let activity = app.live_activity(10, 5, 1).await;
+    let mut statuses = Vec::new();
+    for i in 0..4 {
+        let token = app.purchase_token(1, activity).await;
+        let res = app
+            .order(
+                1,
+                activity,
+                &json!({"request_id": format!("r{i}"), "token": token}),
+            )
+            .await;
+        let status = res.status().as_u16();
+        if status == 429 {
+            assert_eq!(json(res).await["code"], "RATE_LIMITED");
+        }
+        statuses.push(status);
+    }
+    assert_eq!(&statuses[..2], &[202, 202]);
+    assert!(statuses[2..].contains(&429), "{statuses:?}");
+}
+
+#[tokio::test]
+async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
+    let app = spawn_app_with(|s| s.admission.max_in_flight = 1).await;
+    let activity = app.live_activity(100, 1, 1).await;
+    let results: Vec<(u16, serde_json::Value)> = stream::iter(1..=60)
+        .map(|u| app.buy(u, activity))
+        .buffer_unordered(60)
+        .collect()
+        .await;
+    let accepted = results.iter().filter(|(s, _)| *s == 202).count() as i64;
+    let busy = results
+        .iter()
+        .filter(|(s, b)| *s == 503 && b["code"] == "BUSY")
+        .count() as i64;
+    assert_eq!(accepted + busy, 60, "{results:?}");
+    assert!(busy > 0 && accepted > 0, "accepted {accepted}, busy {busy}");
+    let stats = app.drained(activity, accepted).await;
+    assert_eq!(
+        stats["redis_available"],
+        json!(100 - accepted),
+        "BUSY reserved nothing"
+    );
+}
+
+/// `seckill consume` as a separate process on this test's namespace.
+fn consumer_process(app: &TestApp) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_seckill"))
+        .arg("consume")
+        .env("SECKILL_ENV", "test")
+        .env(
+            "SECKILL__POSTGRES__URL",
+            app.settings.postgres.url.expose_secret(),
+        )
+        .env("SECKILL__REDIS__KEY_PREFIX", &app.settings.redis.key_prefix)
+        .env(
+            "SECKILL__KAFKA__TOPIC_PREFIX",
+            &app.settings.kafka.topic_prefix,
+        )
+        .env("SECKILL__ORDERS__BATCH_SIZE", "5")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("seckill consume starts")
+}
+
+#[tokio::test]
+async fn a_consumer_process_killed_with_sigkill_mid_stream_loses_and_duplicates_nothing() {
+    let app = spawn_app_with(|s| s.orders.consumer_enabled = false).await;
+    let activity = app.live_activity(400, 1, 2).await;
+    let results: Vec<(u16, serde_json::Value)> = stream::iter(1..=400)
+        .map(|u| app.buy(u, activity))
+        .buffer_unordered(50)
+        .collect()
+        .await;
+    assert!(results.iter().all(|(s, _)| *s == 202));
+
+    let mut first = consumer_process(&app);
+    app.wait_for_stats(activity, 60, |s| {
+        s["orders"]["WAITING_PAY"].as_i64().unwrap() >= 20
+    })
+    .await;
+    first.kill().expect("SIGKILL"); // no shutdown path runs: a crash
+    first.wait().expect("reaped");
+    let created = app.stats(activity).await["orders"]["WAITING_PAY"]
+        .as_i64()
+        .unwrap();
+    assert!(created < 400, "killed mid-stream ({created} created)");
+
+    let mut second = consumer_process(&app);
+    let stats = app.drained(activity, 400).await;
+    second.kill().ok();
+    second.wait().ok();
+    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 400);
+    assert_eq!(
+        app.count("SELECT count(*) AS n FROM stock_flow WHERE biz_type = 'LOCK'")
+            .await,
+        400
+    );
+    assert_eq!(stats["db_locked"], 400);
+    assert_eq!(stats["db_available"], 0);
+    assert_eq!(stats["redis_available"], 0);
+}
+
+#[tokio::test]
+async fn metrics_count_admission_outcomes() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(1, 1, 1).await;
+    assert_eq!(app.buy(1, activity).await.0, 202);
+    assert_eq!(app.buy(2, activity).await.0, 409);
+    let text = app.get("/metrics", None).await.text().await.unwrap();
+    for outcome in ["accepted", "sold_out"] {
+        let line = format!("seckill_admission_total{{outcome=\"{outcome}\"}} 1");
+        assert!(text.contains(&line), "missing {line}");
+    }
+    assert!(text.contains("seckill_admission_script_seconds_count"));
+}
