@@ -190,6 +190,10 @@ pub struct KafkaSettings {
     pub timeout_ms: u64,
     /// Partitions of the topics this service creates.
     pub partitions: i32,
+    /// Replication factor of the topics this service creates (1 for the
+    /// single local broker; 3 on a real cluster, with `min.insync.replicas`
+    /// 2 there so `acks=all` means something).
+    pub replication_factor: i32,
 }
 
 /// Log output settings.

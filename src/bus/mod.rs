@@ -105,7 +105,13 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow:
     let new: Vec<NewTopic<'_>> = topics
         .all()
         .into_iter()
-        .map(|name| NewTopic::new(name, settings.partitions, TopicReplication::Fixed(1)))
+        .map(|name| {
+            NewTopic::new(
+                name,
+                settings.partitions,
+                TopicReplication::Fixed(settings.replication_factor),
+            )
+        })
         .collect();
     let timeout = Duration::from_millis(settings.timeout_ms);
     let options = AdminOptions::new()
