@@ -231,9 +231,17 @@ impl RedisGate {
             call.key(k.bucket(b));
         }
         let forget = matches!(reason, ReleaseReason::PublishFailed);
+        // Units to restore when Redis lost the record: only for an order the
+        // database had backed (cancelled / closed); nothing otherwise.
+        let (user, fallback) = match reason {
+            ReleaseReason::OrderReleased { user_id, quantity } => (user_id, quantity),
+            _ => (0, 0),
+        };
         call.arg(order_no)
             .arg(reason.as_str())
-            .arg(if forget { "1" } else { "0" });
+            .arg(if forget { "1" } else { "0" })
+            .arg(fallback)
+            .arg(user);
         let released: i64 = call.invoke_async(&mut self.conn.clone()).await?;
         Ok(released == 1)
     }

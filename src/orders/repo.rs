@@ -1,7 +1,7 @@
 //! Order rows: the batch that creates them (SPEC step 3) and the reads
 //! behind the status routes.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use chrono::{DateTime, Duration, Utc};
 use diesel::prelude::*;
@@ -116,6 +116,9 @@ struct OrderNoRow {
 
 /// Why an order could not be backed by the database.
 pub const STOCK_UNAVAILABLE: &str = "STOCK_UNAVAILABLE";
+/// The buyer's live orders would pass the per-user limit (I2's database
+/// guard; Redis refuses these first unless it lost its holdings).
+pub const LIMIT_EXCEEDED: &str = "LIMIT_EXCEEDED";
 /// The coupon it named could not be locked (used by another order, expired,
 /// or the order is below the coupon's minimum).
 pub const COUPON_UNAVAILABLE: &str = "COUPON_UNAVAILABLE";
@@ -203,7 +206,8 @@ pub fn apply_batch(
         unlock_coupons(conn, &orphaned)?;
 
         // Stock for the inserted WAITING_PAY orders, per activity.
-        let mut by_activity: HashMap<i64, Vec<(i64, i32)>> = HashMap::new();
+        // Stock rows locked in id order: concurrent batches never deadlock.
+        let mut by_activity: BTreeMap<i64, Vec<(i64, i32)>> = BTreeMap::new();
         for i in 0..rows.order_no.len() {
             if inserted.contains(&rows.order_no[i]) && rows.status[i] == "WAITING_PAY" {
                 by_activity
@@ -228,15 +232,29 @@ pub fn apply_batch(
                 }
             }
         }
-        if !unbacked.is_empty() {
-            diesel::sql_query(
-                "UPDATE orders SET status = 'FAILED', failure_reason = $2, updated_at = now() \
-                 WHERE order_no = ANY($1) AND status = 'WAITING_PAY'",
-            )
-            .bind::<Array<BigInt>, _>(&unbacked)
-            .bind::<Text, _>(STOCK_UNAVAILABLE)
-            .execute(conn)?;
-            unlock_coupons(conn, &unbacked)?;
+        fail_orders(conn, &unbacked, STOCK_UNAVAILABLE)?;
+
+        // I2's last guard. Redis enforces the per-user limit atomically; this
+        // holds it even if Redis lost its holdings. The stock rows are locked
+        // by now, so a concurrent batch of the same activity waits here and
+        // then sees this one's rows.
+        let over = over_limit(conn, &locked)?;
+        if !over.is_empty() {
+            fail_orders(conn, &over.iter().map(|o| o.order_no).collect::<Vec<_>>(), LIMIT_EXCEEDED)?;
+            let mut units: BTreeMap<i64, i32> = BTreeMap::new();
+            for o in &over {
+                *units.entry(o.activity_id).or_default() += o.quantity;
+            }
+            for (activity_id, n) in units {
+                diesel::sql_query(
+                    "UPDATE stock SET available = available + $2, locked = locked - $2, updated_at = now() \
+                     WHERE activity_id = $1",
+                )
+                .bind::<BigInt, _>(activity_id)
+                .bind::<Integer, _>(n)
+                .execute(conn)?;
+            }
+            locked.retain(|(_, o, _)| !over.iter().any(|v| v.order_no == *o));
         }
         if !locked.is_empty() {
             let (a, o, q): (Vec<i64>, Vec<i64>, Vec<i32>) = unzip3(&locked);
@@ -254,6 +272,52 @@ pub fn apply_batch(
         outcome.failed = inserted.len() - locked.len();
         Ok(outcome)
     })
+}
+
+/// Marks WAITING_PAY orders FAILED with `reason` and frees their coupons.
+fn fail_orders(conn: &mut PgConn, order_nos: &[i64], reason: &str) -> QueryResult<()> {
+    if order_nos.is_empty() {
+        return Ok(());
+    }
+    diesel::sql_query(
+        "UPDATE orders SET status = 'FAILED', failure_reason = $2, updated_at = now() \
+         WHERE order_no = ANY($1) AND status = 'WAITING_PAY'",
+    )
+    .bind::<Array<BigInt>, _>(order_nos)
+    .bind::<Text, _>(reason)
+    .execute(conn)?;
+    unlock_coupons(conn, order_nos)
+}
+
+#[derive(QueryableByName)]
+struct OverLimit {
+    #[diesel(sql_type = BigInt)]
+    order_no: i64,
+    #[diesel(sql_type = BigInt)]
+    activity_id: i64,
+    #[diesel(sql_type = Integer)]
+    quantity: i32,
+}
+
+/// The orders of `batch` (activity, order_no, quantity) that would put their
+/// buyer over the activity's per-user limit, counting every other live order
+/// of that buyer and this batch's earlier ones (by order_no).
+fn over_limit(conn: &mut PgConn, batch: &[(i64, i64, i32)]) -> QueryResult<Vec<OverLimit>> {
+    if batch.is_empty() {
+        return Ok(Vec::new());
+    }
+    let nos: Vec<i64> = batch.iter().map(|(_, o, _)| *o).collect();
+    diesel::sql_query(
+        "SELECT o.order_no, o.activity_id, o.quantity FROM orders o \
+         JOIN activities a ON a.id = o.activity_id \
+         WHERE o.order_no = ANY($1) AND a.per_user_limit < ( \
+           SELECT COALESCE(sum(p.quantity), 0) FROM orders p \
+           WHERE p.user_id = o.user_id AND p.activity_id = o.activity_id \
+             AND p.status IN ('WAITING_PAY', 'PAID') \
+             AND (p.order_no <> ALL($1) OR p.order_no <= o.order_no))",
+    )
+    .bind::<Array<BigInt>, _>(&nos)
+    .load(conn)
 }
 
 /// Locks the user's UNUSED coupon of batch `coupon_id` for `order_no`, if

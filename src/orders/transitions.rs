@@ -4,7 +4,7 @@
 //! wins it writes the RELEASE flow row, moves stock `locked → available`,
 //! returns the coupon and enqueues `stock.released`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Integer, Text};
@@ -93,7 +93,9 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
     .bind::<Array<Integer>, _>(&q)
     .execute(conn)?;
 
-    let mut units: HashMap<i64, i32> = HashMap::new();
+    // Stock rows locked in id order, so two transactions never wait on each
+    // other's rows in opposite orders (no deadlock).
+    let mut units: BTreeMap<i64, i32> = BTreeMap::new();
     for w in &winners {
         *units.entry(w.activity_id).or_default() += w.quantity;
     }

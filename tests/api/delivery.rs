@@ -219,3 +219,38 @@ async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_
     assert_eq!(stats["db_available"], 0);
     assert_eq!(stats["redis_available"], 0);
 }
+
+#[tokio::test]
+async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_through() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(10, 1, 1).await;
+    // Three orders of one buyer that never met Redis (as if it lost its
+    // holdings): two in one batch, one later.
+    for no in [8_000_001, 8_000_002] {
+        let e = event(activity, 5, no);
+        produce(&app, Some(0), &e.event_id, &e.encode()).await;
+    }
+    app.wait_for_stats(activity, 30, |s| {
+        s["orders"]["WAITING_PAY"].as_i64().unwrap() + s["orders"]["FAILED"].as_i64().unwrap() == 2
+    })
+    .await;
+    let e = event(activity, 5, 8_000_003);
+    produce(&app, Some(1), &e.event_id, &e.encode()).await;
+    let stats = app
+        .wait_for_stats(activity, 30, |s| s["orders"]["FAILED"] == 2)
+        .await;
+    assert_eq!(stats["orders"]["WAITING_PAY"], 1);
+    assert_eq!(stats["db_locked"], 1, "only the first order holds stock");
+    assert_eq!(stats["db_available"], 9);
+    assert_eq!(
+        app.count("SELECT count(*) AS n FROM orders WHERE failure_reason = 'LIMIT_EXCEEDED'")
+            .await,
+        2
+    );
+    assert_eq!(app.count("SELECT count(*) AS n FROM stock_flow").await, 1);
+    assert_eq!(
+        app.count("SELECT order_no AS n FROM orders WHERE status = 'WAITING_PAY'")
+            .await,
+        8_000_001
+    );
+}

@@ -35,6 +35,11 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
     let db_name = format!("seckill_test_{id}");
     settings.postgres.url = create_database(&settings.postgres.url, &db_name).await;
     tweak(&mut settings);
+    if std::env::var_os("SECKILL_TEST_LOG").is_some() {
+        // Debugging aid: `SECKILL_TEST_LOG=1 cargo test ... -- --nocapture`.
+        settings.log.level = "info".into();
+        seckill::telemetry::init(&settings.log);
+    }
 
     let app = Application::build(settings.clone())
         .await

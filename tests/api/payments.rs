@@ -332,3 +332,35 @@ async fn pay_racing_the_timeout_ends_each_order_paid_or_closed_and_conserves_sto
         paid
     );
 }
+
+#[tokio::test]
+async fn a_cancel_restores_redis_stock_once_even_when_redis_lost_the_reservation_record() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(3, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 1).await;
+    let (user, order_no) = &orders[0];
+    // Redis forgets the reservation (its TTL passed, or a failover lost it).
+    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let key = format!(
+        "{}{{a:{activity}}}:res:{order_no}",
+        app.settings.redis.key_prefix
+    );
+    let removed: i64 = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(removed, 1);
+    assert_eq!(app.stats(activity).await["redis_available"], 2);
+
+    assert_eq!(app.cancel(*user, order_no).await.status(), 200);
+    app.wait_for_stats(activity, 20, |s| s["redis_available"] == 3)
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["redis_available"], 3, "restored exactly once");
+    assert_eq!(stats["db_available"], 3);
+    // The buyer's limit came back with it.
+    assert_eq!(app.buy(*user, activity).await.0, 202);
+}
