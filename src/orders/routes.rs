@@ -218,28 +218,9 @@ pub async fn place(
     // Publish-or-release runs in a task of its own: if the client goes away
     // and this handler is dropped, the reservation is still either backed by
     // a message or given back — never left occupied with nothing behind it.
-    let (st, buckets, payload) = (state.clone(), meta.buckets, event.encode());
-    let key = event.event_id.clone();
-    let published = tokio::spawn(async move {
-        let started = Instant::now();
-        let published = bus::publish(&st.producer, &st.topics.order_requested, &key, &payload, None).await;
-        st.metrics.produce_duration.observe(started.elapsed().as_secs_f64());
-        let Err(e) = published else { return Ok(()) };
-        let kind = match e {
-            PublishError::QueueFull => "queue_full",
-            PublishError::Failed(_) => "delivery",
-        };
-        st.metrics.produce_errors.with_label_values(&[kind]).inc();
-        tracing::warn!(error = %e, order_no, activity_id, "order publish failed; releasing the reservation");
-        // Nothing was kept: give the stock and the request_id back. If Redis
-        // fails here too, the reservation stays open for the reconciler.
-        if let Err(e) = st.gate.release(activity_id, order_no, buckets, ReleaseReason::PublishFailed).await {
-            tracing::error!(error = %e, order_no, activity_id, "release after a failed publish failed");
-        }
-        Err(kind)
-    })
-    .await
-    .unwrap_or(Err("delivery"));
+    let published = tokio::spawn(publish_or_release(state.clone(), event, meta.buckets))
+        .await
+        .unwrap_or(Err("delivery"));
     if let Err(kind) = published {
         return Err(if kind == "queue_full" {
             reject(
@@ -259,10 +240,56 @@ pub async fn place(
     }
     outcome(&state, "accepted");
     Ok(HttpResponse::Accepted().json(json!({
-        "order_no": event.event_id,
-        "request_id": event.request_id,
+        "order_no": order_no.to_string(),
+        "request_id": body.request_id,
         "status": "PROCESSING",
     })))
+}
+
+/// Publishes `order.requested` and awaits its delivery report; on failure
+/// releases the reservation (and forgets the request_id: nothing was kept).
+/// The error is the failure's metric label: `queue_full` or `delivery`.
+async fn publish_or_release(
+    state: web::Data<AppState>,
+    event: OrderRequested,
+    buckets: usize,
+) -> Result<(), &'static str> {
+    let (order_no, activity_id) = (event.order_no.get(), event.activity_id);
+    let started = Instant::now();
+    let topic = &state.topics.order_requested;
+    let published = bus::publish(
+        &state.producer,
+        topic,
+        &event.event_id,
+        &event.encode(),
+        None,
+    )
+    .await;
+    state
+        .metrics
+        .produce_duration
+        .observe(started.elapsed().as_secs_f64());
+    let Err(e) = published else { return Ok(()) };
+    let kind = match e {
+        PublishError::QueueFull => "queue_full",
+        PublishError::Failed(_) => "delivery",
+    };
+    state
+        .metrics
+        .produce_errors
+        .with_label_values(&[kind])
+        .inc();
+    tracing::warn!(error = %e, order_no, activity_id, "order publish failed; releasing");
+    // If Redis fails here too, the reservation stays open for the reconciler.
+    let release = ReleaseReason::PublishFailed;
+    if let Err(e) = state
+        .gate
+        .release(activity_id, order_no, buckets, release)
+        .await
+    {
+        tracing::error!(error = %e, order_no, activity_id, "release after a failed publish failed");
+    }
+    Err(kind)
 }
 
 /// The status of an order the caller owns: its row, else its reservation.
