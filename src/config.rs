@@ -58,6 +58,9 @@ pub struct ReconcileSettings {
     /// Redis; Redis is only compared with (and repaired from) the database
     /// when nothing is in flight.
     pub settle_secs: u64,
+    /// How long after an activity's end its Redis keys are removed (once
+    /// every order is settled and the figures agree), in seconds.
+    pub cleanup_after_secs: u64,
 }
 
 /// The payment provider.

@@ -103,6 +103,27 @@ pub fn order_counts(conn: &mut PgConn, id: i64) -> QueryResult<Vec<(String, i64)
     Ok(rows.into_iter().map(|r| (r.status, r.n)).collect())
 }
 
+/// Warmed activities still to reconcile: not yet ENDED (their Redis keys
+/// not yet removed). `(id, buckets, end_at)`.
+pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<(i64, i32, DateTime<Utc>)>> {
+    activities::table
+        .filter(activities::warmed_at.is_not_null())
+        .filter(activities::status.ne("ENDED"))
+        .select((activities::id, activities::buckets, activities::end_at))
+        .load(conn)
+}
+
+/// Records that an ended activity's Redis keys are gone.
+pub fn mark_ended(conn: &mut PgConn, id: i64) -> QueryResult<()> {
+    diesel::update(activities::table.find(id))
+        .set((
+            activities::status.eq("ENDED"),
+            activities::updated_at.eq(diesel::dsl::now),
+        ))
+        .execute(conn)?;
+    Ok(())
+}
+
 /// Activities whose sale window is not long past (status lookups search
 /// their reservations).
 pub fn recent_ids(conn: &mut PgConn, since: DateTime<Utc>) -> QueryResult<Vec<(i64, i32)>> {

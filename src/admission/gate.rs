@@ -313,6 +313,18 @@ impl RedisGate {
             .await
     }
 
+    /// Removes an ended activity's keys (meta, buckets, request and holding
+    /// hashes, open index). Reservation records expire on their own.
+    pub async fn remove_activity(&self, activity_id: i64, buckets: usize) -> RedisResult<()> {
+        let k = self.keys(activity_id);
+        let mut keys = k.buckets(buckets);
+        keys.extend([k.meta(), k.requests(), k.holdings(), k.open()]);
+        redis::cmd("DEL")
+            .arg(keys)
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
     /// Drops an order from the open index (its record is gone).
     pub async fn forget_open(&self, activity_id: i64, order_no: i64) -> RedisResult<()> {
         redis::cmd("ZREM")

@@ -115,19 +115,55 @@ struct Figures {
 impl Reconciler {
     /// Reconciles every recent, warmed activity.
     pub async fn run(&self) -> anyhow::Result<Vec<Report>> {
-        let since = Utc::now() - chrono::Duration::days(1);
-        let ids = store::run(&self.db, move |conn| {
-            Ok(crate::activities::repo::recent_ids(conn, since)?)
+        let ids = store::run(&self.db, |conn| {
+            Ok(crate::activities::repo::to_reconcile(conn)?)
         })
         .await?;
+        let cleanup_after = chrono::Duration::seconds(
+            i64::try_from(self.settings.reconcile.cleanup_after_secs).unwrap_or(i64::MAX / 4),
+        );
         let mut reports = Vec::with_capacity(ids.len());
-        for (id, buckets) in ids {
-            reports.push(
-                self.activity(id, usize::try_from(buckets).unwrap_or(1).max(1))
-                    .await?,
-            );
+        for (id, buckets, end_at) in ids {
+            let buckets = usize::try_from(buckets).unwrap_or(1).max(1);
+            let mut report = self.activity(id, buckets).await?;
+            if Utc::now() > end_at + cleanup_after && report.consistent {
+                self.clean_up(id, buckets, &mut report).await?;
+            }
+            reports.push(report);
         }
         Ok(reports)
+    }
+
+    /// After the end plus a grace, once every order is settled (none
+    /// WAITING_PAY, so no release can still come) and nothing is open or in
+    /// flight, removes the activity's Redis keys and marks it ENDED
+    /// (reservation records expire on their own TTL).
+    async fn clean_up(
+        &self,
+        activity_id: i64,
+        buckets: usize,
+        report: &mut Report,
+    ) -> anyhow::Result<()> {
+        let settle = self.settings.reconcile.settle_secs as f64;
+        let f: Figures = store::run(&self.db, move |conn| {
+            Ok(figures(conn, activity_id, settle)?)
+        })
+        .await?;
+        let open = self.gate.open_reservations(activity_id).await?;
+        if f.waiting_units > 0 || f.releases_in_flight > 0 || open > 0 {
+            return Ok(());
+        }
+        self.gate.remove_activity(activity_id, buckets).await?;
+        store::run(&self.db, move |conn| {
+            Ok(crate::activities::repo::mark_ended(conn, activity_id)?)
+        })
+        .await?;
+        self.metrics
+            .reconcile
+            .with_label_values(&["repair", "cleanup"])
+            .inc();
+        report.repaired.push("ended: Redis keys removed".to_owned());
+        Ok(())
     }
 
     /// Reconciles one activity.

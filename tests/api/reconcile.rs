@@ -196,3 +196,71 @@ async fn redis_drift_is_reported_and_repaired_from_the_database_when_nothing_is_
         .await;
     assert_eq!(res.status(), 403);
 }
+
+#[tokio::test]
+async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_are_removed() {
+    let app = spawn_app_with(|s| {
+        s.reconcile.settle_secs = 0;
+        s.reconcile.cleanup_after_secs = 0;
+    })
+    .await;
+    let activity = app
+        .create_activity(5, 1, 2, crate::helpers::Window { start: -60, end: 3 })
+        .await;
+    app.warmup(activity).await;
+    let orders = app.waiting_orders(activity, 1, 1).await;
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+
+    // Ended, but an order still waits for payment: its release may still come.
+    let pending = report(&reconcile(&app).await, activity);
+    assert!(
+        !pending["repaired"]
+            .to_string()
+            .contains("Redis keys removed"),
+        "{pending}"
+    );
+    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let meta = format!("{}{{a:{activity}}}:meta", app.settings.redis.key_prefix);
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(&meta)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(exists, 1);
+
+    let (user, order_no) = &orders[0];
+    assert_eq!(app.cancel(*user, order_no).await.status(), 200);
+    app.wait_for_stats(activity, 20, |s| s["redis_available"] == 5)
+        .await;
+    let done = report(&reconcile(&app).await, activity);
+    assert!(
+        done["repaired"].to_string().contains("Redis keys removed"),
+        "{done}"
+    );
+    let pattern = format!("{}{{a:{activity}}}:*", app.settings.redis.key_prefix);
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        left.iter().all(|k| k.contains(":res:")),
+        "only reservation records (with a TTL) remain: {left:?}"
+    );
+    let view = json(
+        app.get(&format!("/api/v1/activities/{activity}"), None)
+            .await,
+    )
+    .await;
+    assert_eq!(view["status"], "ENDED");
+    // Reconciled once more: an ENDED activity is no longer visited.
+    let again = reconcile(&app).await;
+    assert!(
+        again["activities"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|a| a["activity_id"] != activity)
+    );
+}
