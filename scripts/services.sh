@@ -16,7 +16,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STATE=${SECKILL_SERVICES_DIR:-$ROOT/.services}
 CACHE=${SECKILL_CACHE_DIR:-${HOME:-/root}/.cache/seckill}
 KAFKA_VERSION=4.1.1
-KAFKA_HEAP=${SECKILL_KAFKA_HEAP:-512m}
+KAFKA_HEAP=${SECKILL_KAFKA_HEAP:-1g}
 
 log() { printf '[services] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -195,6 +195,9 @@ share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 auto.create.topics.enable=true
 log.retention.hours=24
+# Test runs create and delete many short-lived groups and topics.
+offsets.retention.minutes=1440
+delete.topic.enable=true
 EOF
   cat >"$KAFKA_DIR/log4j2.properties" <<'EOF'
 status = warn

@@ -28,7 +28,21 @@ pub async fn spawn_app() -> TestApp {
 /// a client at a closed port).
 pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
     let mut settings = Settings::load_env("test").expect("test settings load");
-    let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    // Once per run: earlier runs' leftovers go before this run adds its own.
+    static STALE_REMOVED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    let base = settings.clone();
+    STALE_REMOVED
+        .get_or_init(|| async move {
+            let _ = tokio::task::spawn_blocking(move || crate::cleanup::remove_stale_topics(&base))
+                .await;
+        })
+        .await;
+    // t<run: 4 hex><test: 12 hex>: unique, and tells this run's names apart.
+    let id = format!(
+        "{}{}",
+        crate::cleanup::run_id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
     settings.app.port = 0;
     settings.redis.key_prefix = format!("t{id}:");
     settings.kafka.topic_prefix = format!("t{id}.");
@@ -122,7 +136,9 @@ impl Drop for TestApp {
         // Best effort, on a plain thread (Drop may run inside the runtime).
         let base = self.settings.postgres.url.expose_secret().to_owned();
         let name = self.db_name.clone();
+        let settings = self.settings.clone();
         let _ = std::thread::spawn(move || {
+            crate::cleanup::remove_namespace(&settings);
             let main = database_url(&base, "postgres");
             if let Ok(mut conn) = PgConnection::establish(&main) {
                 let _ =
