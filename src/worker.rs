@@ -30,8 +30,11 @@ impl WorkerHandle {
         let _ = self.join.await;
     }
 
-    /// Stops it at once, wherever it is (tests simulate a crash with this).
-    pub fn abort(self) {
+    /// Stops it at once, wherever it is (tests simulate a crash with this),
+    /// and waits until the task is gone — with it whatever it owned, such as
+    /// a Kafka consumer, which leaves its group as it is destroyed.
+    pub async fn abort(self) {
         self.join.abort();
+        let _ = self.join.await;
     }
 }

@@ -194,7 +194,7 @@ async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_
         s["orders"]["WAITING_PAY"].as_i64().unwrap() >= 30
     })
     .await;
-    first.abort(); // mid-stream: batches in flight, offsets partly committed
+    first.abort().await; // mid-stream: batches in flight, offsets partly committed
 
     let waiting = app.stats(activity).await["orders"]["WAITING_PAY"]
         .as_i64()

@@ -133,6 +133,13 @@ impl TestApp {
 
 impl Drop for TestApp {
     fn drop(&mut self) {
+        if std::env::var_os("SECKILL_TEST_KEEP").is_some() {
+            eprintln!(
+                "kept: database {} , Redis prefix {}",
+                self.db_name, self.settings.redis.key_prefix
+            );
+            return;
+        }
         // Best effort, on a plain thread (Drop may run inside the runtime).
         let base = self.settings.postgres.url.expose_secret().to_owned();
         let name = self.db_name.clone();

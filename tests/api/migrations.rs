@@ -38,6 +38,20 @@ fn domain_tables(conn: &mut PgConnection) -> i64 {
     .n
 }
 
+/// Best effort: an autovacuum worker (owned by `postgres`) may sit in a new
+/// database, and our role cannot end it; `scripts/test.sh` clears leftovers.
+fn drop_database(base: &str, name: &str) {
+    if let Ok(mut admin) = PgConnection::establish(&database_url(base, "postgres")) {
+        for _ in 0..5 {
+            let sql = format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)");
+            if diesel::sql_query(sql).execute(&mut admin).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+}
+
 #[tokio::test]
 async fn migrations_apply_revert_cleanly_and_apply_again() {
     let settings = Settings::load_env("test").unwrap();
@@ -64,10 +78,7 @@ async fn migrations_apply_revert_cleanly_and_apply_again() {
         );
         drop(conn);
 
-        let mut admin = PgConnection::establish(&database_url(&base, "postgres")).unwrap();
-        diesel::sql_query(format!("DROP DATABASE \"{name}\" WITH (FORCE)"))
-            .execute(&mut admin)
-            .unwrap();
+        drop_database(&base, &name);
     })
     .await
     .unwrap();
@@ -104,8 +115,7 @@ async fn the_stock_row_refuses_negative_or_unbalanced_figures() {
             .execute(&mut conn);
         assert!(oversell.is_err(), "the database refuses to oversell");
         drop(conn);
-        let mut admin = PgConnection::establish(&database_url(&base, "postgres")).unwrap();
-        diesel::sql_query(format!("DROP DATABASE \"{name}\" WITH (FORCE)")).execute(&mut admin).unwrap();
+        drop_database(&base, &name);
     })
     .await
     .unwrap();
