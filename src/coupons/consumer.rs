@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::repo;
 use crate::bus::events::CouponClaimed;
-use crate::bus::runner::{self, ConsumerHandle, Handler, Subscription};
+use crate::bus::runner::{self, ConsumerHandle, Handler};
 use crate::orders::consumer::ConsumerDeps;
 use crate::store;
 
@@ -18,14 +18,14 @@ pub const CONSUMER: &str = "coupon-claimer";
 
 /// Subscribes and starts the consumer on the current runtime.
 pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
-    let sub = Subscription {
-        group: CONSUMER,
-        topic: deps.topics.coupon_claimed.clone(),
-        batch_size: 200,
-        batch_wait: Duration::from_millis(10),
-    };
-    let kafka = deps.settings.kafka.clone();
-    runner::spawn(&kafka, sub, Claimer(deps))
+    let wait = Duration::from_millis(10);
+    deps.subscribe(
+        CONSUMER,
+        &deps.topics.coupon_claimed,
+        200,
+        wait,
+        Claimer(deps.clone()),
+    )
 }
 
 struct Claimer(ConsumerDeps);

@@ -144,6 +144,14 @@ async fn admin_me(admin: auth::AdminUser) -> HttpResponse {
     me(admin.0).await
 }
 
+/// A decimal id from the path (`order_no`, `payment_no`); anything else is
+/// 404 with `not_found`, never 400: a malformed id names nothing that exists.
+pub fn id_in_path(raw: &str, not_found: &'static str) -> Result<i64, error::ApiError> {
+    crate::ids::OrderNo::parse(raw)
+        .map(crate::ids::OrderNo::get)
+        .ok_or_else(|| error::ApiError::not_found(not_found))
+}
+
 /// Fallback for unknown routes: 404 NOT_FOUND in the error shape.
 pub async fn not_found() -> Result<HttpResponse, error::ApiError> {
     Err(error::ApiError::not_found("no such route"))

@@ -60,16 +60,38 @@ impl ConsumerDeps {
     }
 }
 
+impl ConsumerDeps {
+    /// Starts `handler` on `topic` in consumer group `group`, on the current
+    /// runtime: what every subscriber of this service does the same way.
+    pub fn subscribe<H: Handler>(
+        &self,
+        group: &'static str,
+        topic: &str,
+        batch_size: usize,
+        batch_wait: Duration,
+        handler: H,
+    ) -> anyhow::Result<ConsumerHandle> {
+        let sub = Subscription {
+            group,
+            topic: topic.to_owned(),
+            batch_size,
+            batch_wait,
+        };
+        runner::spawn(&self.settings.kafka, sub, handler)
+    }
+}
+
 /// Subscribes and starts the consumer on the current runtime.
 pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
-    let sub = Subscription {
-        group: CONSUMER,
-        topic: deps.topics.order_requested.clone(),
-        batch_size: deps.settings.orders.batch_size,
-        batch_wait: Duration::from_millis(deps.settings.orders.batch_wait_ms),
-    };
-    let kafka = deps.settings.kafka.clone();
-    runner::spawn(&kafka, sub, OrderCreator(deps))
+    let orders = &deps.settings.orders;
+    let wait = Duration::from_millis(orders.batch_wait_ms);
+    deps.subscribe(
+        CONSUMER,
+        &deps.topics.order_requested,
+        orders.batch_size,
+        wait,
+        OrderCreator(deps.clone()),
+    )
 }
 
 struct OrderCreator(ConsumerDeps);

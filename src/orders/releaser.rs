@@ -12,21 +12,21 @@ use tokio_util::sync::CancellationToken;
 use super::consumer::{ConsumerDeps, ConsumerHandle};
 use crate::admission::ReleaseReason;
 use crate::bus::events::StockReleased;
-use crate::bus::runner::{self, Handler, Subscription};
+use crate::bus::runner::{self, Handler};
 
 /// Name of this consumer (its group id suffix).
 pub const CONSUMER: &str = "stock-releaser";
 
 /// Subscribes and starts the consumer on the current runtime.
 pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
-    let sub = Subscription {
-        group: CONSUMER,
-        topic: deps.topics.stock_released.clone(),
-        batch_size: 100,
-        batch_wait: Duration::from_millis(5),
-    };
-    let kafka = deps.settings.kafka.clone();
-    runner::spawn(&kafka, sub, Releaser(deps))
+    let wait = Duration::from_millis(5);
+    deps.subscribe(
+        CONSUMER,
+        &deps.topics.stock_released,
+        100,
+        wait,
+        Releaser(deps.clone()),
+    )
 }
 
 struct Releaser(ConsumerDeps);

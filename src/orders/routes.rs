@@ -331,7 +331,7 @@ pub async fn show(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let not_found = || ApiError::not_found("no such order");
-    let order_no = OrderNo::parse(&path).ok_or_else(not_found)?.get();
+    let order_no = crate::http::id_in_path(&path, "no such order")?;
     let user_id = user.user_id.get();
     let (row, recent) = store::run(&state.db, move |conn| {
         let row = repo::find_for_user(conn, order_no, user_id)?;
@@ -385,9 +385,7 @@ pub async fn cancel(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     use super::transitions::{self, ReleaseTo};
-    let order_no = OrderNo::parse(&path)
-        .ok_or_else(|| ApiError::not_found("no such order"))?
-        .get();
+    let order_no = crate::http::id_in_path(&path, "no such order")?;
     let user_id = user.user_id.get();
     let outcome = store::run(&state.db, move |conn| {
         use diesel::Connection;

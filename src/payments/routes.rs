@@ -23,9 +23,7 @@ pub async fn pay(
     state: web::Data<AppState>,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let order_no = OrderNo::parse(&path)
-        .ok_or_else(|| ApiError::not_found("no such order"))?
-        .get();
+    let order_no = crate::http::id_in_path(&path, "no such order")?;
     let user_id = user.user_id.get();
     let payment_no = state.ids.next_id();
     let provider = state.provider.name();
@@ -164,9 +162,7 @@ pub async fn simulate(
     if !(1..=20).contains(&body.times) {
         return Err(ApiError::bad_request("times must be 1..=20"));
     }
-    let payment_no = OrderNo::parse(&path)
-        .ok_or_else(|| ApiError::not_found("no such payment"))?
-        .get();
+    let payment_no = crate::http::id_in_path(&path, "no such payment")?;
     let user_id = user.user_id.get();
     let payment = store::run(&state.db, move |conn| {
         Ok(repo::find_for_user(conn, payment_no, user_id)?)
