@@ -221,6 +221,57 @@ async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_
 }
 
 #[tokio::test]
+async fn consumers_joining_and_leaving_while_orders_flow_create_every_order_exactly_once() {
+    // A rolling deploy during the sale: members come and go (cleanly or
+    // killed) beside a steady one while purchases keep arriving, so
+    // partitions move between members with batches in flight on both sides.
+    let app = spawn_app_with(|s| {
+        s.orders.consumer_enabled = false;
+        s.orders.batch_size = 5;
+    })
+    .await;
+    let activity = app.live_activity(1000, 1, 2).await;
+    let deps = ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let steady = consumer::spawn(deps.clone()).unwrap();
+
+    let buying = stream::iter(1..=1000)
+        .map(|u| app.buy(u, activity))
+        .buffer_unordered(10)
+        .collect::<Vec<(u16, serde_json::Value)>>();
+    let churning = async {
+        for round in 0..6 {
+            let extra = consumer::spawn(deps.clone()).unwrap();
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(300..2000))).await;
+            if round % 2 == 0 {
+                extra.abort().await;
+            } else {
+                extra.stop().await;
+            }
+        }
+        app.stats(activity).await["orders"]["WAITING_PAY"]
+            .as_i64()
+            .unwrap()
+    };
+    let (results, created_while_churning) = tokio::join!(buying, churning);
+    assert!(results.iter().all(|(s, _)| *s == 202));
+    let stats = app.drained(activity, 1000).await;
+    steady.stop().await;
+
+    assert!(
+        created_while_churning > 0,
+        "orders were created while members came and went"
+    );
+    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 1000);
+    assert_eq!(
+        app.count("SELECT count(*) AS n FROM stock_flow WHERE biz_type = 'LOCK'")
+            .await,
+        1000
+    );
+    assert_eq!(stats["db_locked"], 1000);
+    assert_eq!(stats["redis_available"], 0);
+}
+
+#[tokio::test]
 async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_through() {
     let app = spawn_app().await;
     let activity = app.live_activity(10, 1, 1).await;

@@ -297,11 +297,26 @@ impl TestApp {
     }
 
     /// Waits until no reservation is open and `n` orders are WAITING_PAY.
+    /// On timeout the panic explains every reservation still open (see
+    /// `forensics`).
     pub async fn drained(&self, activity_id: i64, waiting: i64) -> serde_json::Value {
-        self.wait_for_stats(activity_id, 60, |s| {
-            s["reservations_open"] == 0 && s["orders"]["WAITING_PAY"] == waiting
-        })
-        .await
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let stats = self.stats(activity_id).await;
+            if stats["reservations_open"] == 0 && stats["orders"]["WAITING_PAY"] == waiting {
+                return stats;
+            }
+            if std::time::Instant::now() > deadline {
+                let settings = self.settings.clone();
+                let report = tokio::task::spawn_blocking(move || {
+                    crate::forensics::explain_open_reservations(&settings, activity_id)
+                })
+                .await
+                .unwrap_or_else(|e| format!("forensics failed: {e}"));
+                panic!("orders did not drain in 60s: {stats}\n{report}");
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
     }
 
     /// One SQL count on this test's database.

@@ -7,6 +7,7 @@ mod coupons;
 mod degradation;
 mod delivery;
 mod errors_and_auth;
+mod forensics;
 mod health;
 mod helpers;
 mod migrations;

@@ -1,0 +1,199 @@
+//! When orders fail to drain, say why: for every reservation still open in
+//! Redis, whether its event is on the topic (partition, offset), whether the
+//! consumer group's committed offset is already past it, whether the order
+//! consumer logged it, and what the dead-letter topic holds. A failure in
+//! the crash-and-restart tests then tells a lost message from a skipped one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Headers;
+use rdkafka::{Message, Offset, TopicPartitionList};
+use seckill::admission::keys::ActivityKeys;
+use seckill::bus::Topics;
+use seckill::config::Settings;
+use secrecy::ExposeSecret;
+
+/// A report on why `activity_id`'s reservations are still open (blocking).
+pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> String {
+    let open = match open_reservations(settings, activity_id) {
+        Ok(open) => open,
+        Err(e) => return format!("could not read the open reservations: {e}"),
+    };
+    let mut report = format!("open reservations: {open:?}\n");
+    let logged = consume_logged(settings, &open);
+    let topics = Topics::new(&settings.kafka.topic_prefix);
+    let on_topic = scan(settings, &topics.order_requested);
+    let group = format!(
+        "{}{}",
+        settings.kafka.topic_prefix,
+        seckill::orders::consumer::CONSUMER
+    );
+    let committed = committed(settings, &group, &topics.order_requested);
+    for order_no in &open {
+        let key = order_no.to_string();
+        let place = on_topic
+            .as_ref()
+            .ok()
+            .and_then(|s| s.by_key.get(&key).cloned());
+        report.push_str(&format!(
+            "  order {order_no}: on topic at {place:?}, consume_log: {:?}\n",
+            logged.as_ref().map(|l| l.contains(&key))
+        ));
+    }
+    match &on_topic {
+        Ok(s) => report.push_str(&format!(
+            "{}: messages per partition {:?}\n",
+            topics.order_requested, s.per_partition
+        )),
+        Err(e) => report.push_str(&format!("scanning {}: {e}\n", topics.order_requested)),
+    }
+    report.push_str(&format!("group {group} committed offsets: {committed:?}\n"));
+    match scan(settings, &topics.order_requested_dlq) {
+        Ok(s) => report.push_str(&format!(
+            "dead letters: {:?} (errors: {:?})\n",
+            s.per_partition, s.errors
+        )),
+        Err(e) => report.push_str(&format!("scanning the dead-letter topic: {e}\n")),
+    }
+    report
+}
+
+fn open_reservations(settings: &Settings, activity_id: i64) -> redis::RedisResult<Vec<i64>> {
+    let client = redis::Client::open(settings.redis.url.as_str())?;
+    let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+    let keys = ActivityKeys::new(&settings.redis.key_prefix, activity_id);
+    redis::cmd("ZRANGE")
+        .arg(keys.open())
+        .arg(0)
+        .arg(-1)
+        .query(&mut conn)
+}
+
+fn consume_logged(settings: &Settings, order_nos: &[i64]) -> Result<Vec<String>, String> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        event_id: String,
+    }
+    let ids: Vec<String> = order_nos.iter().map(i64::to_string).collect();
+    let mut conn = PgConnection::establish(settings.postgres.url.expose_secret())
+        .map_err(|e| e.to_string())?;
+    diesel::sql_query("SELECT event_id FROM consume_log WHERE event_id = ANY($1)")
+        .bind::<diesel::sql_types::Array<diesel::sql_types::Text>, _>(&ids)
+        .load::<Row>(&mut conn)
+        .map(|rows| rows.into_iter().map(|r| r.event_id).collect())
+        .map_err(|e| e.to_string())
+}
+
+#[derive(Debug, Default)]
+struct Scan {
+    /// Key → (partition, offset) of every message.
+    by_key: HashMap<String, (i32, i64)>,
+    /// Partition → messages read.
+    per_partition: BTreeMap<i32, usize>,
+    /// `error` headers seen.
+    errors: Vec<String>,
+}
+
+/// Reads `topic` from the beginning to its high watermarks, outside any group.
+fn scan(settings: &Settings, topic: &str) -> Result<Scan, String> {
+    let consumer: BaseConsumer = seckill::bus::client_config(&settings.kafka)
+        .set("group.id", "forensics")
+        .set("enable.auto.commit", "false")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let timeout = Duration::from_secs(5);
+    let metadata = consumer
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|e| e.to_string())?;
+    let mut ends = HashMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for p in metadata.topics().iter().flat_map(|t| t.partitions()) {
+        let (_, high) = consumer
+            .fetch_watermarks(topic, p.id(), timeout)
+            .map_err(|e| e.to_string())?;
+        if high > 0 {
+            ends.insert(p.id(), high);
+            tpl.add_partition_offset(topic, p.id(), Offset::Beginning)
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    let mut scan = Scan::default();
+    if ends.is_empty() {
+        return Ok(scan);
+    }
+    consumer.assign(&tpl).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ends.is_empty() && Instant::now() < deadline {
+        let Some(m) = consumer.poll(Duration::from_millis(500)) else {
+            continue;
+        };
+        let m = m.map_err(|e| e.to_string())?;
+        let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+        scan.by_key
+            .insert(key.unwrap_or_default(), (m.partition(), m.offset()));
+        *scan.per_partition.entry(m.partition()).or_default() += 1;
+        if let Some(headers) = m.headers() {
+            for h in headers.iter().filter(|h| h.key == "error") {
+                scan.errors
+                    .push(String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned());
+            }
+        }
+        if ends.get(&m.partition()) == Some(&(m.offset() + 1)) {
+            ends.remove(&m.partition());
+        }
+    }
+    Ok(scan)
+}
+
+/// The group's committed offset per partition of `topic` (without joining it).
+fn committed(settings: &Settings, group: &str, topic: &str) -> Result<Vec<(i32, Offset)>, String> {
+    let consumer: BaseConsumer = seckill::bus::client_config(&settings.kafka)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .map_err(|e| e.to_string())?;
+    let timeout = Duration::from_secs(5);
+    let metadata = consumer
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|e| e.to_string())?;
+    let mut tpl = TopicPartitionList::new();
+    for p in metadata.topics().iter().flat_map(|t| t.partitions()) {
+        tpl.add_partition(topic, p.id());
+    }
+    let offsets = consumer
+        .committed_offsets(tpl, timeout)
+        .map_err(|e| e.to_string())?;
+    Ok(offsets
+        .elements()
+        .iter()
+        .map(|e| (e.partition(), e.offset()))
+        .collect())
+}
+
+#[tokio::test]
+async fn the_report_finds_an_unconsumed_order_on_its_topic() {
+    let app = crate::helpers::spawn_app_with(|s| s.orders.consumer_enabled = false).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202);
+    let order_no = body["order_no"].as_str().expect("order_no").to_owned();
+    let settings = app.settings.clone();
+    let report =
+        tokio::task::spawn_blocking(move || explain_open_reservations(&settings, activity))
+            .await
+            .unwrap();
+    assert!(
+        report.contains(&format!("open reservations: [{order_no}]")),
+        "{report}"
+    );
+    assert!(
+        report.contains(&format!("order {order_no}: on topic at Some(")),
+        "{report}"
+    );
+    assert!(report.contains("consume_log: Ok(false)"), "{report}");
+    eprintln!("{report}");
+}
