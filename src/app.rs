@@ -16,6 +16,7 @@ use tokio::sync::Semaphore;
 use crate::activities::cache::ActivityCache;
 use crate::admission::limits::{KeyedLimiter, Limits};
 use crate::admission::{RedisGate, WorkerGate};
+use crate::bus::progress::GroupProgress;
 use crate::bus::{self, Topics};
 use crate::config::{RedisSettings, Settings};
 use crate::coupons::gate::CouponGate;
@@ -58,6 +59,8 @@ pub struct AppState {
     pub topics: Topics,
     /// Prometheus metrics.
     pub metrics: Metrics,
+    /// How far the order consumers have got (for the reconciler).
+    pub order_progress: Arc<GroupProgress>,
     /// Where pay intents are registered.
     pub provider: Box<dyn PaymentProvider>,
     /// The mock provider, when `payment.mock = true`.
@@ -93,6 +96,11 @@ impl AppState {
             producer: bus::producer(&settings.kafka)?,
             topics: Topics::new(&settings.kafka.topic_prefix),
             metrics: Metrics::new()?,
+            order_progress: Arc::new(GroupProgress::new(
+                &settings.kafka,
+                &bus::group_id(&settings.kafka, crate::orders::consumer::CONSUMER),
+                &Topics::new(&settings.kafka.topic_prefix).order_requested,
+            )?),
             provider: if settings.payment.mock {
                 Box::new(MockProvider::new(settings.payment.notify_secret.clone()))
             } else {
@@ -121,6 +129,7 @@ impl AppState {
             gate: self.gate.clone(),
             settings: self.settings.clone(),
             metrics: self.metrics.clone(),
+            progress: self.order_progress.clone(),
         }
     }
 

@@ -54,6 +54,12 @@ pub struct ReconcileSettings {
     /// event behind it (a crash between reserve and publish): it is voided.
     /// Must be well above `2 × kafka.timeout_ms` plus the consumer's lag.
     pub reservation_grace_secs: u64,
+    /// Sooner than the grace, a reservation is voided once it is older than
+    /// this and the order consumers have committed every partition to its
+    /// end (its event, had it been published, would have been applied).
+    /// Must cover the producer's delivery timeout (`2 × kafka.timeout_ms`)
+    /// with room to spare: at least `4 × kafka.timeout_ms`.
+    pub publish_window_secs: u64,
     /// Stock released within this many seconds may still be on its way to
     /// Redis; Redis is only compared with (and repaired from) the database
     /// when nothing is in flight.
@@ -260,6 +266,13 @@ impl Settings {
         if !matches!(self.redis.gate_connection.as_str(), "multiplexed" | "pool") {
             bail!("redis.gate_connection must be \"multiplexed\" or \"pool\"");
         }
+        let window_ms = self.reconcile.publish_window_secs.saturating_mul(1000);
+        if window_ms < self.kafka.timeout_ms.saturating_mul(4) {
+            bail!(
+                "reconcile.publish_window_secs must be at least 4 × kafka.timeout_ms \
+                 (a publish can take 2 × kafka.timeout_ms to fail)"
+            );
+        }
         if self.app.instance_id > 1023 {
             bail!("app.instance_id must be within 0..=1023 (10 bits of the snowflake id)");
         }
@@ -301,6 +314,18 @@ mod tests {
         s.payment.notify_secret = SecretString::from("y".repeat(40));
         assert!(s.validate().is_ok());
         assert!(settings("development", DEV_JWT_SECRET).validate().is_ok());
+    }
+
+    #[test]
+    fn a_publish_window_shorter_than_a_publish_can_take_is_refused() {
+        let mut s = Settings::load_env("test").expect("test settings load");
+        assert!(s.validate().is_ok());
+        s.kafka.timeout_ms = 10_000;
+        s.reconcile.publish_window_secs = 30;
+        let err = s.validate().expect_err("30 s < 4 × 10 s");
+        assert!(err.to_string().contains("publish_window_secs"), "{err}");
+        s.reconcile.publish_window_secs = 40;
+        assert!(s.validate().is_ok());
     }
 
     #[test]

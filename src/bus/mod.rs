@@ -4,6 +4,7 @@
 //! librdkafka's own background thread.
 
 pub mod events;
+pub mod progress;
 pub mod runner;
 
 use std::time::Duration;
@@ -64,6 +65,11 @@ impl Topics {
             &self.order_paid,
         ]
     }
+}
+
+/// The consumer group id of subscriber `name` under this instance's prefix.
+pub fn group_id(settings: &KafkaSettings, name: &str) -> String {
+    format!("{}{name}", settings.topic_prefix)
 }
 
 /// Base client configuration shared by producers, consumers and admin clients.

@@ -51,7 +51,7 @@ pub fn spawn<H: Handler>(
     handler: H,
 ) -> anyhow::Result<ConsumerHandle> {
     let consumer: StreamConsumer = super::client_config(kafka)
-        .set("group.id", format!("{}{}", kafka.topic_prefix, sub.group))
+        .set("group.id", super::group_id(kafka, sub.group))
         .set("enable.auto.commit", "true")
         .set("auto.commit.interval.ms", "500")
         .set("enable.auto.offset.store", "false")

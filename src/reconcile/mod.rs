@@ -18,6 +18,7 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use serde::Serialize;
 
 use crate::admission::{RedisGate, ReleaseReason};
+use crate::bus::progress::GroupProgress;
 use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::store::{self, PgConn, PgPool};
@@ -63,6 +64,8 @@ pub struct Reconciler {
     pub settings: Arc<Settings>,
     /// Difference and repair counters.
     pub metrics: Metrics,
+    /// How far the order consumers have provably got.
+    pub progress: Arc<GroupProgress>,
 }
 
 /// Runs reconciliation every `reconcile.interval_secs`.
@@ -237,18 +240,18 @@ impl Reconciler {
         Ok(report)
     }
 
-    /// Voids open reservations older than the grace (SPEC step 4).
+    /// Voids open reservations no order event will back (SPEC step 4):
+    /// those older than the publish window once the order consumers have
+    /// provably applied every published event, else those older than the
+    /// grace.
     async fn void_stale(
         &self,
         activity_id: i64,
         buckets: usize,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        let grace_ms = i64::try_from(self.settings.reconcile.reservation_grace_secs)
-            .unwrap_or(i64::MAX / 2)
-            * 1000;
-        let cutoff = Utc::now().timestamp_millis() - grace_ms;
-        for order_no in self.gate.open_before(activity_id, cutoff).await? {
+        let cutoff = self.void_cutoff().await;
+        for order_no in self.gate.open_before(activity_id, cutoff.before_ms).await? {
             let Some(r) = self.gate.reservation(activity_id, order_no).await? else {
                 self.gate.forget_open(activity_id, order_no).await?;
                 report.repaired.push(format!(
@@ -277,7 +280,8 @@ impl Reconciler {
                     .with_label_values(&["repair", "voided"])
                     .inc();
                 report.repaired.push(format!(
-                    "voided reservation {order_no} (no order event arrived)"
+                    "voided reservation {order_no} (no order event arrived; {})",
+                    cutoff.because
                 ));
             } else {
                 self.gate.commit(activity_id, &[order_no]).await?;
@@ -287,6 +291,46 @@ impl Reconciler {
             }
         }
         Ok(())
+    }
+}
+
+/// Reservations made before `before_ms` are voided, `because` of what.
+struct Cutoff {
+    before_ms: i64,
+    because: &'static str,
+}
+
+impl Reconciler {
+    /// The grace, or the much shorter publish window when the order
+    /// consumers have committed every partition to its end. `now` is read
+    /// before the offsets, so every event acknowledged before it is among
+    /// those proven applied.
+    async fn void_cutoff(&self) -> Cutoff {
+        let r = &self.settings.reconcile;
+        let now = Utc::now().timestamp_millis();
+        let secs = |s: u64| {
+            i64::try_from(s)
+                .unwrap_or(i64::MAX / 2_000)
+                .saturating_mul(1000)
+        };
+        let grace = Cutoff {
+            before_ms: now - secs(r.reservation_grace_secs),
+            because: "older than the grace",
+        };
+        match self.progress.caught_up().await {
+            Ok(true) if r.publish_window_secs < r.reservation_grace_secs => Cutoff {
+                before_ms: now - secs(r.publish_window_secs),
+                because: "the order consumers have applied every published event",
+            },
+            Ok(_) => grace,
+            Err(e) => {
+                tracing::debug!(
+                    error = format!("{e:#}"),
+                    "consumer progress unknown; using the grace"
+                );
+                grace
+            }
+        }
     }
 }
 

@@ -36,6 +36,18 @@ fn report(all: &serde_json::Value, activity: i64) -> serde_json::Value {
 /// A reservation made the way admission makes it, but never published: what
 /// a crash between the script and the publish leaves behind.
 async fn orphan(app: &TestApp, activity: i64, user: i64, order_no: i64) {
+    orphan_made_at(
+        app,
+        activity,
+        user,
+        order_no,
+        chrono::Utc::now().timestamp_millis(),
+    )
+    .await;
+}
+
+/// An orphan whose reservation was made at `made_at_ms`.
+async fn orphan_made_at(app: &TestApp, activity: i64, user: i64, order_no: i64, made_at_ms: i64) {
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let token = app.purchase_token(user, activity).await;
     let r = gate
@@ -47,11 +59,57 @@ async fn orphan(app: &TestApp, activity: i64, user: i64, order_no: i64) {
             quantity: 1,
             order_no,
             buckets: 1,
-            now_ms: chrono::Utc::now().timestamp_millis(),
+            now_ms: made_at_ms,
         })
         .await
         .unwrap();
     assert_eq!(r, Admission::Accepted(order_no));
+}
+
+#[tokio::test]
+async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_caught_up() {
+    // The grace (600 s) is far away; the publish window (30 s) is not.
+    let app = spawn_app_with(|s| s.orders.consumer_enabled = false).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    assert_eq!(app.buy(1, activity).await.0, 202);
+    let a_minute_ago = chrono::Utc::now().timestamp_millis() - 60_000;
+    orphan_made_at(&app, activity, 2, 777_000_002, a_minute_ago).await;
+
+    // The consumers have not applied the first purchase's event: nothing
+    // proves the orphan has no event still coming, so it stays.
+    let behind = report(&reconcile(&app).await, activity);
+    assert_eq!(behind["repaired"], json!([]), "{behind}");
+    assert_eq!(app.stats(activity).await["reservations_open"], 2);
+
+    let deps = seckill::orders::consumer::ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let consumer = seckill::orders::consumer::spawn(deps).unwrap();
+    app.wait_for_stats(activity, 30, |s| s["orders"]["WAITING_PAY"] == 1)
+        .await;
+    // Offsets are committed a moment after the batch: ask until they are.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let voided = loop {
+        let r = report(&reconcile(&app).await, activity);
+        if r["repaired"] != json!([]) {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "never voided: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    consumer.stop().await;
+    let repaired = voided["repaired"][0].as_str().unwrap();
+    assert!(
+        repaired.contains("voided reservation 777000002"),
+        "{voided}"
+    );
+    assert!(
+        repaired.contains("applied every published event"),
+        "{voided}"
+    );
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["reservations_open"], 0);
+    assert_eq!(stats["orders"]["WAITING_PAY"], 1, "the real order stands");
+    assert_eq!(stats["orders"]["FAILED"], 1);
+    assert_eq!(stats["redis_available"], 4, "the orphan's unit is back");
 }
 
 #[tokio::test]

@@ -1,0 +1,95 @@
+//! How far a consumer group has provably got: the reconciler's evidence
+//! (SPEC step 4) that no order event published before a moment is still
+//! waiting to be processed.
+//!
+//! The order consumer stores a message's offset only after its database
+//! transaction and its Redis marks are done, so a committed offset at a
+//! partition's end means every message in that partition is applied. When
+//! every partition is there, any reservation whose event was acknowledged
+//! before the watermarks were read has its order row, and one still open is
+//! an orphan (a crash between the script and the publish).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::config::KafkaSettings;
+
+/// Reads one group's committed offsets against its topic's end offsets.
+pub struct GroupProgress {
+    /// Never subscribes: only asks the group coordinator and the leaders.
+    client: BaseConsumer,
+    topic: String,
+    timeout: Duration,
+}
+
+impl GroupProgress {
+    /// For consumer group `group` on `topic`. Connects on first use.
+    pub fn new(kafka: &KafkaSettings, group: &str, topic: &str) -> anyhow::Result<Self> {
+        let client = super::client_config(kafka)
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .context("creating the Kafka progress client")?;
+        Ok(Self {
+            client,
+            topic: topic.to_owned(),
+            timeout: Duration::from_millis(kafka.timeout_ms.max(100)),
+        })
+    }
+
+    /// True when the group has committed every partition up to its end:
+    /// each message appended before this call started is applied. Runs on
+    /// the blocking pool (metadata and offset requests block).
+    pub async fn caught_up(self: &Arc<Self>) -> anyhow::Result<bool> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.caught_up_blocking())
+            .await
+            .context("Kafka progress task failed")?
+    }
+
+    fn caught_up_blocking(&self) -> anyhow::Result<bool> {
+        let metadata = self
+            .client
+            .fetch_metadata(Some(&self.topic), self.timeout)
+            .context("fetching topic metadata")?;
+        let partitions: Vec<i32> = metadata
+            .topics()
+            .iter()
+            .flat_map(|t| t.partitions())
+            .map(|p| p.id())
+            .collect();
+        anyhow::ensure!(
+            !partitions.is_empty(),
+            "topic {} has no partitions",
+            self.topic
+        );
+        // Ends first, commits second: commits only move forward, so the
+        // comparison can only err towards "behind".
+        let mut ends = Vec::with_capacity(partitions.len());
+        let mut tpl = TopicPartitionList::new();
+        for &p in &partitions {
+            let (low, high) = self
+                .client
+                .fetch_watermarks(&self.topic, p, self.timeout)
+                .with_context(|| format!("watermarks of {}[{p}]", self.topic))?;
+            ends.push((p, low, high));
+            tpl.add_partition(&self.topic, p);
+        }
+        let committed = self
+            .client
+            .committed_offsets(tpl, self.timeout)
+            .context("fetching the group's committed offsets")?;
+        Ok(ends.into_iter().all(|(p, low, high)| {
+            let done = match committed.find_partition(&self.topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o.max(low),
+                // Nothing committed: only an empty (or fully expired) log is done.
+                _ => low,
+            };
+            done >= high
+        }))
+    }
+}
