@@ -193,7 +193,9 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
-auto.create.topics.enable=true
+# As in production: every topic is created by the service (bus::ensure_topics),
+# so a topic it forgets to create fails the tests instead of being made here.
+auto.create.topics.enable=false
 log.retention.hours=24
 # Test runs create and delete many short-lived groups and topics.
 offsets.retention.minutes=1440
@@ -211,6 +213,22 @@ logger.state.name = state.change.logger
 logger.state.level = WARN
 logger.request.name = kafka.request.logger
 logger.request.level = WARN
+# Test runs create and delete thousands of partitions and groups: their
+# per-partition INFO lines would grow this log by hundreds of MB a day.
+logger.log.name = kafka.log
+logger.log.level = WARN
+logger.storage.name = org.apache.kafka.storage
+logger.storage.level = WARN
+logger.partition.name = kafka.cluster
+logger.partition.level = WARN
+logger.replication.name = org.apache.kafka.controller.ReplicationControlManager
+logger.replication.level = WARN
+logger.group.name = org.apache.kafka.coordinator.group
+logger.group.level = WARN
+logger.fetcher.name = kafka.server.ReplicaFetcherManager
+logger.fetcher.level = WARN
+logger.alterdirs.name = kafka.server.ReplicaAlterLogDirsManager
+logger.alterdirs.level = WARN
 EOF
 }
 

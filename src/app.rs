@@ -273,10 +273,8 @@ impl Application {
         let state = web::Data::new(state);
 
         // A broker that is down must not stop the server from starting
-        // (readiness reports it); producing later creates topics too.
-        if let Err(e) = bus::ensure_topics(&state.settings.kafka, &state.topics).await {
-            tracing::warn!(error = format!("{e:#}"), "could not create Kafka topics");
-        }
+        // (readiness reports it); the topics are created once it is back.
+        bus::ensure_topics_or_retry(&state.settings.kafka, &state.topics).await;
         let workers = Workers::start(&state)?;
 
         let server = HttpServer::new(move || {

@@ -122,9 +122,7 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
 async fn consume(settings: Settings) -> anyhow::Result<()> {
     use seckill::orders::consumer::{self, ConsumerDeps};
     let deps = ConsumerDeps::connect(settings)?;
-    if let Err(e) = seckill::bus::ensure_topics(&deps.settings.kafka, &deps.topics).await {
-        tracing::warn!(error = format!("{e:#}"), "could not create Kafka topics");
-    }
+    seckill::bus::ensure_topics_or_retry(&deps.settings.kafka, &deps.topics).await;
     let handle = consumer::spawn(deps)?;
     tracing::info!("order consumer running");
     shutdown_signal().await;

@@ -57,12 +57,15 @@ impl Topics {
         format!("{}{logical}", self.prefix)
     }
 
-    fn all(&self) -> [&str; 4] {
+    /// Every topic this service produces to or consumes from.
+    pub fn all(&self) -> [&str; 6] {
         [
             &self.order_requested,
             &self.order_requested_dlq,
             &self.stock_released,
             &self.order_paid,
+            &self.coupon_claimed,
+            &self.coupon_claimed_dlq,
         ]
     }
 }
@@ -136,6 +139,41 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow:
     // The admin client's destructor joins librdkafka threads: off the runtime.
     tokio::task::spawn_blocking(move || drop(admin));
     Ok(())
+}
+
+/// Creates the topics now, or — when the broker cannot be reached or does
+/// not answer in time — keeps trying in the background with backoff until
+/// it does: brokers that do not create topics on first use (the usual
+/// production setting) would otherwise leave the service without them.
+pub async fn ensure_topics_or_retry(settings: &KafkaSettings, topics: &Topics) {
+    let Err(e) = ensure_topics(settings, topics).await else {
+        return;
+    };
+    tracing::warn!(
+        error = format!("{e:#}"),
+        "could not create Kafka topics; retrying in the background"
+    );
+    let (settings, topics) = (settings.clone(), topics.clone());
+    tokio::spawn(async move {
+        let mut attempt = 1;
+        loop {
+            tokio::time::sleep(runner::backoff(attempt)).await;
+            match ensure_topics(&settings, &topics).await {
+                Ok(()) => {
+                    tracing::info!(attempt, "Kafka topics created");
+                    return;
+                }
+                Err(e) => {
+                    attempt += 1;
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        attempt,
+                        "could not create Kafka topics"
+                    );
+                }
+            }
+        }
+    });
 }
 
 /// Why a publish did not happen.

@@ -52,6 +52,13 @@ impl GroupProgress {
     }
 
     fn caught_up_blocking(&self) -> anyhow::Result<bool> {
+        // Never subscribed, so nothing but client errors (a broker down)
+        // queues up here; drain them so they do not pile up between calls.
+        for _ in 0..1000 {
+            if self.client.poll(Duration::ZERO).is_none() {
+                break;
+            }
+        }
         let metadata = self
             .client
             .fetch_metadata(Some(&self.topic), self.timeout)

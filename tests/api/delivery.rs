@@ -221,6 +221,47 @@ async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_
 }
 
 #[tokio::test]
+async fn every_topic_the_service_uses_exists_with_its_partitions_once_it_has_started() {
+    // The local broker does not create topics on first use (neither should
+    // a production one): a topic the service forgot to create fails here.
+    let app = spawn_app().await;
+    let topics = Topics::new(&app.settings.kafka.topic_prefix);
+    let names: Vec<String> = topics.all().iter().map(|t| (*t).to_owned()).collect();
+    let kafka = app.settings.kafka.clone();
+    let found = tokio::task::spawn_blocking(move || {
+        let client: rdkafka::consumer::BaseConsumer = client_config(&kafka).create().unwrap();
+        let look = || {
+            names
+                .iter()
+                .map(|name| {
+                    let metadata = client
+                        .fetch_metadata(Some(name), Duration::from_secs(10))
+                        .expect("metadata");
+                    let t = &metadata.topics()[0];
+                    (name.clone(), t.error().is_none(), t.partitions().len())
+                })
+                .collect::<Vec<_>>()
+        };
+        // A new topic takes a moment to show in the broker's metadata.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let found = look();
+            if found.iter().all(|(_, exists, _)| *exists) || std::time::Instant::now() > deadline {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(found.len(), 6);
+    for (name, exists, partitions) in found {
+        assert!(exists, "{name} was not created");
+        assert_eq!(partitions, app.settings.kafka.partitions as usize, "{name}");
+    }
+}
+
+#[tokio::test]
 async fn consumers_joining_and_leaving_while_orders_flow_create_every_order_exactly_once() {
     // A rolling deploy during the sale: members come and go (cleanly or
     // killed) beside a steady one while purchases keep arriving, so

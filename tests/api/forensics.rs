@@ -23,15 +23,18 @@ pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> Strin
         Err(e) => return format!("could not read the open reservations: {e}"),
     };
     let mut report = format!("open reservations: {open:?}\n");
-    let logged = consume_logged(settings, &open);
+    let failed = failed_orders(settings).unwrap_or_default();
+    let mut suspects = open.clone();
+    suspects.extend(failed.iter().map(|(o, _)| *o));
+    let logged = consume_logged(settings, &suspects);
     let topics = Topics::new(&settings.kafka.topic_prefix);
-    let on_topic = scan(settings, &topics.order_requested);
+    let on_topic = retried(|| scan(settings, &topics.order_requested));
     let group = format!(
         "{}{}",
         settings.kafka.topic_prefix,
         seckill::orders::consumer::CONSUMER
     );
-    let committed = committed(settings, &group, &topics.order_requested);
+    let committed = retried(|| committed(settings, &group, &topics.order_requested));
     for order_no in &open {
         let key = order_no.to_string();
         let place = on_topic
@@ -43,6 +46,17 @@ pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> Strin
             logged.as_ref().map(|l| l.contains(&key))
         ));
     }
+    for (order_no, reason) in &failed {
+        let key = order_no.to_string();
+        let place = on_topic
+            .as_ref()
+            .ok()
+            .and_then(|s| s.by_key.get(&key).cloned());
+        report.push_str(&format!(
+            "  FAILED order {order_no} ({reason}): on topic at {place:?}, consume_log: {:?}\n",
+            logged.as_ref().map(|l| l.contains(&key))
+        ));
+    }
     match &on_topic {
         Ok(s) => report.push_str(&format!(
             "{}: messages per partition {:?}\n",
@@ -51,7 +65,7 @@ pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> Strin
         Err(e) => report.push_str(&format!("scanning {}: {e}\n", topics.order_requested)),
     }
     report.push_str(&format!("group {group} committed offsets: {committed:?}\n"));
-    match scan(settings, &topics.order_requested_dlq) {
+    match retried(|| scan(settings, &topics.order_requested_dlq)) {
         Ok(s) => report.push_str(&format!(
             "dead letters: {:?} (errors: {:?})\n",
             s.per_partition, s.errors
@@ -59,6 +73,20 @@ pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> Strin
         Err(e) => report.push_str(&format!("scanning the dead-letter topic: {e}\n")),
     }
     report
+}
+
+/// The broker answers "not leader" for a moment while topics come and go:
+/// ask again a few times before reporting an error.
+fn retried<T>(mut f: impl FnMut() -> Result<T, String>) -> Result<T, String> {
+    let mut errors = Vec::new();
+    for _ in 0..5 {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) => errors.push(e),
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    Err(errors.join("; "))
 }
 
 fn open_reservations(settings: &Settings, activity_id: i64) -> redis::RedisResult<Vec<i64>> {
@@ -70,6 +98,25 @@ fn open_reservations(settings: &Settings, activity_id: i64) -> redis::RedisResul
         .arg(0)
         .arg(-1)
         .query(&mut conn)
+}
+
+fn failed_orders(settings: &Settings) -> Result<Vec<(i64, String)>, String> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        order_no: i64,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        reason: String,
+    }
+    let mut conn = PgConnection::establish(settings.postgres.url.expose_secret())
+        .map_err(|e| e.to_string())?;
+    diesel::sql_query(
+        "SELECT order_no, COALESCE(failure_reason, '') AS reason FROM orders \
+         WHERE status = 'FAILED' ORDER BY order_no LIMIT 20",
+    )
+    .load::<Row>(&mut conn)
+    .map(|rows| rows.into_iter().map(|r| (r.order_no, r.reason)).collect())
+    .map_err(|e| e.to_string())
 }
 
 fn consume_logged(settings: &Settings, order_nos: &[i64]) -> Result<Vec<String>, String> {
