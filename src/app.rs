@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use crate::activities::cache::ActivityCache;
 use crate::admission::limits::{KeyedLimiter, Limits};
 use crate::admission::{RedisGate, WorkerGate};
-use crate::bus::progress::GroupProgress;
+use crate::bus::progress::{self, GroupProgress, LagGauge};
 use crate::bus::{self, Topics};
 use crate::config::{RedisSettings, Settings};
 use crate::coupons::gate::CouponGate;
@@ -59,8 +59,10 @@ pub struct AppState {
     pub topics: Topics,
     /// Prometheus metrics.
     pub metrics: Metrics,
-    /// How far the order consumers have got (for the reconciler).
+    /// How far the order consumers have got (reconciler, lag sampler).
     pub order_progress: Arc<GroupProgress>,
+    /// The order consumers' lag as last sampled (admission backpressure).
+    pub order_lag: Arc<LagGauge>,
     /// Where pay intents are registered.
     pub provider: Box<dyn PaymentProvider>,
     /// The mock provider, when `payment.mock = true`.
@@ -101,6 +103,7 @@ impl AppState {
                 &bus::group_id(&settings.kafka, crate::orders::consumer::CONSUMER),
                 &Topics::new(&settings.kafka.topic_prefix).order_requested,
             )?),
+            order_lag: Arc::new(LagGauge::new()),
             provider: if settings.payment.mock {
                 Box::new(MockProvider::new(settings.payment.notify_secret.clone()))
             } else {
@@ -191,6 +194,7 @@ pub struct Workers {
     closer: Option<WorkerHandle>,
     relay: Option<WorkerHandle>,
     reconciler: Option<WorkerHandle>,
+    lag_sampler: Option<WorkerHandle>,
 }
 
 impl Workers {
@@ -226,6 +230,14 @@ impl Workers {
                 .reconcile
                 .enabled
                 .then(|| reconcile::spawn(state.reconciler())),
+            lag_sampler: (s.admission.max_consumer_lag > 0).then(|| {
+                progress::spawn_sampler(
+                    state.order_progress.clone(),
+                    state.order_lag.clone(),
+                    Duration::from_millis(s.admission.lag_sample_ms.max(50)),
+                    state.metrics.order_consumer_lag.clone(),
+                )
+            }),
         })
     }
 
@@ -242,6 +254,9 @@ impl Workers {
         }
         if let Some(r) = self.reconciler {
             r.stop().await;
+        }
+        if let Some(s) = self.lag_sampler {
+            s.stop().await;
         }
         if let Some(r) = self.releaser {
             r.stop().await;

@@ -120,6 +120,11 @@ pub struct AdmissionSettings {
     /// Purchases awaiting a Kafka delivery report before new ones are
     /// refused with 503 BUSY (backpressure before Redis is touched).
     pub max_in_flight: usize,
+    /// Purchases get 503 BUSY while the order consumers are this many
+    /// messages behind (SPEC step 2); 0 turns it off.
+    pub max_consumer_lag: i64,
+    /// How often `serve` samples that lag, in milliseconds.
+    pub lag_sample_ms: u64,
     /// How long reservation records live in Redis, in seconds.
     pub reservation_ttl_secs: u64,
 }

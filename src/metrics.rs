@@ -1,7 +1,8 @@
 //! Prometheus metrics, served at `GET /metrics` in the text format.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// Every metric the process exports, registered in one registry. Cheap to
@@ -38,6 +39,8 @@ pub struct Metrics {
     pub stock_released: IntCounterVec,
     /// Reconciliation findings by what (difference | repair) and kind.
     pub reconcile: IntCounterVec,
+    /// Order events not yet applied by the order consumers (−1: unknown).
+    pub order_consumer_lag: IntGauge,
 }
 
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -103,6 +106,10 @@ impl Metrics {
                 Opts::new("reconcile_total", "Reconciliation differences and repairs"),
                 &["what", "kind"],
             )?,
+            order_consumer_lag: IntGauge::new(
+                "order_consumer_lag",
+                "order.requested messages the order consumers have not committed (-1: unknown)",
+            )?,
             registry,
         };
         let r = &metrics.registry;
@@ -120,6 +127,7 @@ impl Metrics {
         r.register(Box::new(metrics.orders_closed.clone()))?;
         r.register(Box::new(metrics.stock_released.clone()))?;
         r.register(Box::new(metrics.reconcile.clone()))?;
+        r.register(Box::new(metrics.order_consumer_lag.clone()))?;
         Ok(metrics)
     }
 

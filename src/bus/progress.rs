@@ -10,6 +10,7 @@
 //! an orphan (a crash between the script and the publish).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -17,6 +18,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::config::KafkaSettings;
+use crate::worker::WorkerHandle;
 
 /// Reads one group's committed offsets against its topic's end offsets.
 pub struct GroupProgress {
@@ -45,13 +47,19 @@ impl GroupProgress {
     /// each message appended before this call started is applied. Runs on
     /// the blocking pool (metadata and offset requests block).
     pub async fn caught_up(self: &Arc<Self>) -> anyhow::Result<bool> {
+        Ok(self.lag().await? == 0)
+    }
+
+    /// Messages on the topic the group has not committed yet (Σ over
+    /// partitions of end offset − committed offset). Runs on the blocking pool.
+    pub async fn lag(self: &Arc<Self>) -> anyhow::Result<i64> {
         let this = self.clone();
-        tokio::task::spawn_blocking(move || this.caught_up_blocking())
+        tokio::task::spawn_blocking(move || this.lag_blocking())
             .await
             .context("Kafka progress task failed")?
     }
 
-    fn caught_up_blocking(&self) -> anyhow::Result<bool> {
+    fn lag_blocking(&self) -> anyhow::Result<i64> {
         // Never subscribed, so nothing but client errors (a broker down)
         // queues up here; drain them so they do not pile up between calls.
         for _ in 0..1000 {
@@ -75,7 +83,7 @@ impl GroupProgress {
             self.topic
         );
         // Ends first, commits second: commits only move forward, so the
-        // comparison can only err towards "behind".
+        // figure can only err towards "behind".
         let mut ends = Vec::with_capacity(partitions.len());
         let mut tpl = TopicPartitionList::new();
         for &p in &partitions {
@@ -90,13 +98,90 @@ impl GroupProgress {
             .client
             .committed_offsets(tpl, self.timeout)
             .context("fetching the group's committed offsets")?;
-        Ok(ends.into_iter().all(|(p, low, high)| {
-            let done = match committed.find_partition(&self.topic, p).map(|e| e.offset()) {
-                Some(Offset::Offset(o)) => o.max(low),
-                // Nothing committed: only an empty (or fully expired) log is done.
-                _ => low,
+        Ok(ends
+            .into_iter()
+            .map(|(p, low, high)| {
+                let done = match committed.find_partition(&self.topic, p).map(|e| e.offset()) {
+                    Some(Offset::Offset(o)) => o.max(low),
+                    // Nothing committed: the group starts at the log's start.
+                    _ => low,
+                };
+                (high - done).max(0)
+            })
+            .sum())
+    }
+}
+
+/// The order consumers' lag as last sampled, for admission's backpressure
+/// (SPEC step 2): purchases get 503 BUSY while it is above the limit.
+#[derive(Debug, Default)]
+pub struct LagGauge(AtomicI64);
+
+impl LagGauge {
+    /// Unknown until the first sample (and after a failed one).
+    pub const UNKNOWN: i64 = -1;
+
+    /// A gauge that has not been sampled yet.
+    pub fn new() -> Self {
+        Self(AtomicI64::new(Self::UNKNOWN))
+    }
+
+    /// The last sample; [`LagGauge::UNKNOWN`] when the broker could not be asked.
+    pub fn get(&self) -> i64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Records a sample.
+    pub fn set(&self, lag: i64) {
+        self.0.store(lag, Ordering::Relaxed);
+    }
+
+    /// True when purchases should wait: a known lag above `max` (0 = off).
+    /// An unknown lag never refuses (a broker that cannot be asked fails
+    /// the publish instead, with its own answer).
+    pub fn over(&self, max: i64) -> bool {
+        max > 0 && self.get() > max
+    }
+}
+
+/// Samples the lag every `every` into `gauge` (and the metric).
+pub fn spawn_sampler(
+    progress: Arc<GroupProgress>,
+    gauge: Arc<LagGauge>,
+    every: Duration,
+    metric: prometheus::IntGauge,
+) -> WorkerHandle {
+    WorkerHandle::spawn(|stop| async move {
+        loop {
+            let lag = match progress.lag().await {
+                Ok(lag) => lag,
+                Err(e) => {
+                    tracing::debug!(error = format!("{e:#}"), "consumer lag unknown");
+                    LagGauge::UNKNOWN
+                }
             };
-            done >= high
-        }))
+            gauge.set(lag);
+            metric.set(lag);
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_known_lag_above_the_limit_refuses() {
+        let gauge = LagGauge::new();
+        assert!(!gauge.over(10), "unknown never refuses");
+        gauge.set(10);
+        assert!(!gauge.over(10));
+        gauge.set(11);
+        assert!(gauge.over(10));
+        assert!(!gauge.over(0), "0 turns it off");
     }
 }

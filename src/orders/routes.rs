@@ -135,7 +135,20 @@ pub async fn place(
         .filter(|t| is_valid_key(t))
         .unwrap_or("");
 
-    // Backpressure before Redis is touched.
+    // Backpressure before Redis is touched: the order consumers are too far
+    // behind (a 202 now would stay PROCESSING for long), or too many
+    // purchases await their delivery report.
+    if state
+        .order_lag
+        .over(state.settings.admission.max_consumer_lag)
+    {
+        return Err(reject(
+            &state,
+            "busy",
+            ErrorCode::Busy,
+            "orders are being written; retry shortly",
+        ));
+    }
     let Ok(_permit) = state.in_flight.clone().try_acquire_owned() else {
         return Err(reject(
             &state,

@@ -75,6 +75,57 @@ async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
     );
 }
 
+/// Polls `/metrics` until the sampled order-consumer lag is `lag`.
+async fn wait_for_lag(app: &TestApp, lag: i64) {
+    let line = format!("seckill_order_consumer_lag {lag}\n");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let text = app.get("/metrics", None).await.text().await.unwrap();
+        if text.contains(&line) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "lag never sampled as {lag}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn while_the_order_consumers_lag_past_the_limit_purchases_get_503_busy_and_keep_nothing() {
+    let app = spawn_app_with(|s| {
+        s.orders.consumer_enabled = false;
+        s.admission.max_consumer_lag = 3;
+        s.admission.lag_sample_ms = 100;
+    })
+    .await;
+    let activity = app.live_activity(10, 1, 1).await;
+    for user in 1..=4 {
+        assert_eq!(app.buy(user, activity).await.0, 202);
+    }
+    wait_for_lag(&app, 4).await;
+
+    let (status, body) = app.buy(5, activity).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("BUSY")),
+        "{body}"
+    );
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["redis_available"], 6, "BUSY reserved nothing");
+    assert_eq!(stats["reservations_open"], 4);
+
+    // The consumers catch up: purchases are taken again.
+    let deps = seckill::orders::consumer::ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let consumer = seckill::orders::consumer::spawn(deps).unwrap();
+    app.drained(activity, 4).await;
+    wait_for_lag(&app, 0).await;
+    assert_eq!(app.buy(5, activity).await.0, 202);
+    app.drained(activity, 5).await;
+    consumer.stop().await;
+}
+
 /// `seckill consume` as a separate process on this test's namespace.
 fn consumer_process(app: &TestApp) -> Child {
     Command::new(env!("CARGO_BIN_EXE_seckill"))
