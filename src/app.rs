@@ -133,6 +133,8 @@ impl AppState {
             settings: self.settings.clone(),
             metrics: self.metrics.clone(),
             progress: self.order_progress.clone(),
+            producer: self.producer.clone(),
+            topics: self.topics.clone(),
         }
     }
 

@@ -111,6 +111,7 @@ pub struct RedisGate {
     commit: Script,
     warmup: Script,
     repair: Script,
+    published: Script,
 }
 
 impl RedisGate {
@@ -139,6 +140,7 @@ impl RedisGate {
             commit: Script::new(include_str!("lua/commit.lua")),
             warmup: Script::new(include_str!("lua/warmup.lua")),
             repair: Script::new(include_str!("lua/repair.lua")),
+            published: Script::new(include_str!("lua/published.lua")),
         })
     }
 
@@ -244,6 +246,22 @@ impl RedisGate {
             .arg(user);
         let released: i64 = call.invoke_async(&mut self.conn.clone()).await?;
         Ok(released == 1)
+    }
+
+    /// Keeps the acknowledged event of a still occupied reservation on it
+    /// (for reconciliation to publish again if the broker lost it). False
+    /// when the reservation is already committed, released or gone.
+    pub async fn mark_published(
+        &self,
+        activity_id: i64,
+        order_no: i64,
+        payload: &[u8],
+    ) -> RedisResult<bool> {
+        self.published
+            .key(self.keys(activity_id).reservation(order_no))
+            .arg(payload)
+            .invoke_async(&mut self.conn.clone())
+            .await
     }
 
     /// Marks reservations of orders now in the database as committed;
@@ -374,18 +392,25 @@ impl RedisGate {
         activity_id: i64,
         order_no: i64,
     ) -> RedisResult<Option<Reservation>> {
-        let (user, qty, status, req): (Option<i64>, Option<i32>, Option<String>, Option<String>) =
-            redis::cmd("HMGET")
-                .arg(self.keys(activity_id).reservation(order_no))
-                .arg(&["user", "qty", "status", "req"])
-                .query_async(&mut self.conn.clone())
-                .await?;
+        type Fields = (
+            Option<i64>,
+            Option<i32>,
+            Option<String>,
+            Option<String>,
+            Option<Vec<u8>>,
+        );
+        let (user, qty, status, req, event): Fields = redis::cmd("HMGET")
+            .arg(self.keys(activity_id).reservation(order_no))
+            .arg(&["user", "qty", "status", "req", "event"])
+            .query_async(&mut self.conn.clone())
+            .await?;
         Ok(match (user, qty, status, req) {
             (Some(user_id), Some(quantity), Some(status), Some(request_id)) => Some(Reservation {
                 user_id,
                 quantity,
                 released: status == "released",
                 request_id,
+                event,
             }),
             _ => None,
         })
@@ -406,4 +431,6 @@ pub struct Reservation {
     pub released: bool,
     /// The client's idempotency key.
     pub request_id: String,
+    /// The `order.requested` payload the broker acknowledged, once marked.
+    pub event: Option<Vec<u8>>,
 }

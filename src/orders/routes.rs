@@ -270,19 +270,26 @@ async fn publish_or_release(
     let (order_no, activity_id) = (event.order_no.get(), event.activity_id);
     let started = Instant::now();
     let topic = &state.topics.order_requested;
-    let published = bus::publish(
-        &state.producer,
-        topic,
-        &event.event_id,
-        &event.encode(),
-        None,
-    )
-    .await;
+    let payload = event.encode();
+    let published = bus::publish(&state.producer, topic, &event.event_id, &payload, None).await;
     state
         .metrics
         .produce_duration
         .observe(started.elapsed().as_secs_f64());
-    let Err(e) = published else { return Ok(()) };
+    let Err(e) = published else {
+        // Acknowledged: from here on the purchase is never voided. Its event
+        // goes on the reservation, so that if the broker loses it after all
+        // reconciliation can publish it again (best effort: without the
+        // mark, such a loss ends the order FAILED, unit released).
+        if let Err(e) = state
+            .gate
+            .mark_published(activity_id, order_no, &payload)
+            .await
+        {
+            tracing::warn!(error = %e, order_no, "acknowledged event not kept on its reservation");
+        }
+        return Ok(());
+    };
     let kind = match e {
         PublishError::QueueFull => "queue_full",
         PublishError::Failed(_) => "delivery",

@@ -12,17 +12,20 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use chrono::Utc;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text};
 use serde::Serialize;
 
 use crate::admission::{RedisGate, ReleaseReason};
+use crate::bus::Topics;
 use crate::bus::progress::GroupProgress;
 use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
+use rdkafka::producer::FutureProducer;
 
 /// `POST /api/v1/admin/reconcile`: reconciles every recent activity now.
 pub async fn route(
@@ -66,6 +69,10 @@ pub struct Reconciler {
     pub metrics: Metrics,
     /// How far the order consumers have provably got.
     pub progress: Arc<GroupProgress>,
+    /// Publishes an acknowledged event again when the broker lost it.
+    pub producer: FutureProducer,
+    /// Topic names.
+    pub topics: Topics,
 }
 
 /// Runs reconciliation every `reconcile.interval_secs`.
@@ -243,7 +250,9 @@ impl Reconciler {
     /// Voids open reservations no order event will back (SPEC step 4):
     /// those older than the publish window once the order consumers have
     /// provably applied every published event, else those older than the
-    /// grace.
+    /// grace. A reservation whose event the broker acknowledged is never
+    /// voided: when the consumers have provably applied everything and it is
+    /// still open, the broker lost its event, which is published again.
     async fn void_stale(
         &self,
         activity_id: i64,
@@ -259,6 +268,16 @@ impl Reconciler {
                 ));
                 continue;
             };
+            if let Some(event) = &r.event {
+                if cutoff.proven {
+                    self.republish(order_no, event).await?;
+                    report.repaired.push(format!(
+                        "published again the event of reservation {order_no} \
+                         (acknowledged, but the consumers never got it)"
+                    ));
+                }
+                continue;
+            }
             let request_id = r.request_id.clone();
             let status = store::run(&self.db, move |conn| {
                 Ok(void_order(
@@ -298,6 +317,8 @@ impl Reconciler {
 struct Cutoff {
     before_ms: i64,
     because: &'static str,
+    /// The order consumers have applied every event published before it.
+    proven: bool,
 }
 
 impl Reconciler {
@@ -316,11 +337,13 @@ impl Reconciler {
         let grace = Cutoff {
             before_ms: now - secs(r.reservation_grace_secs),
             because: "older than the grace",
+            proven: false,
         };
         match self.progress.caught_up().await {
-            Ok(true) if r.publish_window_secs < r.reservation_grace_secs => Cutoff {
-                before_ms: now - secs(r.publish_window_secs),
+            Ok(true) => Cutoff {
+                before_ms: now - secs(r.publish_window_secs.min(r.reservation_grace_secs)),
                 because: "the order consumers have applied every published event",
+                proven: true,
             },
             Ok(_) => grace,
             Err(e) => {
@@ -331,6 +354,28 @@ impl Reconciler {
                 grace
             }
         }
+    }
+}
+
+impl Reconciler {
+    /// Publishes a lost, acknowledged `order.requested` again (the order
+    /// consumer is idempotent: should the first copy turn up, it is a
+    /// duplicate).
+    async fn republish(&self, order_no: i64, event: &[u8]) -> anyhow::Result<()> {
+        crate::bus::publish(
+            &self.producer,
+            &self.topics.order_requested,
+            &order_no.to_string(),
+            event,
+            None,
+        )
+        .await
+        .with_context(|| format!("publishing the event of {order_no} again"))?;
+        self.metrics
+            .reconcile
+            .with_label_values(&["repair", "republished"])
+            .inc();
+        Ok(())
     }
 }
 

@@ -9,7 +9,7 @@ use seckill::bus::events::OrderRequested;
 use seckill::ids::OrderNo;
 use serde_json::json;
 
-use crate::helpers::{TestApp, json, spawn_app_with};
+use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
 
 async fn reconcile(app: &TestApp) -> serde_json::Value {
     let res = app
@@ -75,6 +75,26 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
     let a_minute_ago = chrono::Utc::now().timestamp_millis() - 60_000;
     orphan_made_at(&app, activity, 2, 777_000_002, a_minute_ago).await;
 
+    // The accepted purchase keeps its acknowledged event on its reservation.
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let open = gate.open_before(activity, i64::MAX).await.unwrap();
+    let bought = *open
+        .iter()
+        .find(|o| **o != 777_000_002)
+        .expect("the purchase");
+    let kept = gate.reservation(activity, bought).await.unwrap().unwrap();
+    let event = OrderRequested::decode(&kept.event.expect("event kept")).unwrap();
+    assert_eq!((event.order_no.get(), event.user_id), (bought, 1));
+    assert!(
+        gate.reservation(activity, 777_000_002)
+            .await
+            .unwrap()
+            .unwrap()
+            .event
+            .is_none(),
+        "an orphan was never acknowledged"
+    );
+
     // The consumers have not applied the first purchase's event: nothing
     // proves the orphan has no event still coming, so it stays.
     let behind = report(&reconcile(&app).await, activity);
@@ -110,6 +130,64 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
     assert_eq!(stats["orders"]["WAITING_PAY"], 1, "the real order stands");
     assert_eq!(stats["orders"]["FAILED"], 1);
     assert_eq!(stats["redis_available"], 4, "the orphan's unit is back");
+}
+
+#[tokio::test]
+async fn an_acknowledged_purchase_whose_event_the_broker_lost_is_published_again_not_voided() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(5, 1, 1).await;
+    assert_eq!(app.buy(1, activity).await.0, 202);
+    app.drained(activity, 1).await;
+
+    // A purchase the broker acknowledged (so it carries its event) but whose
+    // message never reached the topic — what a broker losing an
+    // acknowledged write leaves behind.
+    let a_minute_ago = chrono::Utc::now().timestamp_millis() - 60_000;
+    orphan_made_at(&app, activity, 2, 777_000_003, a_minute_ago).await;
+    let lost = OrderRequested {
+        event_id: "777000003".into(),
+        order_no: OrderNo::new(777_000_003),
+        activity_id: activity,
+        user_id: 2,
+        request_id: "crashed".into(),
+        quantity: 1,
+        coupon_id: None,
+        reserved_at_ms: a_minute_ago,
+    };
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    assert!(
+        gate.mark_published(activity, 777_000_003, &lost.encode())
+            .await
+            .unwrap()
+    );
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let repaired = loop {
+        let r = report(&reconcile(&app).await, activity);
+        if r["repaired"] != json!([]) {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "never repaired: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        repaired["repaired"][0]
+            .as_str()
+            .unwrap()
+            .contains("published again the event of reservation 777000003"),
+        "{repaired}"
+    );
+    let stats = app.drained(activity, 2).await;
+    assert_eq!(stats["orders"]["FAILED"], 0, "nothing voided");
+    assert_eq!(stats["db_locked"], 2);
+    assert_eq!(stats["redis_available"], 3);
+    let order = json(
+        app.get("/api/v1/orders/777000003", Some(&app.user_token(2)))
+            .await,
+    )
+    .await;
+    assert_eq!(order["status"], "WAITING_PAY");
+    assert_eq!(report(&reconcile(&app).await, activity)["consistent"], true);
 }
 
 #[tokio::test]
