@@ -149,7 +149,11 @@ fn consumer_process(app: &TestApp) -> Child {
 
 #[tokio::test]
 async fn a_consumer_process_killed_with_sigkill_mid_stream_loses_and_duplicates_nothing() {
-    let app = spawn_app_with(|s| s.orders.consumer_enabled = false).await;
+    let app = spawn_app_with(|s| {
+        s.orders.consumer_enabled = false;
+        crate::helpers::heal_within_the_drain(s);
+    })
+    .await;
     let activity = app.live_activity(400, 1, 2).await;
     let results: Vec<(u16, serde_json::Value)> = stream::iter(1..=400)
         .map(|u| app.buy(u, activity))

@@ -15,7 +15,7 @@ use seckill::ids::OrderNo;
 use seckill::orders::consumer::{self, ConsumerDeps};
 use serde_json::json;
 
-use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
+use crate::helpers::{TestApp, heal_within_the_drain, json, spawn_app, spawn_app_with};
 
 fn producer(app: &TestApp) -> FutureProducer {
     client_config(&app.settings.kafka)
@@ -179,6 +179,7 @@ async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_
     let app = spawn_app_with(|s| {
         s.orders.consumer_enabled = false;
         s.orders.batch_size = 5;
+        heal_within_the_drain(s);
     })
     .await;
     let activity = app.live_activity(500, 1, 2).await;
@@ -269,6 +270,7 @@ async fn consumers_joining_and_leaving_while_orders_flow_create_every_order_exac
     let app = spawn_app_with(|s| {
         s.orders.consumer_enabled = false;
         s.orders.batch_size = 5;
+        heal_within_the_drain(s);
     })
     .await;
     let activity = app.live_activity(1000, 1, 2).await;
