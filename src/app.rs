@@ -15,6 +15,7 @@ use tokio::sync::Semaphore;
 
 use crate::activities::cache::ActivityCache;
 use crate::admission::limits::{KeyedLimiter, Limits};
+use crate::admission::marks::PublishedMarks;
 use crate::admission::{RedisGate, WorkerGate};
 use crate::bus::progress::{self, GroupProgress, LagGauge};
 use crate::bus::{self, Topics};
@@ -41,6 +42,8 @@ pub struct AppState {
     pub redis: deadpool_redis::Pool,
     /// The admission scripts over one multiplexed connection (hot path).
     pub gate: Arc<RedisGate>,
+    /// Acknowledged events queued to be kept on their reservations.
+    pub marks: PublishedMarks,
     /// Warmed activities' windows and limits, cached in process.
     pub activities: ActivityCache,
     /// Coupon scripts (same multiplexed connection as the gate).
@@ -81,11 +84,13 @@ impl AppState {
         let a = &settings.admission;
         let redis = redis_pool(&settings.redis)?;
         let gate_pool = (settings.redis.gate_connection == "pool").then(|| redis.clone());
-        let gate =
-            RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?;
+        let gate = Arc::new(
+            RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?,
+        );
         Ok(Self {
             coupons: Arc::new(CouponGate::new(gate.conn(), &settings.redis.key_prefix)),
-            gate: Arc::new(gate),
+            marks: PublishedMarks::start(gate.clone()),
+            gate,
             redis,
             activities: ActivityCache::default(),
             limits: Limits {

@@ -111,7 +111,6 @@ pub struct RedisGate {
     commit: Script,
     warmup: Script,
     repair: Script,
-    published: Script,
 }
 
 impl RedisGate {
@@ -140,7 +139,6 @@ impl RedisGate {
             commit: Script::new(include_str!("lua/commit.lua")),
             warmup: Script::new(include_str!("lua/warmup.lua")),
             repair: Script::new(include_str!("lua/repair.lua")),
-            published: Script::new(include_str!("lua/published.lua")),
         })
     }
 
@@ -248,20 +246,26 @@ impl RedisGate {
         Ok(released == 1)
     }
 
-    /// Keeps the acknowledged event of a still occupied reservation on it
-    /// (for reconciliation to publish again if the broker lost it). False
-    /// when the reservation is already committed, released or gone.
-    pub async fn mark_published(
-        &self,
-        activity_id: i64,
-        order_no: i64,
-        payload: &[u8],
-    ) -> RedisResult<bool> {
-        self.published
-            .key(self.keys(activity_id).reservation(order_no))
-            .arg(payload)
-            .invoke_async(&mut self.conn.clone())
-            .await
+    /// Keeps acknowledged events on their reservations (`(activity_id,
+    /// order_no, payload)`), in one pipeline, for reconciliation to publish
+    /// again if the broker lost them. The field is harmless on a reservation
+    /// already committed or released (only open ones are looked at); should
+    /// the record be gone, the re-created hash gets the reservation TTL.
+    pub async fn mark_published(&self, marks: &[(i64, i64, Vec<u8>)]) -> RedisResult<()> {
+        if marks.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (activity_id, order_no, payload) in marks {
+            let key = self.keys(*activity_id).reservation(*order_no);
+            pipe.hset(&key, "event", payload.as_slice()).ignore();
+            pipe.cmd("EXPIRE")
+                .arg(&key)
+                .arg(self.reservation_ttl_secs)
+                .arg("NX")
+                .ignore();
+        }
+        pipe.query_async(&mut self.conn.clone()).await
     }
 
     /// Marks reservations of orders now in the database as committed;

@@ -6,5 +6,6 @@
 pub mod gate;
 pub mod keys;
 pub mod limits;
+pub mod marks;
 
 pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, WarmSpec, WorkerGate};

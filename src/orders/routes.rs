@@ -231,9 +231,14 @@ pub async fn place(
     // Publish-or-release runs in a task of its own: if the client goes away
     // and this handler is dropped, the reservation is still either backed by
     // a message or given back — never left occupied with nothing behind it.
-    let published = tokio::spawn(publish_or_release(state.clone(), event, meta.buckets))
-        .await
-        .unwrap_or(Err("delivery"));
+    let published = tokio::spawn(publish_or_release(
+        state.clone(),
+        gate.clone(),
+        event,
+        meta.buckets,
+    ))
+    .await
+    .unwrap_or(Err("delivery"));
     if let Err(kind) = published {
         return Err(if kind == "queue_full" {
             reject(
@@ -262,8 +267,11 @@ pub async fn place(
 /// Publishes `order.requested` and awaits its delivery report; on failure
 /// releases the reservation (and forgets the request_id: nothing was kept).
 /// The error is the failure's metric label: `queue_full` or `delivery`.
+/// Redis is called on the HTTP worker's own connection (`gate`), like the
+/// admission script.
 async fn publish_or_release(
     state: web::Data<AppState>,
+    gate: web::Data<WorkerGate>,
     event: OrderRequested,
     buckets: usize,
 ) -> Result<(), &'static str> {
@@ -278,16 +286,9 @@ async fn publish_or_release(
         .observe(started.elapsed().as_secs_f64());
     let Err(e) = published else {
         // Acknowledged: from here on the purchase is never voided. Its event
-        // goes on the reservation, so that if the broker loses it after all
-        // reconciliation can publish it again (best effort: without the
-        // mark, such a loss ends the order FAILED, unit released).
-        if let Err(e) = state
-            .gate
-            .mark_published(activity_id, order_no, &payload)
-            .await
-        {
-            tracing::warn!(error = %e, order_no, "acknowledged event not kept on its reservation");
-        }
+        // goes on the reservation (queued, written in pipelines), so that if
+        // the broker loses it after all reconciliation can publish it again.
+        state.marks.mark(activity_id, order_no, payload);
         return Ok(());
     };
     let kind = match e {
@@ -302,8 +303,8 @@ async fn publish_or_release(
     tracing::warn!(error = %e, order_no, activity_id, "order publish failed; releasing");
     // If Redis fails here too, the reservation stays open for the reconciler.
     let release = ReleaseReason::PublishFailed;
-    if let Err(e) = state
-        .gate
+    if let Err(e) = gate
+        .0
         .release(activity_id, order_no, buckets, release)
         .await
     {
