@@ -17,7 +17,7 @@ use crate::activities::cache::ActivityCache;
 use crate::admission::limits::{KeyedLimiter, Limits};
 use crate::admission::marks::PublishedMarks;
 use crate::admission::{RedisGate, WorkerGate};
-use crate::bus::progress::{self, GroupProgress, LagGauge};
+use crate::bus::progress::{self, GroupProgress};
 use crate::bus::{self, Topics};
 use crate::config::{RedisSettings, Settings};
 use crate::coupons::gate::CouponGate;
@@ -64,8 +64,6 @@ pub struct AppState {
     pub metrics: Metrics,
     /// How far the order consumers have got (reconciler, lag sampler).
     pub order_progress: Arc<GroupProgress>,
-    /// The order consumers' lag as last sampled (admission backpressure).
-    pub order_lag: Arc<LagGauge>,
     /// Where pay intents are registered.
     pub provider: Box<dyn PaymentProvider>,
     /// The mock provider, when `payment.mock = true`.
@@ -87,6 +85,7 @@ impl AppState {
         let gate = Arc::new(
             RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?,
         );
+        let topics = Topics::new(&settings.kafka.topic_prefix);
         Ok(Self {
             coupons: Arc::new(CouponGate::new(gate.conn(), &settings.redis.key_prefix)),
             marks: PublishedMarks::start(gate.clone()),
@@ -101,14 +100,13 @@ impl AppState {
             ids: Arc::new(Snowflake::new(settings.app.instance_id)),
             db: store::pool(&settings.postgres),
             producer: bus::producer(&settings.kafka)?,
-            topics: Topics::new(&settings.kafka.topic_prefix),
             metrics: Metrics::new()?,
             order_progress: Arc::new(GroupProgress::new(
                 &settings.kafka,
                 &bus::group_id(&settings.kafka, crate::orders::consumer::CONSUMER),
-                &Topics::new(&settings.kafka.topic_prefix).order_requested,
+                &topics.order_requested,
             )?),
-            order_lag: Arc::new(LagGauge::new()),
+            topics,
             provider: if settings.payment.mock {
                 Box::new(MockProvider::new(settings.payment.notify_secret.clone()))
             } else {
@@ -240,7 +238,6 @@ impl Workers {
             lag_sampler: (s.admission.max_consumer_lag > 0).then(|| {
                 progress::spawn_sampler(
                     state.order_progress.clone(),
-                    state.order_lag.clone(),
                     Duration::from_millis(s.admission.lag_sample_ms.max(50)),
                     state.metrics.order_consumer_lag.clone(),
                 )

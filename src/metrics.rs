@@ -39,7 +39,8 @@ pub struct Metrics {
     pub stock_released: IntCounterVec,
     /// Reconciliation findings by what (difference | repair) and kind.
     pub reconcile: IntCounterVec,
-    /// Order events not yet applied by the order consumers (−1: unknown).
+    /// Order events not yet applied by the order consumers (−1: unknown);
+    /// admission's consumer-lag backpressure reads it.
     pub order_consumer_lag: IntGauge,
 }
 
@@ -106,10 +107,14 @@ impl Metrics {
                 Opts::new("reconcile_total", "Reconciliation differences and repairs"),
                 &["what", "kind"],
             )?,
-            order_consumer_lag: IntGauge::new(
-                "order_consumer_lag",
-                "order.requested messages the order consumers have not committed (-1: unknown)",
-            )?,
+            order_consumer_lag: {
+                let gauge = IntGauge::new(
+                    "order_consumer_lag",
+                    "order.requested messages the order consumers have not committed (-1: unknown)",
+                )?;
+                gauge.set(crate::bus::progress::UNKNOWN_LAG);
+                gauge
+            },
             registry,
         };
         let r = &metrics.registry;

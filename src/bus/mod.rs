@@ -155,24 +155,12 @@ pub async fn ensure_topics_or_retry(settings: &KafkaSettings, topics: &Topics) {
     );
     let (settings, topics) = (settings.clone(), topics.clone());
     tokio::spawn(async move {
-        let mut attempt = 1;
-        loop {
-            tokio::time::sleep(runner::backoff(attempt)).await;
-            match ensure_topics(&settings, &topics).await {
-                Ok(()) => {
-                    tracing::info!(attempt, "Kafka topics created");
-                    return;
-                }
-                Err(e) => {
-                    attempt += 1;
-                    tracing::warn!(
-                        error = format!("{e:#}"),
-                        attempt,
-                        "could not create Kafka topics"
-                    );
-                }
-            }
-        }
+        let forever = tokio_util::sync::CancellationToken::new();
+        runner::retry("creating Kafka topics", &forever, || {
+            ensure_topics(&settings, &topics)
+        })
+        .await;
+        tracing::info!("Kafka topics created");
     });
 }
 

@@ -10,7 +10,6 @@
 //! an orphan (a crash between the script and the publish).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -112,44 +111,22 @@ impl GroupProgress {
     }
 }
 
-/// The order consumers' lag as last sampled, for admission's backpressure
-/// (SPEC step 2): purchases get 503 BUSY while it is above the limit.
-#[derive(Debug, Default)]
-pub struct LagGauge(AtomicI64);
+/// A lag that could not be sampled (the broker could not be asked).
+pub const UNKNOWN_LAG: i64 = -1;
 
-impl LagGauge {
-    /// Unknown until the first sample (and after a failed one).
-    pub const UNKNOWN: i64 = -1;
-
-    /// A gauge that has not been sampled yet.
-    pub fn new() -> Self {
-        Self(AtomicI64::new(Self::UNKNOWN))
-    }
-
-    /// The last sample; [`LagGauge::UNKNOWN`] when the broker could not be asked.
-    pub fn get(&self) -> i64 {
-        self.0.load(Ordering::Relaxed)
-    }
-
-    /// Records a sample.
-    pub fn set(&self, lag: i64) {
-        self.0.store(lag, Ordering::Relaxed);
-    }
-
-    /// True when purchases should wait: a known lag above `max` (0 = off).
-    /// An unknown lag never refuses (a broker that cannot be asked fails
-    /// the publish instead, with its own answer).
-    pub fn over(&self, max: i64) -> bool {
-        max > 0 && self.get() > max
-    }
+/// Whether purchases should wait (SPEC step 2): a known `lag` above `max`
+/// (0 = off). An unknown lag never refuses: a broker that cannot be asked
+/// fails the publish instead, with its own answer.
+pub fn lag_over(lag: i64, max: i64) -> bool {
+    max > 0 && lag > max
 }
 
-/// Samples the lag every `every` into `gauge` (and the metric).
+/// Samples the lag every `every` into `gauge` (the exported metric, which
+/// admission reads).
 pub fn spawn_sampler(
     progress: Arc<GroupProgress>,
-    gauge: Arc<LagGauge>,
     every: Duration,
-    metric: prometheus::IntGauge,
+    gauge: prometheus::IntGauge,
 ) -> WorkerHandle {
     WorkerHandle::spawn(|stop| async move {
         loop {
@@ -157,11 +134,10 @@ pub fn spawn_sampler(
                 Ok(lag) => lag,
                 Err(e) => {
                     tracing::debug!(error = format!("{e:#}"), "consumer lag unknown");
-                    LagGauge::UNKNOWN
+                    UNKNOWN_LAG
                 }
             };
             gauge.set(lag);
-            metric.set(lag);
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = tokio::time::sleep(every) => {}
@@ -176,12 +152,9 @@ mod tests {
 
     #[test]
     fn only_a_known_lag_above_the_limit_refuses() {
-        let gauge = LagGauge::new();
-        assert!(!gauge.over(10), "unknown never refuses");
-        gauge.set(10);
-        assert!(!gauge.over(10));
-        gauge.set(11);
-        assert!(gauge.over(10));
-        assert!(!gauge.over(0), "0 turns it off");
+        assert!(!lag_over(UNKNOWN_LAG, 10), "unknown never refuses");
+        assert!(!lag_over(10, 10));
+        assert!(lag_over(11, 10));
+        assert!(!lag_over(11, 0), "0 turns it off");
     }
 }

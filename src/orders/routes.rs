@@ -13,7 +13,7 @@ use super::repo::{self, Order};
 use crate::admission::{Admission, ReleaseReason, ReserveRequest, WorkerGate};
 use crate::app::AppState;
 use crate::bus::events::OrderRequested;
-use crate::bus::{self, PublishError};
+use crate::bus::{self, PublishError, progress};
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode};
 use crate::ids::OrderNo;
@@ -138,10 +138,8 @@ pub async fn place(
     // Backpressure before Redis is touched: the order consumers are too far
     // behind (a 202 now would stay PROCESSING for long), or too many
     // purchases await their delivery report.
-    if state
-        .order_lag
-        .over(state.settings.admission.max_consumer_lag)
-    {
+    let lag = state.metrics.order_consumer_lag.get();
+    if progress::lag_over(lag, state.settings.admission.max_consumer_lag) {
         return Err(reject(
             &state,
             "busy",
