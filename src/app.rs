@@ -245,28 +245,20 @@ impl Workers {
         })
     }
 
-    /// Stops every worker, each after the batch in hand.
+    /// Stops every worker, one after another in this order, each after the
+    /// batch in hand.
     pub async fn stop(self) {
-        if let Some(c) = self.consumer {
-            c.stop().await;
-        }
-        if let Some(c) = self.closer {
-            c.stop().await;
-        }
-        if let Some(r) = self.relay {
-            r.stop().await;
-        }
-        if let Some(r) = self.reconciler {
-            r.stop().await;
-        }
-        if let Some(s) = self.lag_sampler {
-            s.stop().await;
-        }
-        if let Some(r) = self.releaser {
-            r.stop().await;
-        }
-        if let Some(c) = self.claimer {
-            c.stop().await;
+        let workers = [
+            self.consumer,
+            self.closer,
+            self.relay,
+            self.reconciler,
+            self.lag_sampler,
+            self.releaser,
+            self.claimer,
+        ];
+        for worker in workers.into_iter().flatten() {
+            worker.stop().await;
         }
     }
 }

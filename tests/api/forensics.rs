@@ -35,25 +35,19 @@ pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> Strin
         seckill::orders::consumer::CONSUMER
     );
     let committed = retried(|| committed(settings, &group, &topics.order_requested));
-    for order_no in &open {
+    let lines = open.iter().map(|o| (*o, format!("order {o}"))).chain(
+        failed
+            .iter()
+            .map(|(o, reason)| (*o, format!("FAILED order {o} ({reason})"))),
+    );
+    for (order_no, label) in lines {
         let key = order_no.to_string();
         let place = on_topic
             .as_ref()
             .ok()
             .and_then(|s| s.by_key.get(&key).cloned());
         report.push_str(&format!(
-            "  order {order_no}: on topic at {place:?}, consume_log: {:?}\n",
-            logged.as_ref().map(|l| l.contains(&key))
-        ));
-    }
-    for (order_no, reason) in &failed {
-        let key = order_no.to_string();
-        let place = on_topic
-            .as_ref()
-            .ok()
-            .and_then(|s| s.by_key.get(&key).cloned());
-        report.push_str(&format!(
-            "  FAILED order {order_no} ({reason}): on topic at {place:?}, consume_log: {:?}\n",
+            "  {label}: on topic at {place:?}, consume_log: {:?}\n",
             logged.as_ref().map(|l| l.contains(&key))
         ));
     }
@@ -145,26 +139,43 @@ struct Scan {
     errors: Vec<String>,
 }
 
-/// Reads `topic` from the beginning to its high watermarks, outside any group.
-fn scan(settings: &Settings, topic: &str) -> Result<Scan, String> {
+/// A client in consumer group `group` that never joins it, and the
+/// partitions of `topic`.
+fn client_for(
+    settings: &Settings,
+    group: &str,
+    topic: &str,
+) -> Result<(BaseConsumer, Vec<i32>), String> {
     let consumer: BaseConsumer = seckill::bus::client_config(&settings.kafka)
-        .set("group.id", "forensics")
+        .set("group.id", group)
         .set("enable.auto.commit", "false")
         .create()
         .map_err(|e| e.to_string())?;
-    let timeout = Duration::from_secs(5);
     let metadata = consumer
-        .fetch_metadata(Some(topic), timeout)
+        .fetch_metadata(Some(topic), Duration::from_secs(5))
         .map_err(|e| e.to_string())?;
+    let partitions = metadata
+        .topics()
+        .iter()
+        .flat_map(|t| t.partitions())
+        .map(|p| p.id())
+        .collect();
+    Ok((consumer, partitions))
+}
+
+/// Reads `topic` from the beginning to its high watermarks, outside any group.
+fn scan(settings: &Settings, topic: &str) -> Result<Scan, String> {
+    let (consumer, partitions) = client_for(settings, "forensics", topic)?;
+    let timeout = Duration::from_secs(5);
     let mut ends = HashMap::new();
     let mut tpl = TopicPartitionList::new();
-    for p in metadata.topics().iter().flat_map(|t| t.partitions()) {
+    for p in partitions {
         let (_, high) = consumer
-            .fetch_watermarks(topic, p.id(), timeout)
+            .fetch_watermarks(topic, p, timeout)
             .map_err(|e| e.to_string())?;
         if high > 0 {
-            ends.insert(p.id(), high);
-            tpl.add_partition_offset(topic, p.id(), Offset::Beginning)
+            ends.insert(p, high);
+            tpl.add_partition_offset(topic, p, Offset::Beginning)
                 .map_err(|e| e.to_string())?;
         }
     }
@@ -198,19 +209,12 @@ fn scan(settings: &Settings, topic: &str) -> Result<Scan, String> {
 
 /// The group's committed offset per partition of `topic` (without joining it).
 fn committed(settings: &Settings, group: &str, topic: &str) -> Result<Vec<(i32, Offset)>, String> {
-    let consumer: BaseConsumer = seckill::bus::client_config(&settings.kafka)
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()
-        .map_err(|e| e.to_string())?;
-    let timeout = Duration::from_secs(5);
-    let metadata = consumer
-        .fetch_metadata(Some(topic), timeout)
-        .map_err(|e| e.to_string())?;
+    let (consumer, partitions) = client_for(settings, group, topic)?;
     let mut tpl = TopicPartitionList::new();
-    for p in metadata.topics().iter().flat_map(|t| t.partitions()) {
-        tpl.add_partition(topic, p.id());
+    for p in partitions {
+        tpl.add_partition(topic, p);
     }
+    let timeout = Duration::from_secs(5);
     let offsets = consumer
         .committed_offsets(tpl, timeout)
         .map_err(|e| e.to_string())?;

@@ -292,14 +292,26 @@ impl TestApp {
         secs: u64,
         done: impl Fn(&serde_json::Value) -> bool,
     ) -> serde_json::Value {
+        self.poll_stats(activity_id, secs, done)
+            .await
+            .unwrap_or_else(|stats| panic!("stats did not settle in {secs}s: {stats}"))
+    }
+
+    /// The stats once `done` holds, or the last ones after `secs`.
+    async fn poll_stats(
+        &self,
+        activity_id: i64,
+        secs: u64,
+        done: impl Fn(&serde_json::Value) -> bool,
+    ) -> Result<serde_json::Value, serde_json::Value> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
         loop {
             let stats = self.stats(activity_id).await;
             if done(&stats) {
-                return stats;
+                return Ok(stats);
             }
             if std::time::Instant::now() > deadline {
-                panic!("stats did not settle in {secs}s: {stats}");
+                return Err(stats);
             }
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
@@ -309,13 +321,12 @@ impl TestApp {
     /// On timeout the panic explains every reservation still open (see
     /// `forensics`).
     pub async fn drained(&self, activity_id: i64, waiting: i64) -> serde_json::Value {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        loop {
-            let stats = self.stats(activity_id).await;
-            if stats["reservations_open"] == 0 && stats["orders"]["WAITING_PAY"] == waiting {
-                return stats;
-            }
-            if std::time::Instant::now() > deadline {
+        let done = |s: &serde_json::Value| {
+            s["reservations_open"] == 0 && s["orders"]["WAITING_PAY"] == waiting
+        };
+        match self.poll_stats(activity_id, 60, done).await {
+            Ok(stats) => stats,
+            Err(stats) => {
                 let settings = self.settings.clone();
                 let report = tokio::task::spawn_blocking(move || {
                     crate::forensics::explain_open_reservations(&settings, activity_id)
@@ -324,8 +335,21 @@ impl TestApp {
                 .unwrap_or_else(|e| format!("forensics failed: {e}"));
                 panic!("orders did not drain in 60s: {stats}\n{report}");
             }
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
+    }
+
+    /// After a drain (`stats`), every one of `n` sold-out orders exists
+    /// exactly once with its stock locked: `n` rows, `n` LOCK flows, DB
+    /// locked `n`, Redis stock 0.
+    pub async fn assert_each_order_once(&self, stats: &serde_json::Value, n: i64) {
+        assert_eq!(self.count("SELECT count(*) AS n FROM orders").await, n);
+        assert_eq!(
+            self.count("SELECT count(*) AS n FROM stock_flow WHERE biz_type = 'LOCK'")
+                .await,
+            n
+        );
+        assert_eq!(stats["db_locked"], n);
+        assert_eq!(stats["redis_available"], 0);
     }
 
     /// One SQL count on this test's database.

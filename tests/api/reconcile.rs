@@ -33,6 +33,20 @@ fn report(all: &serde_json::Value, activity: i64) -> serde_json::Value {
         .expect("reported")
 }
 
+/// Reconciles until the report of `activity` lists a repair (15 s at most):
+/// proof of consumer progress trails the batch by an offset commit.
+async fn reconcile_until_repaired(app: &TestApp, activity: i64) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = report(&reconcile(app).await, activity);
+        if r["repaired"] != json!([]) {
+            return r;
+        }
+        assert!(std::time::Instant::now() < deadline, "never repaired: {r}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// A reservation made the way admission makes it, but never published: what
 /// a crash between the script and the publish leaves behind.
 async fn orphan(app: &TestApp, activity: i64, user: i64, order_no: i64) {
@@ -115,15 +129,7 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
     app.wait_for_stats(activity, 30, |s| s["orders"]["WAITING_PAY"] == 1)
         .await;
     // Offsets are committed a moment after the batch: ask until they are.
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    let voided = loop {
-        let r = report(&reconcile(&app).await, activity);
-        if r["repaired"] != json!([]) {
-            break r;
-        }
-        assert!(std::time::Instant::now() < deadline, "never voided: {r}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let voided = reconcile_until_repaired(&app, activity).await;
     consumer.stop().await;
     let repaired = voided["repaired"][0].as_str().unwrap();
     assert!(
@@ -168,15 +174,7 @@ async fn an_acknowledged_purchase_whose_event_the_broker_lost_is_published_again
         .await
         .unwrap();
 
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    let repaired = loop {
-        let r = report(&reconcile(&app).await, activity);
-        if r["repaired"] != json!([]) {
-            break r;
-        }
-        assert!(std::time::Instant::now() < deadline, "never repaired: {r}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let repaired = reconcile_until_repaired(&app, activity).await;
     assert!(
         repaired["repaired"][0]
             .as_str()
