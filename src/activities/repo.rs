@@ -2,11 +2,11 @@
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Text};
+use diesel::sql_types::BigInt;
 
 use super::Activity;
-use crate::store::PgConn;
 use crate::store::schema::{activities, stock};
+use crate::store::{PgConn, StatusCount};
 
 /// A new activity, validated by the route.
 #[derive(Debug, Insertable)]
@@ -83,14 +83,6 @@ pub fn mark_warmed(conn: &mut PgConn, id: i64) -> QueryResult<()> {
     ))
     .execute(conn)?;
     Ok(())
-}
-
-#[derive(QueryableByName)]
-struct StatusCount {
-    #[diesel(sql_type = Text)]
-    status: String,
-    #[diesel(sql_type = BigInt)]
-    n: i64,
 }
 
 /// Number of orders per status for one activity.

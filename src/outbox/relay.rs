@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use crate::bus::{self, Topics};
 use crate::config::WorkerSettings;
 use crate::metrics::Metrics;
-use crate::store::{self, PgConn, PgPool};
+use crate::store::{self, PgConn, PgPool, StatusCount};
 use crate::worker::WorkerHandle;
 
 /// What the relay works with.
@@ -151,14 +151,6 @@ fn pass(conn: &mut PgConn, relay: &Relay, rt: &tokio::runtime::Handle) -> QueryR
         .execute(conn)?;
     }
     Ok(rows.len())
-}
-
-#[derive(QueryableByName)]
-struct StatusCount {
-    #[diesel(sql_type = Text)]
-    status: String,
-    #[diesel(sql_type = BigInt)]
-    n: i64,
 }
 
 async fn update_gauges(relay: &Relay) -> anyhow::Result<()> {

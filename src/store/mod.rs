@@ -71,3 +71,14 @@ pub fn migrate_down_all(conn: &mut PgConnection) -> anyhow::Result<Vec<String>> 
         .map_err(|e| anyhow::anyhow!("reverting migrations: {e}"))?;
     Ok(reverted.iter().map(|v| v.to_string()).collect())
 }
+
+/// One row of a `SELECT status, count(*) AS n … GROUP BY status`.
+#[derive(diesel::QueryableByName)]
+pub struct StatusCount {
+    /// The status.
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    pub status: String,
+    /// Rows in it.
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    pub n: i64,
+}
