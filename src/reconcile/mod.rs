@@ -132,10 +132,12 @@ impl Reconciler {
         let cleanup_after = chrono::Duration::seconds(
             i64::try_from(self.settings.reconcile.cleanup_after_secs).unwrap_or(i64::MAX / 4),
         );
+        // Asked of Kafka once per run, for every activity.
+        let cutoff = self.void_cutoff().await;
         let mut reports = Vec::with_capacity(ids.len());
         for (id, buckets, end_at) in ids {
             let buckets = usize::try_from(buckets).unwrap_or(1).max(1);
-            let mut report = self.activity(id, buckets).await?;
+            let mut report = self.activity(id, buckets, &cutoff).await?;
             if Utc::now() > end_at + cleanup_after && report.consistent {
                 self.clean_up(id, buckets, &mut report).await?;
             }
@@ -176,15 +178,21 @@ impl Reconciler {
         Ok(())
     }
 
-    /// Reconciles one activity.
-    pub async fn activity(&self, activity_id: i64, buckets: usize) -> anyhow::Result<Report> {
+    /// Reconciles one activity; reservations before `cutoff` are voided.
+    async fn activity(
+        &self,
+        activity_id: i64,
+        buckets: usize,
+        cutoff: &Cutoff,
+    ) -> anyhow::Result<Report> {
         let mut report = Report {
             activity_id,
             consistent: true,
             differences: Vec::new(),
             repaired: Vec::new(),
         };
-        self.void_stale(activity_id, buckets, &mut report).await?;
+        self.void_stale(activity_id, buckets, cutoff, &mut report)
+            .await?;
 
         let settle = self.settings.reconcile.settle_secs as f64;
         let f: Figures = store::run(&self.db, move |conn| {
@@ -257,9 +265,9 @@ impl Reconciler {
         &self,
         activity_id: i64,
         buckets: usize,
+        cutoff: &Cutoff,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        let cutoff = self.void_cutoff().await;
         for order_no in self.gate.open_before(activity_id, cutoff.before_ms).await? {
             let Some(r) = self.gate.reservation(activity_id, order_no).await? else {
                 self.gate.forget_open(activity_id, order_no).await?;
@@ -311,17 +319,7 @@ impl Reconciler {
         }
         Ok(())
     }
-}
 
-/// Reservations made before `before_ms` are voided, `because` of what.
-struct Cutoff {
-    before_ms: i64,
-    because: &'static str,
-    /// The order consumers have applied every event published before it.
-    proven: bool,
-}
-
-impl Reconciler {
     /// The grace, or the much shorter publish window when the order
     /// consumers have committed every partition to its end. `now` is read
     /// before the offsets, so every event acknowledged before it is among
@@ -355,9 +353,7 @@ impl Reconciler {
             }
         }
     }
-}
 
-impl Reconciler {
     /// Publishes a lost, acknowledged `order.requested` again (the order
     /// consumer is idempotent: should the first copy turn up, it is a
     /// duplicate).
@@ -377,6 +373,14 @@ impl Reconciler {
             .inc();
         Ok(())
     }
+}
+
+/// Reservations made before `before_ms` are voided, `because` of what.
+struct Cutoff {
+    before_ms: i64,
+    because: &'static str,
+    /// The order consumers have applied every event published before it.
+    proven: bool,
 }
 
 /// Inserts the order as FAILED unless a row exists; returns the row's status.
