@@ -29,11 +29,7 @@ pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> Strin
     let logged = consume_logged(settings, &suspects);
     let topics = Topics::new(&settings.kafka.topic_prefix);
     let on_topic = retried(|| scan(settings, &topics.order_requested));
-    let group = format!(
-        "{}{}",
-        settings.kafka.topic_prefix,
-        seckill::orders::consumer::CONSUMER
-    );
+    let group = seckill::bus::group_id(&settings.kafka, seckill::orders::consumer::CONSUMER);
     let committed = retried(|| committed(settings, &group, &topics.order_requested));
     let lines = open.iter().map(|o| (*o, format!("order {o}"))).chain(
         failed
