@@ -47,6 +47,7 @@ fn request<'a>(
     order_no: i64,
 ) -> ReserveRequest<'a> {
     ReserveRequest {
+        coupon_id: None,
         activity_id,
         user_id,
         request_id,

@@ -10,15 +10,16 @@ use actix_web::dev::Server;
 use actix_web::{App, HttpServer, web};
 use anyhow::Context;
 use deadpool_redis::{PoolConfig, Runtime, Timeouts};
-use rdkafka::producer::FutureProducer;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 
 use crate::activities::cache::ActivityCache;
+use crate::admission::acks::Acks;
 use crate::admission::limits::{KeyedLimiter, Limits};
-use crate::admission::marks::PublishedMarks;
 use crate::admission::{RedisGate, WorkerGate};
 use crate::bus::progress::{self, GroupProgress};
-use crate::bus::{self, Topics};
+use crate::bus::runner::Supervision;
+use crate::bus::watchdog::Registry;
+use crate::bus::{self, Producer, Topics};
 use crate::config::{RedisSettings, Settings};
 use crate::coupons::gate::CouponGate;
 use crate::http;
@@ -27,6 +28,7 @@ use crate::ids::{IdGenerator, Snowflake};
 use crate::metrics::Metrics;
 use crate::orders::closer;
 use crate::orders::consumer::{self, ConsumerDeps};
+use crate::orders::publish::{Breaker, Publisher};
 use crate::orders::releaser;
 use crate::outbox::relay::{self, Relay};
 use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
@@ -42,8 +44,15 @@ pub struct AppState {
     pub redis: deadpool_redis::Pool,
     /// The admission scripts over one multiplexed connection (hot path).
     pub gate: Arc<RedisGate>,
-    /// Acknowledged events queued to be kept on their reservations.
-    pub marks: PublishedMarks,
+    /// Publishes purchases (SPEC step 2) with three-valued delivery.
+    pub publisher: Arc<Publisher>,
+    /// Wakes the local reconciler when admission finds an activity Redis
+    /// lost, so its restore starts without waiting for the next interval.
+    pub restore_wanted: Arc<Notify>,
+    /// Every supervised consumer of this process (readiness reads it).
+    pub consumers: Arc<Registry>,
+    /// Whether the topics this service uses exist (readiness waits for it).
+    pub topics_created: Arc<std::sync::atomic::AtomicBool>,
     /// Warmed activities' windows and limits, cached in process.
     pub activities: ActivityCache,
     /// Coupon scripts (same multiplexed connection as the gate).
@@ -57,7 +66,7 @@ pub struct AppState {
     /// PostgreSQL connections (use through [`store::run`]).
     pub db: PgPool,
     /// The idempotent Kafka producer; cheap to clone.
-    pub producer: FutureProducer,
+    pub producer: Producer,
     /// Topic names under this instance's prefix.
     pub topics: Topics,
     /// Prometheus metrics.
@@ -86,9 +95,23 @@ impl AppState {
             RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?,
         );
         let topics = Topics::new(&settings.kafka.topic_prefix);
+        let producer = Producer::new(&settings.kafka)?;
+        let metrics = Metrics::new()?;
+        let publisher = Arc::new(Publisher {
+            producer: producer.clone(),
+            topic: topics.order_requested.clone(),
+            gate: gate.clone(),
+            acks: Acks::start(gate.clone()),
+            metrics: metrics.clone(),
+            budget: Duration::from_millis(a.publish_budget_ms.max(1)),
+            breaker: Breaker::default(),
+        });
         Ok(Self {
             coupons: Arc::new(CouponGate::new(gate.conn(), &settings.redis.key_prefix)),
-            marks: PublishedMarks::start(gate.clone()),
+            publisher,
+            restore_wanted: Arc::new(Notify::new()),
+            consumers: Arc::new(Registry::default()),
+            topics_created: Arc::default(),
             gate,
             redis,
             activities: ActivityCache::default(),
@@ -99,8 +122,8 @@ impl AppState {
             in_flight: Arc::new(Semaphore::new(a.max_in_flight.max(1))),
             ids: Arc::new(Snowflake::new(settings.app.instance_id)),
             db: store::pool(&settings.postgres),
-            producer: bus::producer(&settings.kafka)?,
-            metrics: Metrics::new()?,
+            producer,
+            metrics,
             order_progress: Arc::new(GroupProgress::new(
                 &settings.kafka,
                 &bus::group_id(&settings.kafka, crate::orders::consumer::CONSUMER),
@@ -138,7 +161,41 @@ impl AppState {
             progress: self.order_progress.clone(),
             producer: self.producer.clone(),
             topics: self.topics.clone(),
+            owner: self.lease_owner(),
         }
+    }
+
+    /// Who this process is when it holds the reconcile lease.
+    fn lease_owner(&self) -> String {
+        format!(
+            "{}:{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        )
+    }
+
+    /// Why purchases should get 503 BUSY because of the order consumers
+    /// (SPEC step 2), if they should: too many messages behind, or stalled
+    /// (messages waiting, nothing committed) for `kafka.consumer_stall_secs`.
+    /// Both are sampled every second by the lag sampler.
+    pub fn consumer_backpressure(&self) -> Option<&'static str> {
+        let lag = self.metrics.order_consumer_lag.get();
+        if progress::lag_over(lag, self.settings.admission.max_consumer_lag) {
+            return Some("orders are being written; retry shortly");
+        }
+        if self.order_consumers_stalled().is_some() {
+            return Some("the order consumers are stalled; retry shortly");
+        }
+        None
+    }
+
+    /// How long the order consumers (wherever they run) have had messages
+    /// waiting and committed nothing, once that reaches
+    /// `kafka.consumer_stall_secs`.
+    pub fn order_consumers_stalled(&self) -> Option<i64> {
+        let stall = i64::try_from(self.settings.kafka.consumer_stall_secs).unwrap_or(i64::MAX);
+        let stalled = self.metrics.order_consumer_stalled_seconds.get();
+        (stall > 0 && stalled >= stall).then_some(stalled)
     }
 
     /// What the outbox relay needs, sharing this state's clients.
@@ -161,6 +218,10 @@ impl AppState {
             topics: self.topics.clone(),
             settings: self.settings.clone(),
             metrics: self.metrics.clone(),
+            supervision: Supervision {
+                registry: self.consumers.clone(),
+                restarts: self.metrics.consumer_restarts.clone(),
+            },
         }
     }
 }
@@ -234,14 +295,16 @@ impl Workers {
             reconciler: s
                 .reconcile
                 .enabled
-                .then(|| reconcile::spawn(state.reconciler())),
-            lag_sampler: (s.admission.max_consumer_lag > 0).then(|| {
-                progress::spawn_sampler(
-                    state.order_progress.clone(),
-                    Duration::from_millis(s.admission.lag_sample_ms.max(50)),
-                    state.metrics.order_consumer_lag.clone(),
-                )
-            }),
+                .then(|| reconcile::spawn(state.reconciler(), state.restore_wanted.clone())),
+            lag_sampler: (s.admission.max_consumer_lag > 0 || s.kafka.consumer_stall_secs > 0)
+                .then(|| {
+                    progress::spawn_sampler(
+                        state.order_progress.clone(),
+                        Duration::from_millis(s.admission.lag_sample_ms.max(50)),
+                        state.metrics.order_consumer_lag.clone(),
+                        state.metrics.order_consumer_stalled_seconds.clone(),
+                    )
+                }),
         })
     }
 
@@ -285,7 +348,12 @@ impl Application {
 
         // A broker that is down must not stop the server from starting
         // (readiness reports it); the topics are created once it is back.
-        bus::ensure_topics_or_retry(&state.settings.kafka, &state.topics).await;
+        bus::ensure_topics_or_retry(
+            &state.settings.kafka,
+            &state.topics,
+            state.topics_created.clone(),
+        )
+        .await;
         let workers = Workers::start(&state)?;
 
         let server = HttpServer::new(move || {

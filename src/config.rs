@@ -54,16 +54,14 @@ pub struct ReconcileSettings {
     /// event behind it (a crash between reserve and publish): it is voided.
     /// Must be well above `2 × kafka.timeout_ms` plus the consumer's lag.
     pub reservation_grace_secs: u64,
-    /// Sooner than the grace, a reservation is voided once it is older than
-    /// this and the order consumers have committed every partition to its
-    /// end (its event, had it been published, would have been applied).
-    /// Must cover the producer's delivery timeout (`2 × kafka.timeout_ms`)
-    /// with room to spare: at least `4 × kafka.timeout_ms`.
+    /// Sooner than the grace, an unacknowledged reservation is voided once
+    /// this long has passed since it was made or last sent and the order
+    /// consumers have committed every partition to its end (its event, had
+    /// it reached the broker, would have been applied). Also how long a
+    /// Redis that lost an activity waits before it is restored from the
+    /// database. Must cover a message's whole life in the producer: at
+    /// least `2 × kafka.message_timeout_ms + admission.publish_budget_ms`.
     pub publish_window_secs: u64,
-    /// Stock released within this many seconds may still be on its way to
-    /// Redis; Redis is only compared with (and repaired from) the database
-    /// when nothing is in flight.
-    pub settle_secs: u64,
     /// How long after an activity's end its Redis keys are removed (once
     /// every order is settled and the figures agree), in seconds.
     pub cleanup_after_secs: u64,
@@ -127,6 +125,9 @@ pub struct AdmissionSettings {
     pub lag_sample_ms: u64,
     /// How long reservation records live in Redis, in seconds.
     pub reservation_ttl_secs: u64,
+    /// How long a purchase waits for its delivery report before it answers
+    /// 503 RETRY_LATER (the delivery goes on in the background), in ms.
+    pub publish_budget_ms: u64,
 }
 
 /// Order-creating consumer settings (SPEC step 3).
@@ -199,9 +200,15 @@ pub struct KafkaSettings {
     pub brokers: String,
     /// Prefix of every topic and consumer group name; tests use one per test.
     pub topic_prefix: String,
-    /// Timeout of metadata and admin calls, in milliseconds; twice this is
-    /// how long a purchase waits for its delivery report.
+    /// Timeout of metadata and admin calls, in milliseconds.
     pub timeout_ms: u64,
+    /// How long librdkafka retries one message before reporting a timeout
+    /// (`message.timeout.ms`), in milliseconds.
+    pub message_timeout_ms: u64,
+    /// A consumer with messages waiting that commits nothing, or that
+    /// cannot reach its group coordinator, this long is rebuilt; purchases
+    /// get 503 BUSY while the order consumers are stalled this long. 0 = off.
+    pub consumer_stall_secs: u64,
     /// Partitions of the topics this service creates.
     pub partitions: i32,
     /// Replication factor of the topics this service creates (1 for the
@@ -247,6 +254,17 @@ impl Settings {
         Ok(settings)
     }
 
+    /// How long after a send the event it carried may still reach the broker:
+    /// a delivery that began within the publish budget and was retried by
+    /// librdkafka for a message timeout, once more. Reservations are voided,
+    /// and a lost Redis restored, only after this has passed.
+    pub fn in_flight_bound_ms(&self) -> u64 {
+        self.kafka
+            .message_timeout_ms
+            .saturating_mul(2)
+            .saturating_add(self.admission.publish_budget_ms)
+    }
+
     /// Whether this is a production deployment.
     pub fn is_production(&self) -> bool {
         self.app.env == "production"
@@ -271,11 +289,11 @@ impl Settings {
         if !matches!(self.redis.gate_connection.as_str(), "multiplexed" | "pool") {
             bail!("redis.gate_connection must be \"multiplexed\" or \"pool\"");
         }
-        let window_ms = self.reconcile.publish_window_secs.saturating_mul(1000);
-        if window_ms < self.kafka.timeout_ms.saturating_mul(4) {
+        if self.reconcile.publish_window_secs.saturating_mul(1000) < self.in_flight_bound_ms() {
             bail!(
-                "reconcile.publish_window_secs must be at least 4 × kafka.timeout_ms \
-                 (a publish can take 2 × kafka.timeout_ms to fail)"
+                "reconcile.publish_window_secs must be at least \
+                 2 × kafka.message_timeout_ms + admission.publish_budget_ms \
+                 (how long an event can still reach the broker after it was sent)"
             );
         }
         if self.app.instance_id > 1023 {
@@ -325,11 +343,12 @@ mod tests {
     fn a_publish_window_shorter_than_a_publish_can_take_is_refused() {
         let mut s = Settings::load_env("test").expect("test settings load");
         assert!(s.validate().is_ok());
-        s.kafka.timeout_ms = 10_000;
+        s.kafka.message_timeout_ms = 15_000;
+        s.admission.publish_budget_ms = 5_000;
         s.reconcile.publish_window_secs = 30;
-        let err = s.validate().expect_err("30 s < 4 × 10 s");
+        let err = s.validate().expect_err("30 s < 2 × 15 s + 5 s");
         assert!(err.to_string().contains("publish_window_secs"), "{err}");
-        s.reconcile.publish_window_secs = 40;
+        s.reconcile.publish_window_secs = 35;
         assert!(s.validate().is_ok());
     }
 

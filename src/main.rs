@@ -122,7 +122,8 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
 async fn consume(settings: Settings) -> anyhow::Result<()> {
     use seckill::orders::consumer::{self, ConsumerDeps};
     let deps = ConsumerDeps::connect(settings)?;
-    seckill::bus::ensure_topics_or_retry(&deps.settings.kafka, &deps.topics).await;
+    seckill::bus::ensure_topics_or_retry(&deps.settings.kafka, &deps.topics, Default::default())
+        .await;
     let handle = consumer::spawn(deps)?;
     tracing::info!("order consumer running");
     shutdown_signal().await;

@@ -21,8 +21,17 @@ pub struct Metrics {
     pub lua_duration: Histogram,
     /// Latency from produce to delivery report of `order.requested`, in seconds.
     pub produce_duration: Histogram,
-    /// Failed publishes by kind (queue_full, delivery).
+    /// Publishes that were not acknowledged, by outcome (queue_full,
+    /// not_delivered, unknown).
     pub produce_errors: IntCounterVec,
+    /// Purchases whose delivery outcome is unknown and whose event is being
+    /// sent again in the background.
+    pub deliveries_pending: IntGauge,
+    /// Consumer clients rebuilt by the watchdog, by group.
+    pub consumer_restarts: IntCounterVec,
+    /// How long the order consumers have had messages waiting without
+    /// committing any, in seconds (admission's BUSY and readiness read it).
+    pub order_consumer_stalled_seconds: IntGauge,
     /// Messages per consumer batch.
     pub consumer_batch_size: Histogram,
     /// Consumed order events by result (created, failed, duplicate, …).
@@ -75,8 +84,26 @@ impl Metrics {
             lua_duration: latency("admission_script_seconds", "Admission script round trip")?,
             produce_duration: latency("kafka_produce_seconds", "Produce to delivery report")?,
             produce_errors: IntCounterVec::new(
-                Opts::new("kafka_produce_errors_total", "Failed publishes by kind"),
+                Opts::new(
+                    "kafka_produce_errors_total",
+                    "Unacknowledged publishes by outcome",
+                ),
                 &["kind"],
+            )?,
+            deliveries_pending: IntGauge::new(
+                "order_deliveries_pending",
+                "Purchases whose event is being sent again after an unknown delivery",
+            )?,
+            consumer_restarts: IntCounterVec::new(
+                Opts::new(
+                    "consumer_restarts_total",
+                    "Consumer clients rebuilt by the watchdog",
+                ),
+                &["group"],
+            )?,
+            order_consumer_stalled_seconds: IntGauge::new(
+                "order_consumer_stalled_seconds",
+                "Seconds the order consumers have had messages waiting and committed nothing",
             )?,
             consumer_batch_size: Histogram::with_opts(
                 HistogramOpts::new("consumer_batch_size", "Messages per order consumer batch")
@@ -124,6 +151,9 @@ impl Metrics {
         r.register(Box::new(metrics.lua_duration.clone()))?;
         r.register(Box::new(metrics.produce_duration.clone()))?;
         r.register(Box::new(metrics.produce_errors.clone()))?;
+        r.register(Box::new(metrics.deliveries_pending.clone()))?;
+        r.register(Box::new(metrics.consumer_restarts.clone()))?;
+        r.register(Box::new(metrics.order_consumer_stalled_seconds.clone()))?;
         r.register(Box::new(metrics.consumer_batch_size.clone()))?;
         r.register(Box::new(metrics.consumer_events.clone()))?;
         r.register(Box::new(metrics.dead_letters.clone()))?;

@@ -1,89 +1,109 @@
 //! What the hot path needs to know about an activity (window, limit, bucket
 //! count), read from the Redis meta hash and kept in process for a few
 //! seconds, so admission touches neither the database nor Redis twice.
-//! Only warmed activities are cached: a just-warmed activity is visible at once.
+//!
+//! When Redis has no meta for an activity, the database says whether that
+//! is because it was never warmed (NOT_ACTIVE) or because Redis lost it
+//! (restarted empty): then purchases hear 503 RETRY_LATER while the
+//! reconciler restores it, instead of a NOT_ACTIVE that would send buyers
+//! away. That answer is cached for a second, so a lost Redis costs the
+//! database one query per activity per second, not one per request.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
-use redis::RedisResult;
+use chrono::Utc;
 
+use super::Lifecycle;
 use crate::admission::RedisGate;
+use crate::store::{self, PgPool};
 
-/// How long a cached entry is trusted. Windows and limits never change after
-/// creation; this only bounds memory for ended activities.
-const TTL: Duration = Duration::from_secs(5);
+/// How long a warm activity's meta is trusted. Windows and limits never
+/// change after creation; this only bounds memory for ended activities.
+const WARM_TTL: Duration = Duration::from_secs(5);
+
+/// How long "not in Redis" answers are trusted: short, so a warm-up or a
+/// restore is seen within a second.
+const ABSENT_TTL: Duration = Duration::from_secs(1);
 
 /// The admission view of a warmed activity.
+pub use crate::admission::gate::Meta as ActivityMeta;
+
+/// Where an activity stands for admission.
 #[derive(Debug, Clone, Copy)]
-pub struct ActivityMeta {
-    /// Sale start, unix ms.
-    pub start_ms: i64,
-    /// Sale end, unix ms.
-    pub end_ms: i64,
-    /// Per-user limit.
-    pub per_user_limit: i32,
-    /// Stock buckets.
-    pub buckets: usize,
+pub enum Lookup {
+    /// Warm in Redis.
+    Warm(ActivityMeta),
+    /// Warmed and live according to the database, but Redis lost it: being
+    /// restored by reconciliation.
+    Restoring,
+    /// Unknown, never warmed, or over.
+    NotActive,
 }
 
-impl ActivityMeta {
-    /// Whether `now_ms` is inside the sale window.
-    pub fn is_open(&self, now_ms: i64) -> bool {
-        self.start_ms <= now_ms && now_ms < self.end_ms
-    }
-}
-
-/// Process-local cache of [`ActivityMeta`].
+/// Process-local cache of [`Lookup`]s.
 #[derive(Default)]
 pub struct ActivityCache {
-    entries: RwLock<HashMap<i64, (Instant, ActivityMeta)>>,
+    entries: RwLock<HashMap<i64, (Instant, Lookup)>>,
 }
 
 impl ActivityCache {
-    /// The activity's meta, or `None` when it is not warmed (or unknown).
-    pub async fn get(
+    /// Where the activity stands: Redis first, the database only when
+    /// Redis has no meta for it.
+    pub async fn lookup(
         &self,
         gate: &RedisGate,
+        db: &PgPool,
         activity_id: i64,
-    ) -> RedisResult<Option<ActivityMeta>> {
-        if let Some((at, meta)) = self.read(activity_id)
-            && at.elapsed() < TTL
-        {
-            return Ok(Some(meta));
+    ) -> anyhow::Result<Lookup> {
+        if let Some(hit) = self.read(activity_id) {
+            return Ok(hit);
         }
-        let (start, end, limit, buckets): (Option<i64>, Option<i64>, Option<i32>, Option<usize>) =
-            redis::cmd("HMGET")
-                .arg(gate.keys(activity_id).meta())
-                .arg(&["start_ms", "end_ms", "limit", "buckets"])
-                .query_async(&mut gate.conn())
-                .await?;
-        let (Some(start_ms), Some(end_ms), Some(per_user_limit), Some(buckets)) =
-            (start, end, limit, buckets)
-        else {
-            return Ok(None);
-        };
-        let meta = ActivityMeta {
-            start_ms,
-            end_ms,
-            per_user_limit,
-            buckets: buckets.max(1),
+        let found = match gate.meta(activity_id).await? {
+            Some(meta) => Lookup::Warm(meta),
+            None => {
+                let activity =
+                    store::run(db, move |conn| Ok(super::repo::find(conn, activity_id)?)).await?;
+                match activity {
+                    Some(a)
+                        if a.status != "ENDED"
+                            && matches!(
+                                a.lifecycle(Utc::now()),
+                                Lifecycle::Ready | Lifecycle::Active
+                            ) =>
+                    {
+                        Lookup::Restoring
+                    }
+                    _ => Lookup::NotActive,
+                }
+            }
         };
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        entries.retain(|_, (at, _)| at.elapsed() < TTL);
-        entries.insert(activity_id, (Instant::now(), meta));
-        Ok(Some(meta))
+        entries.retain(|_, (at, l)| at.elapsed() < ttl(l));
+        entries.insert(activity_id, (Instant::now(), found));
+        Ok(found)
     }
 
-    fn read(&self, activity_id: i64) -> Option<(Instant, ActivityMeta)> {
+    /// Drops what is known about an activity (Redis just said it is not
+    /// warm after all).
+    pub fn forget(&self, activity_id: i64) {
         self.entries
-            .read()
+            .write()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&activity_id)
-            .copied()
+            .remove(&activity_id);
+    }
+
+    fn read(&self, activity_id: i64) -> Option<Lookup> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let (at, found) = entries.get(&activity_id)?;
+        (at.elapsed() < ttl(found)).then_some(*found)
     }
 }
 
-/// Shared handle.
-pub type SharedActivityCache = Arc<ActivityCache>;
+fn ttl(found: &Lookup) -> Duration {
+    match found {
+        Lookup::Warm(_) => WARM_TTL,
+        Lookup::Restoring | Lookup::NotActive => ABSENT_TTL,
+    }
+}

@@ -5,6 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::json;
 
+use super::cache::Lookup;
 use super::repo::{self, NewActivity};
 use super::{Activity, Lifecycle};
 use crate::admission::WarmSpec;
@@ -159,6 +160,7 @@ pub async fn warmup(
     store::run(&state.db, move |conn| Ok(repo::mark_warmed(conn, id)?))
         .await
         .map_err(ApiError::unavailable)?;
+    state.activities.forget(id);
     Ok(HttpResponse::Ok().json(json!({
         "activity_id": id,
         "status": "READY",
@@ -248,12 +250,23 @@ pub async fn token(
     path: web::Path<i64>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    let meta = state
+    let open = match state
         .activities
-        .get(&state.gate, id)
+        .lookup(&state.gate, &state.db, id)
         .await
-        .map_err(|e| ApiError::unavailable(e.into()))?;
-    if !meta.is_some_and(|m| m.is_open(Utc::now().timestamp_millis())) {
+        .map_err(ApiError::unavailable)?
+    {
+        Lookup::Warm(meta) => meta.is_open(Utc::now().timestamp_millis()),
+        Lookup::Restoring => {
+            state.restore_wanted.notify_one();
+            return Err(ApiError::new(
+                ErrorCode::RetryLater,
+                "the sale is being restored; retry shortly",
+            ));
+        }
+        Lookup::NotActive => false,
+    };
+    if !open {
         return Err(ApiError::new(ErrorCode::NotActive, "the sale is not open"));
     }
     let token = uuid::Uuid::new_v4().simple().to_string();

@@ -13,7 +13,9 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisResult, Script};
 
 use crate::admission::keys::ActivityKeys;
+use crate::bus::events::OrderRequested;
 use crate::config::{AdmissionSettings, RedisSettings};
+use crate::ids::OrderNo;
 
 /// What the admission script decided. Ordinary outcomes, not errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,8 +30,11 @@ pub enum Admission {
     LimitExceeded,
     /// Purchase token missing, used, expired or another user's.
     InvalidToken,
-    /// Outside the sale window, or not warmed up.
+    /// Outside the sale window.
     NotActive,
+    /// Redis holds no stock for the activity: never warmed, or Redis lost
+    /// it (restarted empty) and reconciliation has not restored it yet.
+    NotWarm,
 }
 
 /// One purchase attempt, as the admission script sees it.
@@ -51,6 +56,9 @@ pub struct ReserveRequest<'a> {
     pub buckets: usize,
     /// Now, in unix milliseconds.
     pub now_ms: i64,
+    /// The coupon the buyer wants to use, kept on the reservation so the
+    /// order event can be rebuilt from it.
+    pub coupon_id: Option<i64>,
 }
 
 /// Why a reservation is released; recorded on the reservation.
@@ -94,6 +102,26 @@ pub struct WarmSpec {
     pub buckets: usize,
 }
 
+/// An activity's sale window and limits, as warm in Redis.
+#[derive(Debug, Clone, Copy)]
+pub struct Meta {
+    /// Sale start, unix ms.
+    pub start_ms: i64,
+    /// Sale end, unix ms.
+    pub end_ms: i64,
+    /// Per-user limit.
+    pub per_user_limit: i32,
+    /// Stock buckets (≥ 1).
+    pub buckets: usize,
+}
+
+impl Meta {
+    /// Whether `now_ms` is inside the sale window.
+    pub fn is_open(&self, now_ms: i64) -> bool {
+        self.start_ms <= now_ms && now_ms < self.end_ms
+    }
+}
+
 /// The Redis side of admission and reservations.
 #[derive(Clone)]
 pub struct RedisGate {
@@ -111,6 +139,9 @@ pub struct RedisGate {
     commit: Script,
     warmup: Script,
     repair: Script,
+    ack: Script,
+    sending: Script,
+    void: Script,
 }
 
 impl RedisGate {
@@ -139,6 +170,9 @@ impl RedisGate {
             commit: Script::new(include_str!("lua/commit.lua")),
             warmup: Script::new(include_str!("lua/warmup.lua")),
             repair: Script::new(include_str!("lua/repair.lua")),
+            ack: Script::new(include_str!("lua/ack.lua")),
+            sending: Script::new(include_str!("lua/sending.lua")),
+            void: Script::new(include_str!("lua/void.lua")),
         })
     }
 
@@ -187,7 +221,8 @@ impl RedisGate {
             .arg(r.order_no)
             .arg(r.now_ms)
             .arg(first_bucket)
-            .arg(self.reservation_ttl_secs);
+            .arg(self.reservation_ttl_secs)
+            .arg(r.coupon_id.map(|c| c.to_string()).unwrap_or_default());
         let (code, order_no): (i64, String) = match &self.pool {
             None => call.invoke_async(&mut self.conn.clone()).await?,
             Some(pool) => {
@@ -208,7 +243,8 @@ impl RedisGate {
             2 => Admission::SoldOut,
             3 => Admission::LimitExceeded,
             4 => Admission::InvalidToken,
-            _ => Admission::NotActive,
+            5 => Admission::NotActive,
+            _ => Admission::NotWarm,
         })
     }
 
@@ -246,26 +282,90 @@ impl RedisGate {
         Ok(released == 1)
     }
 
-    /// Keeps acknowledged events on their reservations (`(activity_id,
-    /// order_no, payload)`), in one pipeline, for reconciliation to publish
-    /// again if the broker lost them. The field is harmless on a reservation
-    /// already committed or released (only open ones are looked at); should
-    /// the record be gone, the re-created hash gets the reservation TTL.
-    pub async fn mark_published(&self, marks: &[(i64, i64, Vec<u8>)]) -> RedisResult<()> {
-        if marks.is_empty() {
-            return Ok(());
+    /// Records that the broker acknowledged the events of `order_nos` (one
+    /// activity): an open reservation is never voided from then on. Returns
+    /// the status each reservation had (`None` when its record is gone);
+    /// [`Status::Occupied`] means it is acknowledged now.
+    pub async fn ack(
+        &self,
+        activity_id: i64,
+        order_nos: &[i64],
+        now_ms: i64,
+    ) -> RedisResult<Vec<Option<Status>>> {
+        if order_nos.is_empty() {
+            return Ok(Vec::new());
         }
+        let k = self.keys(activity_id);
+        let mut call = self.ack.prepare_invoke();
+        for &o in order_nos {
+            call.key(k.reservation(o));
+        }
+        let found: Vec<String> = call
+            .arg(now_ms)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(found.iter().map(|s| Status::parse(s)).collect())
+    }
+
+    /// Reads a reservation before its event is sent again; an open,
+    /// unacknowledged one has its `sent` time moved to `now_ms` in the same
+    /// call (see `sending.lua`). `None` when the record is gone.
+    pub async fn sending(
+        &self,
+        activity_id: i64,
+        order_no: i64,
+        now_ms: i64,
+    ) -> RedisResult<Option<Reservation>> {
+        let fields: Vec<String> = self
+            .sending
+            .key(self.keys(activity_id).reservation(order_no))
+            .arg(now_ms)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(Reservation::from_fields(&fields))
+    }
+
+    /// Claims an open, unacknowledged reservation not made or sent since
+    /// `cutoff_ms` for voiding (`void.lua`).
+    pub async fn claim_void(
+        &self,
+        activity_id: i64,
+        order_no: i64,
+        cutoff_ms: i64,
+    ) -> RedisResult<VoidClaim> {
+        let code: i64 = self
+            .void
+            .key(self.keys(activity_id).reservation(order_no))
+            .arg(cutoff_ms)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(match code {
+            1 => VoidClaim::Claimed,
+            0 => VoidClaim::Refused,
+            _ => VoidClaim::Gone,
+        })
+    }
+
+    /// The status of each of `order_nos`' reservations (one activity), in
+    /// one round trip; `None` where the record is gone.
+    pub async fn statuses(
+        &self,
+        activity_id: i64,
+        order_nos: &[i64],
+    ) -> RedisResult<Vec<Option<Status>>> {
+        if order_nos.is_empty() {
+            return Ok(Vec::new());
+        }
+        let k = self.keys(activity_id);
         let mut pipe = redis::pipe();
-        for (activity_id, order_no, payload) in marks {
-            let key = self.keys(*activity_id).reservation(*order_no);
-            pipe.hset(&key, "event", payload.as_slice()).ignore();
-            pipe.cmd("EXPIRE")
-                .arg(&key)
-                .arg(self.reservation_ttl_secs)
-                .arg("NX")
-                .ignore();
+        for &o in order_nos {
+            pipe.hget(k.reservation(o), "status");
         }
-        pipe.query_async(&mut self.conn.clone()).await
+        let found: Vec<Option<String>> = pipe.query_async(&mut self.conn.clone()).await?;
+        Ok(found
+            .iter()
+            .map(|s| s.as_deref().and_then(Status::parse))
+            .collect())
     }
 
     /// Marks reservations of orders now in the database as committed;
@@ -311,15 +411,29 @@ impl RedisGate {
         Ok(values.into_iter().flatten().sum())
     }
 
-    /// Moves the activity's Redis stock by `delta` units (never below zero);
-    /// returns the delta applied. Reconciliation only.
-    pub async fn repair(&self, activity_id: i64, buckets: usize, delta: i64) -> RedisResult<i64> {
+    /// Sets the activity's Redis stock to `target` units, but only while
+    /// no reservation is open and the buckets still sum to `expected`
+    /// (`repair.lua`). Returns the delta applied, or `None` when something
+    /// moved in between and nothing was done. Reconciliation only.
+    pub async fn repair(
+        &self,
+        activity_id: i64,
+        buckets: usize,
+        expected: i64,
+        target: i64,
+    ) -> RedisResult<Option<i64>> {
         let k = self.keys(activity_id);
         let mut call = self.repair.prepare_invoke();
+        call.key(k.open());
         for b in 0..buckets {
             call.key(k.bucket(b));
         }
-        call.arg(delta).invoke_async(&mut self.conn.clone()).await
+        let (done, value): (i64, i64) = call
+            .arg(expected)
+            .arg(target)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok((done == 1).then_some(value))
     }
 
     /// Open reservations made before `cutoff_ms`.
@@ -340,7 +454,13 @@ impl RedisGate {
     pub async fn remove_activity(&self, activity_id: i64, buckets: usize) -> RedisResult<()> {
         let k = self.keys(activity_id);
         let mut keys = k.buckets(buckets);
-        keys.extend([k.meta(), k.requests(), k.holdings(), k.open()]);
+        keys.extend([
+            k.meta(),
+            k.requests(),
+            k.holdings(),
+            k.open(),
+            k.restoring(),
+        ]);
         redis::cmd("DEL")
             .arg(keys)
             .query_async(&mut self.conn.clone())
@@ -362,6 +482,143 @@ impl RedisGate {
             .arg(self.keys(activity_id).open())
             .query_async(&mut self.conn.clone())
             .await
+    }
+
+    /// The activity's window and limits, when it is warm.
+    pub async fn meta(&self, activity_id: i64) -> RedisResult<Option<Meta>> {
+        type Fields = (Option<i64>, Option<i64>, Option<i32>, Option<usize>);
+        let (start, end, limit, buckets): Fields = redis::cmd("HMGET")
+            .arg(self.keys(activity_id).meta())
+            .arg(&["start_ms", "end_ms", "limit", "buckets"])
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(match (start, end, limit, buckets) {
+            (Some(start_ms), Some(end_ms), Some(per_user_limit), Some(buckets)) => Some(Meta {
+                start_ms,
+                end_ms,
+                per_user_limit,
+                buckets: buckets.max(1),
+            }),
+            _ => None,
+        })
+    }
+
+    /// When Redis was first seen without this (warmed) activity: sets the
+    /// marker to `now_ms` unless it is there, and returns its value.
+    pub async fn restoring_since(&self, activity_id: i64, now_ms: i64) -> RedisResult<i64> {
+        let key = self.keys(activity_id).restoring();
+        let (since,): (i64,) = redis::pipe()
+            .cmd("SET")
+            .arg(&key)
+            .arg(now_ms)
+            .arg("NX")
+            .arg("EX")
+            .arg(86_400)
+            .ignore()
+            .cmd("GET")
+            .arg(&key)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(since)
+    }
+
+    /// Rebuilds a lost activity from a database snapshot, in one
+    /// MULTI/EXEC: the stock, the request ids and holdings of its orders,
+    /// the records of its live and released orders (so a later cancel or
+    /// release applies exactly once), and the meta last, which opens it.
+    pub async fn restore(&self, r: &Restore) -> RedisResult<()> {
+        let k = self.keys(r.spec.activity_id);
+        let ttl = self.reservation_ttl_secs;
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        let mut stale = k.buckets(r.spec.buckets);
+        stale.extend([k.requests(), k.holdings(), k.open(), k.meta()]);
+        pipe.cmd("DEL").arg(stale).ignore();
+        let n = r.spec.buckets.max(1);
+        let units = i64::from(r.spec.units.max(0));
+        for b in 0..n {
+            let share = units / n as i64 + i64::from((b as i64) < units % n as i64);
+            pipe.cmd("SET").arg(k.bucket(b)).arg(share).ignore();
+        }
+        for chunk in r.orders.chunks(500) {
+            let mut requests = redis::cmd("HSET");
+            requests.arg(k.requests());
+            for o in chunk {
+                requests
+                    .arg(format!("{}:{}", o.user_id, o.request_id))
+                    .arg(o.order_no);
+            }
+            pipe.add_command(requests).ignore();
+        }
+        for o in &r.orders {
+            let status = match o.state {
+                RestoredState::Live => "committed",
+                RestoredState::Released => "released",
+                RestoredState::Settled => continue,
+            };
+            let key = k.reservation(o.order_no);
+            pipe.cmd("HSET")
+                .arg(&key)
+                .arg(&[
+                    ("user", o.user_id.to_string()),
+                    ("qty", o.quantity.to_string()),
+                    ("alloc", format!("0:{}", o.quantity)),
+                    ("req", o.request_id.clone()),
+                    ("status", status.to_owned()),
+                    ("ts", o.reserved_at_ms.to_string()),
+                ])
+                .ignore();
+            pipe.cmd("EXPIRE").arg(&key).arg(ttl).ignore();
+        }
+        let mut held: std::collections::BTreeMap<i64, i64> = std::collections::BTreeMap::new();
+        for o in r.orders.iter().filter(|o| o.holds) {
+            *held.entry(o.user_id).or_default() += i64::from(o.quantity);
+        }
+        for chunk in held.into_iter().collect::<Vec<_>>().chunks(500) {
+            pipe.cmd("HSET").arg(k.holdings()).arg(chunk).ignore();
+        }
+        pipe.cmd("HSET")
+            .arg(k.meta())
+            .arg("start_ms")
+            .arg(r.spec.start_ms)
+            .arg("end_ms")
+            .arg(r.spec.end_ms)
+            .arg("limit")
+            .arg(r.spec.per_user_limit)
+            .arg("price")
+            .arg(r.spec.price_cents)
+            .arg("buckets")
+            .arg(n)
+            .ignore();
+        pipe.cmd("DEL").arg(k.restoring()).ignore();
+        pipe.query_async(&mut self.conn.clone()).await
+    }
+
+    /// Takes the lease `name` for `owner` for `ttl_ms` unless another owner
+    /// holds it; true when `owner` holds it now.
+    pub async fn try_lease(&self, name: &str, owner: &str, ttl_ms: u64) -> RedisResult<bool> {
+        let taken: Option<String> = redis::cmd("SET")
+            .arg(format!("{}lease:{name}", self.prefix))
+            .arg(owner)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl_ms)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(taken.is_some())
+    }
+
+    /// Gives the lease `name` back, if `owner` still holds it.
+    pub async fn end_lease(&self, name: &str, owner: &str) -> RedisResult<()> {
+        let script = Script::new(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end return 0",
+        );
+        let _: i64 = script
+            .key(format!("{}lease:{name}", self.prefix))
+            .arg(owner)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
     }
 
     /// Whether the activity has been warmed (its meta hash exists).
@@ -389,52 +646,209 @@ impl RedisGate {
             .await
     }
 
-    /// The reservation record of an order, if Redis has it:
-    /// `(user_id, quantity, status, request_id)`.
+    /// The reservation record of an order, if Redis has it.
     pub async fn reservation(
         &self,
         activity_id: i64,
         order_no: i64,
     ) -> RedisResult<Option<Reservation>> {
-        type Fields = (
-            Option<i64>,
-            Option<i32>,
-            Option<String>,
-            Option<String>,
-            Option<Vec<u8>>,
-        );
-        let (user, qty, status, req, event): Fields = redis::cmd("HMGET")
+        let fields: Vec<Option<String>> = redis::cmd("HMGET")
             .arg(self.keys(activity_id).reservation(order_no))
-            .arg(&["user", "qty", "status", "req", "event"])
+            .arg(&Reservation::FIELDS)
             .query_async(&mut self.conn.clone())
             .await?;
-        Ok(match (user, qty, status, req) {
-            (Some(user_id), Some(quantity), Some(status), Some(request_id)) => Some(Reservation {
-                user_id,
-                quantity,
-                released: status == "released",
-                request_id,
-                event,
-            }),
-            _ => None,
-        })
+        let fields: Vec<String> = fields.into_iter().map(Option::unwrap_or_default).collect();
+        Ok(Reservation::from_fields(&fields))
     }
 }
 
 /// The gate of one HTTP worker (its own multiplexed connection).
 pub struct WorkerGate(pub RedisGate);
 
+/// A lost activity, as the database knows it (see [`RedisGate::restore`]).
+#[derive(Debug, Clone)]
+pub struct Restore {
+    /// Window, limit, price, buckets, and the database's available units.
+    pub spec: WarmSpec,
+    /// Every order of the activity.
+    pub orders: Vec<RestoredOrder>,
+}
+
+/// One order of a lost activity.
+#[derive(Debug, Clone)]
+pub struct RestoredOrder {
+    /// Its number.
+    pub order_no: i64,
+    /// The buyer.
+    pub user_id: i64,
+    /// The buyer's idempotency key: a replay gets this order again.
+    pub request_id: String,
+    /// Units.
+    pub quantity: i32,
+    /// When it was made (unix ms).
+    pub reserved_at_ms: i64,
+    /// Whether it counts against the buyer's limit (WAITING_PAY, PAID).
+    pub holds: bool,
+    /// What its reservation record becomes.
+    pub state: RestoredState,
+}
+
+/// The reservation record a restored order gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoredState {
+    /// WAITING_PAY: committed, so a later cancel or close releases it.
+    Live,
+    /// CANCELLED / CLOSED: released, so a late release is a no-op (the
+    /// database's available count already has its units).
+    Released,
+    /// PAID or FAILED: no record needed.
+    Settled,
+}
+
+/// Where a reservation stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Stock held; the order is not in the database yet.
+    Occupied,
+    /// Its order is in the database (WAITING_PAY or later).
+    Committed,
+    /// Its stock went back (publish failed, order failed, voided,
+    /// cancelled or closed).
+    Released,
+    /// The reconciler is voiding it (arbitration by the order row).
+    Voiding,
+}
+
+impl Status {
+    fn parse(raw: &str) -> Option<Self> {
+        Some(match raw {
+            "occupied" => Self::Occupied,
+            "committed" => Self::Committed,
+            "released" => Self::Released,
+            "voiding" => Self::Voiding,
+            _ => return None,
+        })
+    }
+}
+
+/// What [`RedisGate::claim_void`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VoidClaim {
+    /// The reservation is the caller's to void.
+    Claimed,
+    /// Acknowledged, recently made or sent, or no longer open: left alone.
+    Refused,
+    /// The record is gone.
+    Gone,
+}
+
 /// A reservation as stored in Redis.
 #[derive(Debug, Clone)]
 pub struct Reservation {
+    /// Where it stands.
+    pub status: Status,
+    /// Whether the broker acknowledged its event (never voided then).
+    pub acked: bool,
     /// The buyer.
     pub user_id: i64,
     /// Units reserved.
     pub quantity: i32,
-    /// Whether its stock went back (publish failed, order failed, voided).
-    pub released: bool,
     /// The client's idempotency key.
     pub request_id: String,
-    /// The `order.requested` payload the broker acknowledged, once marked.
-    pub event: Option<Vec<u8>>,
+    /// When it was made (unix ms): the event's `reserved_at_ms`.
+    pub reserved_at_ms: i64,
+    /// The coupon the purchase named.
+    pub coupon_id: Option<i64>,
+}
+
+impl Reservation {
+    /// The hash fields read, in [`Reservation::from_fields`]' order (the
+    /// order `sending.lua` returns them in).
+    const FIELDS: [&'static str; 7] = ["status", "acked", "user", "qty", "req", "ts", "coupon"];
+
+    /// From the values of [`Reservation::FIELDS`] (`""` for a missing one);
+    /// `None` unless the record is whole.
+    fn from_fields(f: &[String]) -> Option<Self> {
+        let [status, acked, user, qty, req, ts, coupon] = f else {
+            return None;
+        };
+        Some(Self {
+            status: Status::parse(status)?,
+            acked: !acked.is_empty(),
+            user_id: user.parse().ok()?,
+            quantity: qty.parse().ok()?,
+            request_id: req.clone(),
+            reserved_at_ms: ts.parse().unwrap_or(0),
+            coupon_id: coupon.parse().ok(),
+        })
+    }
+
+    /// Whether its stock went back.
+    pub fn released(&self) -> bool {
+        self.status == Status::Released
+    }
+
+    /// Open: between admission and the order row, and not being voided.
+    pub fn is_open(&self) -> bool {
+        self.status == Status::Occupied
+    }
+
+    /// The `order.requested` event admission published for it, rebuilt
+    /// byte for byte (the consumers deduplicate by its event_id).
+    pub fn event(&self, activity_id: i64, order_no: i64) -> OrderRequested {
+        OrderRequested {
+            event_id: order_no.to_string(),
+            order_no: OrderNo::new(order_no),
+            activity_id,
+            user_id: self.user_id,
+            request_id: self.request_id.clone(),
+            quantity: self.quantity,
+            coupon_id: self.coupon_id,
+            reserved_at_ms: self.reserved_at_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(v: [&str; 7]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_reservation_rebuilds_the_event_admission_published() {
+        let r = Reservation::from_fields(&fields([
+            "occupied",
+            "",
+            "7",
+            "2",
+            "req-1",
+            "1700000000000",
+            "3",
+        ]))
+        .expect("whole record");
+        assert!(r.is_open() && !r.acked);
+        let published = OrderRequested {
+            event_id: "42".into(),
+            order_no: OrderNo::new(42),
+            activity_id: 9,
+            user_id: 7,
+            request_id: "req-1".into(),
+            quantity: 2,
+            coupon_id: Some(3),
+            reserved_at_ms: 1_700_000_000_000,
+        };
+        assert_eq!(r.event(9, 42).encode(), published.encode());
+    }
+
+    #[test]
+    fn a_partial_or_unknown_record_is_no_reservation() {
+        assert!(Reservation::from_fields(&fields(["", "", "", "", "", "", ""])).is_none());
+        assert!(Reservation::from_fields(&fields(["odd", "", "7", "1", "r", "1", ""])).is_none());
+        let acked = Reservation::from_fields(&fields(["occupied", "5", "7", "1", "r", "1", ""]))
+            .expect("whole");
+        assert!(acked.acked && acked.coupon_id.is_none());
+    }
 }

@@ -55,6 +55,12 @@ impl ActivityKeys {
     pub fn open(&self) -> String {
         format!("{}open", self.base)
     }
+
+    /// When reconciliation first saw that Redis lost this activity (unix
+    /// ms); present only until it is restored.
+    pub fn restoring(&self) -> String {
+        format!("{}restoring", self.base)
+    }
 }
 
 #[cfg(test)]
@@ -72,6 +78,7 @@ mod tests {
             k.token("t"),
             k.reservation(9),
             k.open(),
+            k.restoring(),
         ] {
             assert!(key.starts_with("sk:{a:42}:"), "{key}");
         }

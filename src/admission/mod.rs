@@ -3,9 +3,9 @@
 //! ([`limits`]) first, then one `EVALSHA` ([`gate`]) that does the replay
 //! check, token consumption, per-user limit, stock and reservation at once.
 
+pub mod acks;
 pub mod gate;
 pub mod keys;
 pub mod limits;
-pub mod marks;
 
 pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, WarmSpec, WorkerGate};

@@ -4,19 +4,22 @@
 //! librdkafka's own background thread.
 
 pub mod events;
+pub mod producer;
 pub mod progress;
 pub mod runner;
+pub mod watchdog;
 
+pub use producer::{Delivery, Producer, PublishError};
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::OwnedHeaders;
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::util::Timeout;
+use rdkafka::error::RDKafkaErrorCode;
 
 use crate::config::KafkaSettings;
 
@@ -76,34 +79,19 @@ pub fn group_id(settings: &KafkaSettings, name: &str) -> String {
 }
 
 /// Base client configuration shared by producers, consumers and admin clients.
+///
+/// librdkafka's socket timeout (60 s) is left alone on purpose: a short one
+/// tears every connection down whenever the broker pauses (a GC, a burst of
+/// topic creation, a slow fsync on a loaded 2-core box), and the requests in
+/// flight then fail or time out instead of simply completing late.
 pub fn client_config(settings: &KafkaSettings) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", &settings.brokers)
-        .set("socket.timeout.ms", settings.timeout_ms.max(10).to_string())
-        .set(
-            "socket.connection.setup.timeout.ms",
-            settings.timeout_ms.max(1000).to_string(),
-        )
+        // A broker that comes back is found again within 2 s, not 10.
+        .set("reconnect.backoff.max.ms", "2000")
         .set("log_level", "4");
     config
-}
-
-/// The idempotent producer: `acks=all`, retries without duplicates or
-/// reordering within a partition. A message not delivered within twice
-/// `kafka.timeout_ms` fails, and the purchase behind it is released.
-pub fn producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
-    client_config(settings)
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("linger.ms", "2")
-        .set("queue.buffering.max.messages", "200000")
-        .set(
-            "message.timeout.ms",
-            (settings.timeout_ms * 2).max(1000).to_string(),
-        )
-        .create()
-        .context("creating the Kafka producer")
 }
 
 /// Creates the topics this service uses, if missing.
@@ -126,18 +114,15 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow:
     let options = AdminOptions::new()
         .operation_timeout(Some(timeout))
         .request_timeout(Some(timeout));
-    let results = admin
-        .create_topics(&new, &options)
-        .await
-        .context("creating topics")?;
-    for result in results {
+    let results = admin.create_topics(&new, &options).await;
+    // The admin client's destructor joins librdkafka threads: off the runtime.
+    tokio::task::spawn_blocking(move || drop(admin));
+    for result in results.context("creating topics")? {
         match result {
             Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
             Err((name, code)) => anyhow::bail!("creating topic {name}: {code}"),
         }
     }
-    // The admin client's destructor joins librdkafka threads: off the runtime.
-    tokio::task::spawn_blocking(move || drop(admin));
     Ok(())
 }
 
@@ -145,8 +130,14 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow:
 /// not answer in time — keeps trying in the background with backoff until
 /// it does: brokers that do not create topics on first use (the usual
 /// production setting) would otherwise leave the service without them.
-pub async fn ensure_topics_or_retry(settings: &KafkaSettings, topics: &Topics) {
+/// `created` turns true once they exist (readiness waits for it).
+pub async fn ensure_topics_or_retry(
+    settings: &KafkaSettings,
+    topics: &Topics,
+    created: Arc<AtomicBool>,
+) {
     let Err(e) = ensure_topics(settings, topics).await else {
+        created.store(true, Ordering::Relaxed);
         return;
     };
     tracing::warn!(
@@ -160,59 +151,7 @@ pub async fn ensure_topics_or_retry(settings: &KafkaSettings, topics: &Topics) {
             ensure_topics(&settings, &topics)
         })
         .await;
+        created.store(true, Ordering::Relaxed);
         tracing::info!("Kafka topics created");
     });
-}
-
-/// Why a publish did not happen.
-#[derive(Debug, thiserror::Error)]
-pub enum PublishError {
-    /// The local producer queue is full: backpressure, try later.
-    #[error("the producer queue is full")]
-    QueueFull,
-    /// The broker did not acknowledge the message in time, or refused it.
-    #[error("delivery failed: {0}")]
-    Failed(KafkaError),
-}
-
-/// Produces one message and waits for its delivery report. Never waits for
-/// queue space: a full queue is reported at once as [`PublishError::QueueFull`].
-pub async fn publish(
-    producer: &FutureProducer,
-    topic: &str,
-    key: &str,
-    payload: &[u8],
-    headers: Option<OwnedHeaders>,
-) -> Result<(), PublishError> {
-    let mut record = FutureRecord::to(topic).key(key).payload(payload);
-    if let Some(h) = headers {
-        record = record.headers(h);
-    }
-    match producer.send(record, Timeout::After(Duration::ZERO)).await {
-        Ok(_) => Ok(()),
-        Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-            Err(PublishError::QueueFull)
-        }
-        Err((e, _)) => Err(PublishError::Failed(e)),
-    }
-}
-
-/// Asks the cluster for its metadata: the readiness probe. Runs on the
-/// blocking pool because `fetch_metadata` blocks.
-pub async fn ping(producer: &FutureProducer, timeout: Duration) -> anyhow::Result<()> {
-    let producer = producer.clone();
-    tokio::task::spawn_blocking(move || {
-        use rdkafka::producer::Producer;
-        let metadata = producer
-            .client()
-            .fetch_metadata(None, timeout)
-            .context("fetching cluster metadata")?;
-        anyhow::ensure!(
-            !metadata.brokers().is_empty(),
-            "the cluster reports no broker"
-        );
-        Ok(())
-    })
-    .await
-    .context("Kafka probe task failed")?
 }

@@ -16,6 +16,7 @@ use anyhow::Context;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
+use super::watchdog::StallTracker;
 use crate::config::KafkaSettings;
 use crate::worker::WorkerHandle;
 
@@ -52,13 +53,18 @@ impl GroupProgress {
     /// Messages on the topic the group has not committed yet (Σ over
     /// partitions of end offset − committed offset). Runs on the blocking pool.
     pub async fn lag(self: &Arc<Self>) -> anyhow::Result<i64> {
+        Ok(self.sample().await?.lag)
+    }
+
+    /// The lag and how far the group has committed. Runs on the blocking pool.
+    pub async fn sample(self: &Arc<Self>) -> anyhow::Result<Sample> {
         let this = self.clone();
-        tokio::task::spawn_blocking(move || this.lag_blocking())
+        tokio::task::spawn_blocking(move || this.sample_blocking())
             .await
             .context("Kafka progress task failed")?
     }
 
-    fn lag_blocking(&self) -> anyhow::Result<i64> {
+    fn sample_blocking(&self) -> anyhow::Result<Sample> {
         // Never subscribed, so nothing but client errors (a broker down)
         // queues up here; drain them so they do not pile up between calls.
         for _ in 0..1000 {
@@ -97,18 +103,27 @@ impl GroupProgress {
             .client
             .committed_offsets(tpl, self.timeout)
             .context("fetching the group's committed offsets")?;
-        Ok(ends
-            .into_iter()
-            .map(|(p, low, high)| {
-                let done = match committed.find_partition(&self.topic, p).map(|e| e.offset()) {
-                    Some(Offset::Offset(o)) => o.max(low),
-                    // Nothing committed: the group starts at the log's start.
-                    _ => low,
-                };
-                (high - done).max(0)
-            })
-            .sum())
+        let mut sample = Sample { lag: 0, done: 0 };
+        for (p, low, high) in ends {
+            let done = match committed.find_partition(&self.topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o.max(low),
+                // Nothing committed: the group starts at the log's start.
+                _ => low,
+            };
+            sample.lag += (high - done).max(0);
+            sample.done += done;
+        }
+        Ok(sample)
     }
+}
+
+/// One look at a group's progress on its topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Messages not committed yet (Σ end − committed).
+    pub lag: i64,
+    /// Σ over partitions of the committed offset: grows with every commit.
+    pub done: i64,
 }
 
 /// A lag that could not be sampled (the broker could not be asked).
@@ -121,23 +136,28 @@ pub fn lag_over(lag: i64, max: i64) -> bool {
     max > 0 && lag > max
 }
 
-/// Samples the lag every `every` into `gauge` (the exported metric, which
-/// admission reads).
+/// Samples the lag every `every` into `lag` and how long the group has had
+/// messages waiting without committing any into `stalled_secs` (the
+/// exported metrics, which admission and readiness read).
 pub fn spawn_sampler(
     progress: Arc<GroupProgress>,
     every: Duration,
-    gauge: prometheus::IntGauge,
+    lag: prometheus::IntGauge,
+    stalled_secs: prometheus::IntGauge,
 ) -> WorkerHandle {
     WorkerHandle::spawn(|stop| async move {
+        let mut tracker = StallTracker::default();
         loop {
-            let lag = match progress.lag().await {
-                Ok(lag) => lag,
+            let sample = match progress.sample().await {
+                Ok(sample) => Some(sample),
                 Err(e) => {
                     tracing::debug!(error = format!("{e:#}"), "consumer lag unknown");
-                    UNKNOWN_LAG
+                    None
                 }
             };
-            gauge.set(lag);
+            lag.set(sample.map_or(UNKNOWN_LAG, |s| s.lag));
+            let stalled = tracker.observe(sample, std::time::Instant::now());
+            stalled_secs.set(i64::try_from(stalled.as_secs()).unwrap_or(i64::MAX));
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = tokio::time::sleep(every) => {}

@@ -3,17 +3,24 @@
 //! handler says the batch's effects are durable, store its offsets. Offsets
 //! are stored locally (`enable.auto.offset.store=false`) and committed by
 //! librdkafka's own thread (`enable.auto.commit`), so no blocking commit
-//! runs on the async runtime; the consumer is closed on the blocking pool.
+//! runs on the async runtime; a client is closed on the blocking pool.
+//!
+//! Each consumer runs under a supervisor ([`super::watchdog`]) that checks
+//! its progress every second and rebuilds the client when it is stalled.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::FutureProducer;
 use tokio_util::sync::CancellationToken;
 
+use super::Producer;
+use super::progress::GroupProgress;
+use super::watchdog::{Registry, StallTracker, Verdict, WatchedContext, verdict};
 use crate::config::KafkaSettings;
 use crate::worker::WorkerHandle;
 
@@ -44,34 +51,195 @@ pub trait Handler: Send + Sync + 'static {
 /// A running consumer.
 pub type ConsumerHandle = WorkerHandle;
 
-/// Subscribes and starts the loop on the current runtime.
+/// Who watches the consumers of this process.
+#[derive(Clone)]
+pub struct Supervision {
+    /// Where readiness finds each consumer's health.
+    pub registry: Arc<Registry>,
+    /// `seckill_consumer_restarts_total{group}`.
+    pub restarts: prometheus::IntCounterVec,
+}
+
+type Client = StreamConsumer<WatchedContext>;
+
+/// Starts the consumer of `sub` under its supervisor, on the current runtime.
 pub fn spawn<H: Handler>(
     kafka: &KafkaSettings,
     sub: Subscription,
     handler: H,
+    supervision: Supervision,
 ) -> anyhow::Result<ConsumerHandle> {
-    let consumer: StreamConsumer = super::client_config(kafka)
-        .set("group.id", super::group_id(kafka, sub.group))
+    let group = super::group_id(kafka, sub.group);
+    let progress = Arc::new(GroupProgress::new(kafka, &group, &sub.topic)?);
+    // The first client is built here, so a configuration error fails the
+    // caller instead of a background task.
+    let first = build(kafka, &group, &sub.topic)?;
+    let kafka = kafka.clone();
+    Ok(WorkerHandle::spawn(move |shutdown| {
+        supervise(
+            kafka,
+            sub,
+            group,
+            Arc::new(handler),
+            supervision,
+            progress,
+            first,
+            shutdown,
+        )
+    }))
+}
+
+fn build(kafka: &KafkaSettings, group: &str, topic: &str) -> anyhow::Result<Arc<Client>> {
+    let consumer: Client = super::client_config(kafka)
+        .set("group.id", group)
         .set("enable.auto.commit", "true")
         .set("auto.commit.interval.ms", "500")
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
         .set("session.timeout.ms", "10000")
         .set("fetch.wait.max.ms", "50")
-        .create()
-        .with_context(|| format!("creating the {} consumer", sub.group))?;
+        // The watchdog reads the group coordinator's state from these.
+        .set("statistics.interval.ms", "1000")
+        .create_with_context(WatchedContext::new())
+        .with_context(|| format!("creating the {group} consumer"))?;
     consumer
-        .subscribe(&[&sub.topic])
-        .with_context(|| format!("subscribing to {}", sub.topic))?;
-    Ok(WorkerHandle::spawn(|shutdown| {
-        run(consumer, sub, handler, shutdown)
-    }))
+        .subscribe(&[topic])
+        .with_context(|| format!("subscribing to {topic}"))?;
+    Ok(Arc::new(consumer))
+}
+
+/// Runs a client, checks it every second, rebuilds it when it is stalled.
+#[allow(clippy::too_many_arguments)]
+async fn supervise<H: Handler>(
+    kafka: KafkaSettings,
+    sub: Subscription,
+    group: String,
+    handler: Arc<H>,
+    supervision: Supervision,
+    progress: Arc<GroupProgress>,
+    first: Arc<Client>,
+    shutdown: CancellationToken,
+) {
+    let health = supervision.registry.register(&group);
+    let stall = Duration::from_secs(kafka.consumer_stall_secs);
+    // How long the group has had messages waiting with nothing committed,
+    // sampled from outside the client by a task of its own (a sample can
+    // take seconds while the broker is away).
+    let waiting = Arc::new(AtomicI64::new(0));
+    let restarted = Arc::new(tokio::sync::Notify::new());
+    let sampler = tokio::spawn(sample(
+        progress,
+        waiting.clone(),
+        restarted.clone(),
+        shutdown.clone(),
+    ));
+    let mut client = Some(first);
+    while !shutdown.is_cancelled() {
+        let consumer = match client.take() {
+            Some(c) => c,
+            None => match build(&kafka, &group, &sub.topic) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        group,
+                        "rebuilding the consumer failed; retrying"
+                    );
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            },
+        };
+        let busy_since = Arc::new(AtomicI64::new(0));
+        let stop = shutdown.child_token();
+        let mut running = tokio::spawn(run(
+            consumer.clone(),
+            sub.clone(),
+            handler.clone(),
+            busy_since.clone(),
+            stop.clone(),
+        ));
+        // Until the client ends (shutdown, or a panic) or must be rebuilt.
+        let rebuild = loop {
+            tokio::select! {
+                _ = &mut running => break None,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            let waiting_for = Duration::from_secs(waiting.load(Ordering::Relaxed).max(0) as u64);
+            let busy = match busy_since.load(Ordering::Relaxed) {
+                0 => None,
+                since => Some(Duration::from_millis((now_ms() - since).max(0) as u64)),
+            };
+            match verdict(
+                stall,
+                consumer.context().coordinator_down_for(),
+                waiting_for,
+                busy,
+            ) {
+                Verdict::Healthy => health.set(None),
+                Verdict::Stalled(why) => health.set(Some(why)),
+                Verdict::Rebuild(why) => {
+                    health.set(Some(why.clone()));
+                    break Some(why);
+                }
+            }
+        };
+        match rebuild {
+            Some(why) => {
+                tracing::warn!(
+                    group,
+                    reason = why,
+                    "consumer stalled; rebuilding its Kafka client"
+                );
+                supervision.restarts.with_label_values(&[&group]).inc();
+                running.abort();
+                let _ = running.await;
+                restarted.notify_one();
+                // Closing may hang on an unreachable coordinator: let it,
+                // on a thread of its own, while the new client starts.
+                tokio::task::spawn_blocking(move || drop(consumer));
+            }
+            None => {
+                // Stopped: close it, committing the stored offsets and
+                // leaving the group (blocking).
+                stop.cancel();
+                let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
+                health.set(None);
+            }
+        }
+    }
+    sampler.abort();
+}
+
+/// Every second: how long the group has been stalled, into `waiting` (s).
+async fn sample(
+    progress: Arc<GroupProgress>,
+    waiting: Arc<AtomicI64>,
+    restarted: Arc<tokio::sync::Notify>,
+    shutdown: CancellationToken,
+) {
+    let mut tracker = StallTracker::default();
+    loop {
+        let sample = progress.sample().await.ok();
+        let stalled = tracker.observe(sample, Instant::now());
+        waiting.store(stalled.as_secs() as i64, Ordering::Relaxed);
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = restarted.notified() => {
+                // A new client gets a whole window of its own.
+                tracker.restart(Instant::now());
+                waiting.store(0, Ordering::Relaxed);
+            }
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
 }
 
 async fn run<H: Handler>(
-    consumer: StreamConsumer,
+    consumer: Arc<Client>,
     sub: Subscription,
-    handler: H,
+    handler: Arc<H>,
+    busy_since: Arc<AtomicI64>,
     shutdown: CancellationToken,
 ) {
     let max = sub.batch_size.max(1);
@@ -100,7 +268,10 @@ async fn run<H: Handler>(
                 Err(_) => break,
             }
         }
-        if !handler.handle(&batch, &shutdown).await {
+        busy_since.store(now_ms(), Ordering::Relaxed);
+        let done = handler.handle(&batch, &shutdown).await;
+        busy_since.store(0, Ordering::Relaxed);
+        if !done {
             break; // shutting down mid-retry: these offsets stay uncommitted
         }
         for m in &batch {
@@ -110,8 +281,10 @@ async fn run<H: Handler>(
             }
         }
     }
-    // Closing commits the stored offsets and leaves the group: blocking.
-    let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
 }
 
 /// Exponential backoff: 200 ms, 400 ms, … capped at 5 s.
@@ -153,7 +326,7 @@ pub async fn pause(attempt: u32, shutdown: &CancellationToken) -> bool {
 /// retrying until the broker takes it (a dead letter must not be lost).
 /// False if shutdown came first.
 pub async fn dead_letter(
-    producer: &FutureProducer,
+    producer: &Producer,
     dlq: &str,
     m: &OwnedMessage,
     reason: &str,
@@ -188,14 +361,9 @@ pub async fn dead_letter(
                 key: "source.offset",
                 value: Some(offset.as_str()),
             });
-        match super::publish(
-            producer,
-            dlq,
-            &key,
-            m.payload().unwrap_or_default(),
-            Some(headers),
-        )
-        .await
+        match producer
+            .publish(dlq, &key, m.payload().unwrap_or_default(), Some(headers))
+            .await
         {
             Ok(()) => return true,
             Err(e) => {

@@ -8,7 +8,7 @@ use serde_json::json;
 use super::gate::Claim;
 use super::repo::{self, NewCoupon};
 use crate::app::AppState;
-use crate::bus::{self, events::CouponClaimed};
+use crate::bus::{PublishError, events::CouponClaimed};
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode};
 use crate::store;
@@ -119,13 +119,14 @@ pub async fn claim(
     let now_ms = Utc::now().timestamp_millis();
     let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
     let claimed = json!({"coupon_id": coupon_id, "status": "CLAIMED"});
-    match state
+    let fresh = match state
         .coupons
         .claim(coupon_id, user_id, &request_id, now_ms)
         .await
         .map_err(redis_err)?
     {
-        Claim::Replay => return Ok(HttpResponse::Ok().json(claimed)),
+        Claim::Claimed => true,
+        Claim::Replay => false,
         Claim::Exhausted => {
             return Err(ApiError::new(ErrorCode::CouponExhausted, "no coupons left"));
         }
@@ -142,8 +143,10 @@ pub async fn claim(
             ));
         }
         Claim::Unknown => return Err(ApiError::not_found("no such coupon")),
-        Claim::Claimed => {}
-    }
+    };
+    // A replay sends the claim again too: its first delivery may have been
+    // unknown. The consumer writes one row per (coupon, user) whatever the
+    // number of copies.
     let event = CouponClaimed {
         event_id: format!("claim-{coupon_id}-{user_id}"),
         coupon_id,
@@ -152,29 +155,47 @@ pub async fn claim(
         claimed_at_ms: now_ms,
     };
     let key = user_id.to_string();
-    if let Err(e) = bus::publish(
-        &state.producer,
-        &state.topics.coupon_claimed,
-        &key,
-        &event.encode(),
-        None,
+    let topic = &state.topics.coupon_claimed;
+    let payload = event.encode();
+    // At most the publish budget; past it the outcome is unknown (the
+    // message may still be delivered, and the claim is kept for it).
+    let published = tokio::time::timeout(
+        state.publisher.budget,
+        state.producer.publish(topic, &key, &payload, None),
     )
     .await
-    {
-        tracing::warn!(error = %e, coupon_id, user_id, "coupon claim publish failed; undoing the claim");
-        if let Err(e) = state
-            .coupons
-            .unclaim(coupon_id, user_id, &event.request_id)
-            .await
-        {
-            tracing::error!(error = %e, coupon_id, user_id, "undoing a coupon claim failed");
+    .unwrap_or(Err(PublishError::Unknown(
+        rdkafka::error::KafkaError::MessageProduction(
+            rdkafka::error::RDKafkaErrorCode::MessageTimedOut,
+        ),
+    )));
+    match published {
+        Ok(()) if fresh => Ok(HttpResponse::Accepted().json(claimed)),
+        Ok(()) => Ok(HttpResponse::Ok().json(claimed)),
+        Err(e @ (PublishError::QueueFull | PublishError::NotDelivered(_))) if fresh => {
+            tracing::warn!(error = %e, coupon_id, user_id, "coupon claim not delivered; undoing the claim");
+            if let Err(e) = state
+                .coupons
+                .unclaim(coupon_id, user_id, &event.request_id)
+                .await
+            {
+                tracing::error!(error = %e, coupon_id, user_id, "undoing a coupon claim failed");
+            }
+            Err(ApiError::new(
+                ErrorCode::RetryLater,
+                "the claim could not be recorded; nothing was kept",
+            ))
         }
-        return Err(ApiError::new(
-            ErrorCode::RetryLater,
-            "the claim could not be recorded; nothing was kept",
-        ));
+        // Unknown (or a replay's send failed): the claim stays, a retry with
+        // the same request_id sends it again.
+        Err(e) => {
+            tracing::warn!(error = %e, coupon_id, user_id, "coupon claim delivery unconfirmed; the claim is kept");
+            Err(ApiError::new(
+                ErrorCode::RetryLater,
+                "the claim is not confirmed yet; retry with the same request_id",
+            ))
+        }
     }
-    Ok(HttpResponse::Accepted().json(claimed))
 }
 
 /// `GET /api/v1/coupons/mine`.

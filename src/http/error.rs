@@ -127,6 +127,10 @@ pub struct ErrorBody<'a> {
     pub code: &'a str,
     /// Human-readable explanation.
     pub message: &'a str,
+    /// A purchase whose delivery is not confirmed yet keeps this order
+    /// number; a retry with the same request_id gets it (503 RETRY_LATER).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub order_no: Option<String>,
 }
 
 /// An error answered to the client.
@@ -136,6 +140,8 @@ pub struct ApiError {
     status: StatusCode,
     /// Static on the hot path (sold out, limit reached): no allocation.
     message: Cow<'static, str>,
+    /// The order number a pending purchase keeps.
+    order_no: Option<i64>,
 }
 
 impl ApiError {
@@ -154,7 +160,14 @@ impl ApiError {
             code,
             status,
             message: message.into(),
+            order_no: None,
         }
+    }
+
+    /// The same error, naming the order a pending purchase keeps.
+    pub fn with_order_no(mut self, order_no: i64) -> Self {
+        self.order_no = Some(order_no);
+        self
     }
 
     /// A failure the client cannot act on. Logged here, once, with its cause
@@ -210,6 +223,7 @@ impl ResponseError for ApiError {
         HttpResponse::build(self.status).json(ErrorBody {
             code: self.code,
             message: &self.message,
+            order_no: self.order_no.map(|o| o.to_string()),
         })
     }
 }
@@ -247,6 +261,7 @@ pub fn render_error<B: MessageBody + 'static>(
     let body = serde_json::to_string(&ErrorBody {
         code: code.as_str(),
         message: &message,
+        order_no: None,
     })
     .unwrap_or_else(|_| format!("{{\"code\":\"{}\",\"message\":\"error\"}}", code.as_str()));
     let (req, mut res) = res.into_parts();

@@ -18,15 +18,23 @@ pub async fn live() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "live"}))
 }
 
-/// `GET /health/ready`: 200 when Redis, Kafka and PostgreSQL all answer; 503
-/// naming each one that does not.
+/// `GET /health/ready`: 200 when Redis, Kafka and PostgreSQL all answer and
+/// the order path moves; 503 naming each check that fails: a dependency
+/// down, the service's topics not created yet, or consumers stalled (the
+/// watchdog's verdict for this process's consumers, and the order
+/// consumers' progress as seen from the broker, wherever they run).
 pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
     let (redis, postgres, kafka) = tokio::join!(
         probe(redis_ping(&state)),
         probe(postgres_ping(&state)),
         probe(kafka_ping(&state))
     );
-    let checks = [("redis", redis), ("postgres", postgres), ("kafka", kafka)];
+    let checks = [
+        ("redis", redis),
+        ("postgres", postgres),
+        ("kafka", kafka),
+        ("consumers", consumers(&state)),
+    ];
     let failed: Vec<String> = checks
         .iter()
         .filter_map(|(name, result)| result.as_ref().err().map(|e| format!("{name}: {e}")))
@@ -81,5 +89,32 @@ async fn postgres_ping(state: &AppState) -> anyhow::Result<()> {
 }
 
 async fn kafka_ping(state: &AppState) -> anyhow::Result<()> {
-    crate::bus::ping(&state.producer, PROBE_TIMEOUT).await
+    state.producer.ping(PROBE_TIMEOUT).await?;
+    anyhow::ensure!(
+        state
+            .topics_created
+            .load(std::sync::atomic::Ordering::Relaxed),
+        "the service's topics are not created yet"
+    );
+    Ok(())
+}
+
+fn consumers(state: &AppState) -> Result<(), String> {
+    let mut stalled: Vec<String> = state
+        .consumers
+        .stalled()
+        .into_iter()
+        .map(|(group, why)| format!("{group}: {why}"))
+        .collect();
+    if let Some(secs) = state.order_consumers_stalled() {
+        stalled.push(format!(
+            "order consumers: {} messages waiting, nothing committed for {secs}s",
+            state.metrics.order_consumer_lag.get()
+        ));
+    }
+    if stalled.is_empty() {
+        Ok(())
+    } else {
+        Err(stalled.join("; "))
+    }
 }

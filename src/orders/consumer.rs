@@ -15,15 +15,15 @@ use chrono::Utc;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use rdkafka::Message;
 use rdkafka::message::OwnedMessage;
-use rdkafka::producer::FutureProducer;
 use tokio_util::sync::CancellationToken;
 
 use super::repo::{self, BatchOutcome};
+use crate::admission::gate::Status;
 use crate::admission::{RedisGate, ReleaseReason};
-use crate::bus::Topics;
 use crate::bus::events::OrderRequested;
 pub use crate::bus::runner::ConsumerHandle;
-use crate::bus::runner::{self, Handler, Subscription};
+use crate::bus::runner::{self, Handler, Subscription, Supervision};
+use crate::bus::{Producer, Topics};
 use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::store::{self, PgPool};
@@ -43,13 +43,15 @@ pub struct ConsumerDeps {
     /// Reservations to mark.
     pub gate: Arc<RedisGate>,
     /// For dead letters.
-    pub producer: FutureProducer,
+    pub producer: Producer,
     /// Topic names.
     pub topics: Topics,
     /// Settings (batch size, Kafka addresses).
     pub settings: Arc<Settings>,
     /// Batch metrics.
     pub metrics: Metrics,
+    /// The watchdog every consumer runs under.
+    pub supervision: Supervision,
 }
 
 impl ConsumerDeps {
@@ -77,7 +79,7 @@ impl ConsumerDeps {
             batch_size,
             batch_wait,
         };
-        runner::spawn(&self.settings.kafka, sub, handler)
+        runner::spawn(&self.settings.kafka, sub, handler, self.supervision.clone())
     }
 }
 
@@ -144,7 +146,10 @@ async fn process(
             Err(e) if is_permanent(&e) && attempt + 1 >= PERMANENT_ATTEMPTS => {
                 if events.len() == 1 {
                     let reason = format!("database refused the event: {e:#}");
-                    return dead_letter(deps, origin[&events[0].event_id], &reason, shutdown).await;
+                    if !dead_letter(deps, origin[&events[0].event_id], &reason, shutdown).await {
+                        return false;
+                    }
+                    return void_dead_lettered(deps, &events[0], shutdown).await;
                 }
                 // Isolate the poison event: apply one by one.
                 for e in &events {
@@ -226,20 +231,73 @@ async fn released_reservations(
     gate: &RedisGate,
     events: &[OrderRequested],
 ) -> redis::RedisResult<HashSet<i64>> {
-    let mut pipe = redis::pipe();
+    let mut by_activity: HashMap<i64, Vec<i64>> = HashMap::new();
     for e in events {
-        pipe.hget(
-            gate.keys(e.activity_id).reservation(e.order_no.get()),
-            "status",
+        by_activity
+            .entry(e.activity_id)
+            .or_default()
+            .push(e.order_no.get());
+    }
+    let mut released = HashSet::new();
+    for (activity_id, order_nos) in by_activity {
+        let statuses = gate.statuses(activity_id, &order_nos).await?;
+        released.extend(
+            order_nos
+                .into_iter()
+                .zip(statuses)
+                .filter(|(_, s)| *s == Some(Status::Released))
+                .map(|(o, _)| o),
         );
     }
-    let statuses: Vec<Option<String>> = pipe.query_async(&mut gate.conn()).await?;
-    Ok(events
-        .iter()
-        .zip(statuses)
-        .filter(|(_, s)| s.as_deref() == Some("released"))
-        .map(|(e, _)| e.order_no.get())
-        .collect())
+    Ok(released)
+}
+
+/// A dead-lettered order event voids its reservation: the order is
+/// recorded FAILED (`DEAD_LETTERED`) unless a row already stands, and the
+/// stock goes back once. Without this the reservation would stay open and,
+/// acknowledged as it is, be published again on every reconciliation.
+/// False if shutdown came first.
+async fn void_dead_lettered(
+    deps: &ConsumerDeps,
+    e: &OrderRequested,
+    shutdown: &CancellationToken,
+) -> bool {
+    let (activity_id, order_no) = (e.activity_id, e.order_no.get());
+    let voided = runner::retry("voiding a dead-lettered order", shutdown, || async {
+        let owned = e.clone();
+        let (status, terms) = store::run(&deps.db, move |conn| {
+            let status = match repo::insert_failed(conn, &owned, repo::DEAD_LETTERED) {
+                Ok(status) => status,
+                Err(err) => {
+                    let err = anyhow::Error::from(err);
+                    if !is_permanent(&err) {
+                        return Err(err);
+                    }
+                    // Refused even as FAILED (as it refused the event): the
+                    // released reservation alone says FAILED.
+                    None
+                }
+            };
+            Ok((status, repo::activity_terms(conn, &[owned.activity_id])?))
+        })
+        .await?;
+        let Some(buckets) = terms.get(&activity_id).map(|t| t.buckets.max(1) as usize) else {
+            return Ok(()); // no such activity: no reservation either
+        };
+        match status.as_deref() {
+            Some("FAILED") | None => {
+                deps.gate
+                    .release(activity_id, order_no, buckets, ReleaseReason::OrderFailed)
+                    .await?;
+            }
+            Some(_) => {
+                deps.gate.commit(activity_id, &[order_no]).await?;
+            }
+        }
+        Ok(())
+    })
+    .await;
+    voided.is_some()
 }
 
 fn record(deps: &ConsumerDeps, outcome: &BatchOutcome) {

@@ -3,6 +3,7 @@
 
 pub mod closer;
 pub mod consumer;
+pub mod publish;
 pub mod releaser;
 pub mod repo;
 pub mod routes;

@@ -457,3 +457,32 @@ pub fn statuses(conn: &mut PgConn, order_nos: &[i64]) -> QueryResult<HashMap<i64
         .load(conn)?;
     Ok(rows.into_iter().collect())
 }
+
+/// Why an order whose event was dead-lettered failed.
+pub const DEAD_LETTERED: &str = "DEAD_LETTERED";
+
+/// Records the order of `e` as FAILED with `reason`, unless a row with its
+/// order_no (or its request_id) already stands; returns the status of the
+/// row with its order_no, `None` when there is none (another order holds
+/// the request_id). Whoever inserts first wins: this races safely with the
+/// consumer (SPEC step 4's arbitration by the order row).
+pub fn insert_failed(
+    conn: &mut PgConn,
+    e: &OrderRequested,
+    reason: &str,
+) -> QueryResult<Option<String>> {
+    let order_no = e.order_no.get();
+    diesel::sql_query(
+        "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, failure_reason) \
+         SELECT $1, $2, $3, $4, $5, a.price_cents * $5, 'FAILED', $6 FROM activities a WHERE a.id = $3 \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind::<BigInt, _>(order_no)
+    .bind::<Text, _>(&e.request_id)
+    .bind::<BigInt, _>(e.activity_id)
+    .bind::<BigInt, _>(e.user_id)
+    .bind::<Integer, _>(e.quantity)
+    .bind::<Text, _>(reason)
+    .execute(conn)?;
+    Ok(statuses(conn, &[order_no])?.remove(&order_no))
+}

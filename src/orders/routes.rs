@@ -4,16 +4,19 @@
 use std::net::IpAddr;
 use std::time::Instant;
 
+use actix_web::http::StatusCode;
 use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::Utc;
 use serde::Deserialize;
 use serde_json::json;
 
+use super::publish::{Confirmation, Published};
 use super::repo::{self, Order};
-use crate::admission::{Admission, ReleaseReason, ReserveRequest, WorkerGate};
+use crate::activities::cache::Lookup;
+use crate::admission::{Admission, ReserveRequest, WorkerGate};
 use crate::app::AppState;
+use crate::bus::PublishError;
 use crate::bus::events::OrderRequested;
-use crate::bus::{self, PublishError, progress};
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode};
 use crate::ids::OrderNo;
@@ -97,19 +100,23 @@ pub async fn place(
             "too many requests from this address",
         ));
     }
-    let meta = state
+    let meta = match state
         .activities
-        .get(&gate.0, activity_id)
+        .lookup(&gate.0, &state.db, activity_id)
         .await
-        .map_err(|e| ApiError::unavailable(e.into()))?
-        .ok_or_else(|| {
-            reject(
+        .map_err(ApiError::unavailable)?
+    {
+        Lookup::Warm(meta) => meta,
+        Lookup::Restoring => return Err(restoring(&state)),
+        Lookup::NotActive => {
+            return Err(reject(
                 &state,
                 "not_active",
                 ErrorCode::NotActive,
                 "the sale is not open",
-            )
-        })?;
+            ));
+        }
+    };
     if quantity > meta.per_user_limit {
         return Err(ApiError::bad_request("quantity exceeds the per-user limit"));
     }
@@ -135,19 +142,23 @@ pub async fn place(
         .filter(|t| is_valid_key(t))
         .unwrap_or("");
 
+    let now_ms = Utc::now().timestamp_millis();
     // Backpressure before Redis is touched: the order consumers are too far
-    // behind (a 202 now would stay PROCESSING for long), or too many
-    // purchases await their delivery report.
-    let lag = state.metrics.order_consumer_lag.get();
-    if progress::lag_over(lag, state.settings.admission.max_consumer_lag) {
+    // behind or stalled (a 202 now would stay PROCESSING for long), the
+    // broker acknowledges nothing, or too many purchases await their
+    // delivery report.
+    if let Some(why) = state.consumer_backpressure() {
+        return Err(reject(&state, "busy", ErrorCode::Busy, why));
+    }
+    if !state.publisher.breaker.admits(now_ms) {
         return Err(reject(
             &state,
             "busy",
             ErrorCode::Busy,
-            "orders are being written; retry shortly",
+            "the broker is not acknowledging orders; retry shortly",
         ));
     }
-    let Ok(_permit) = state.in_flight.clone().try_acquire_owned() else {
+    let Ok(permit) = state.in_flight.clone().try_acquire_owned() else {
         return Err(reject(
             &state,
             "busy",
@@ -155,7 +166,6 @@ pub async fn place(
             "too many purchases in flight; retry shortly",
         ));
     };
-    let now_ms = Utc::now().timestamp_millis();
     let reserve = ReserveRequest {
         activity_id,
         user_id: user.user_id.get(),
@@ -165,6 +175,7 @@ pub async fn place(
         order_no: state.ids.next_id(),
         buckets: meta.buckets,
         now_ms,
+        coupon_id: body.coupon_id,
     };
     let started = Instant::now();
     let admission = gate.0.reserve(&reserve).await.map_err(|e| {
@@ -179,13 +190,9 @@ pub async fn place(
     let order_no = match admission {
         Admission::Accepted(order_no) => order_no,
         Admission::Duplicate(order_no) => {
+            drop(permit);
             outcome(&state, "duplicate");
-            let status = current_status(&state, activity_id, order_no, user.user_id.get()).await?;
-            return Ok(HttpResponse::Ok().json(json!({
-                "order_no": order_no.to_string(),
-                "request_id": body.request_id,
-                "status": status,
-            })));
+            return replay(&state, activity_id, order_no, &user, &body.request_id).await;
         }
         Admission::SoldOut => {
             return Err(reject(&state, "sold_out", ErrorCode::SoldOut, "sold out"));
@@ -214,6 +221,11 @@ pub async fn place(
                 "the sale is not open",
             ));
         }
+        Admission::NotWarm => {
+            // Warm a moment ago (the cache said so): Redis lost it.
+            state.activities.forget(activity_id);
+            return Err(restoring(&state));
+        }
     };
 
     let event = OrderRequested {
@@ -226,89 +238,84 @@ pub async fn place(
         coupon_id: body.coupon_id,
         reserved_at_ms: now_ms,
     };
-    // Publish-or-release runs in a task of its own: if the client goes away
-    // and this handler is dropped, the reservation is still either backed by
-    // a message or given back — never left occupied with nothing behind it.
-    let published = tokio::spawn(publish_or_release(
-        state.clone(),
-        gate.clone(),
-        event,
-        meta.buckets,
-    ))
-    .await
-    .unwrap_or(Err("delivery"));
-    if let Err(kind) = published {
-        return Err(if kind == "queue_full" {
-            reject(
-                &state,
-                "busy",
-                ErrorCode::Busy,
-                "the order queue is full; retry shortly",
-            )
-        } else {
-            reject(
-                &state,
-                "retry_later",
-                ErrorCode::RetryLater,
-                "the order could not be queued; nothing was kept",
-            )
-        });
+    match state.publisher.publish(event, meta.buckets, permit).await {
+        Published::Delivered => {
+            outcome(&state, "accepted");
+            Ok(HttpResponse::Accepted().json(json!({
+                "order_no": order_no.to_string(),
+                "request_id": body.request_id,
+                "status": "PROCESSING",
+            })))
+        }
+        Published::NotDelivered(PublishError::QueueFull) => Err(reject(
+            &state,
+            "busy",
+            ErrorCode::Busy,
+            "the order queue is full; retry shortly",
+        )),
+        Published::NotDelivered(_) => Err(reject(
+            &state,
+            "retry_later",
+            ErrorCode::RetryLater,
+            "the order could not be queued; nothing was kept",
+        )),
+        Published::Pending => Err(pending(&state, order_no)),
     }
-    outcome(&state, "accepted");
-    Ok(HttpResponse::Accepted().json(json!({
-        "order_no": order_no.to_string(),
-        "request_id": body.request_id,
-        "status": "PROCESSING",
-    })))
 }
 
-/// Publishes `order.requested` and awaits its delivery report; on failure
-/// releases the reservation (and forgets the request_id: nothing was kept).
-/// The error is the failure's metric label: `queue_full` or `delivery`.
-/// Redis is called on the HTTP worker's own connection (`gate`), like the
-/// admission script.
-async fn publish_or_release(
-    state: web::Data<AppState>,
-    gate: web::Data<WorkerGate>,
-    event: OrderRequested,
-    buckets: usize,
-) -> Result<(), &'static str> {
-    let (order_no, activity_id) = (event.order_no.get(), event.activity_id);
-    let started = Instant::now();
-    let topic = &state.topics.order_requested;
-    let payload = event.encode();
-    let published = bus::publish(&state.producer, topic, &event.event_id, &payload, None).await;
-    state
-        .metrics
-        .produce_duration
-        .observe(started.elapsed().as_secs_f64());
-    let Err(e) = published else {
-        // Acknowledged: from here on the purchase is never voided. Its event
-        // goes on the reservation (queued, written in pipelines), so that if
-        // the broker loses it after all reconciliation can publish it again.
-        state.marks.mark(activity_id, order_no, payload);
-        return Ok(());
-    };
-    let kind = match e {
-        PublishError::QueueFull => "queue_full",
-        PublishError::Failed(_) => "delivery",
-    };
-    state
-        .metrics
-        .produce_errors
-        .with_label_values(&[kind])
-        .inc();
-    tracing::warn!(error = %e, order_no, activity_id, "order publish failed; releasing");
-    // If Redis fails here too, the reservation stays open for the reconciler.
-    let release = ReleaseReason::PublishFailed;
-    if let Err(e) = gate
-        .0
-        .release(activity_id, order_no, buckets, release)
+/// 503 RETRY_LATER while Redis lost an activity and reconciliation restores
+/// it from the database; wakes the local reconciler.
+fn restoring(state: &AppState) -> ApiError {
+    state.restore_wanted.notify_one();
+    reject(
+        state,
+        "retry_later",
+        ErrorCode::RetryLater,
+        "the sale is being restored; retry shortly",
+    )
+}
+
+/// 503 RETRY_LATER for a purchase whose delivery is not confirmed yet: its
+/// reservation and order_no are kept, and a retry with the same request_id
+/// gets that order_no.
+fn pending(state: &AppState, order_no: i64) -> ApiError {
+    reject(
+        state,
+        "pending",
+        ErrorCode::RetryLater,
+        "the order is not confirmed yet; retry with the same request_id",
+    )
+    .with_order_no(order_no)
+}
+
+/// A purchase retried with a request_id already bound to `order_no`: 202
+/// when this retry confirmed its delivery, 200 with the order's status once
+/// it was confirmed before (or settled otherwise), 503 while still unknown.
+async fn replay(
+    state: &web::Data<AppState>,
+    activity_id: i64,
+    order_no: i64,
+    user: &AuthUser,
+    request_id: &str,
+) -> Result<HttpResponse, ApiError> {
+    let confirmation = state
+        .publisher
+        .confirm(activity_id, order_no)
         .await
-    {
-        tracing::error!(error = %e, order_no, activity_id, "release after a failed publish failed");
-    }
-    Err(kind)
+        .map_err(|e| ApiError::unavailable(e.into()))?;
+    let (code, status) = match confirmation {
+        Confirmation::Pending => return Err(pending(state, order_no)),
+        Confirmation::ConfirmedNow => (StatusCode::ACCEPTED, "PROCESSING".to_owned()),
+        Confirmation::Settled => (
+            StatusCode::OK,
+            current_status(state, activity_id, order_no, user.user_id.get()).await?,
+        ),
+    };
+    Ok(HttpResponse::build(code).json(json!({
+        "order_no": order_no.to_string(),
+        "request_id": request_id,
+        "status": status,
+    })))
 }
 
 /// The status of an order the caller owns: its row, else its reservation.
@@ -332,7 +339,7 @@ async fn current_status(
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
     Ok(match reservation {
-        Some(r) if r.released => "FAILED".into(),
+        Some(r) if r.released() => "FAILED".into(),
         _ => "PROCESSING".into(),
     })
 }
@@ -385,11 +392,11 @@ pub async fn show(
             "quantity": r.quantity,
             "amount_cents": null,
             "coupon_id": null,
-            "status": if r.released { "FAILED" } else { "PROCESSING" },
+            "status": if r.released() { "FAILED" } else { "PROCESSING" },
             "pay_deadline": null,
             "created_at": null,
             "paid_at": null,
-            "failure_reason": if r.released { json!("RESERVATION_RELEASED") } else { json!(null) },
+            "failure_reason": if r.released() { json!("RESERVATION_RELEASED") } else { json!(null) },
         })));
     }
     Err(not_found())

@@ -1,13 +1,20 @@
 //! Reconciliation (SPEC step 4 and "Reconciliation and degradation"):
-//! voids reservations that no order event will ever back, checks I7 per
-//! activity, repairs Redis from the database when nothing is in flight, and
-//! reports every difference it found and every repair it made.
+//! voids reservations that no order event will ever back, applies releases
+//! Redis has not seen, checks I7 per activity, repairs Redis from the
+//! database, restores an activity Redis lost, and reports every difference
+//! it found and every repair it made. One instance repairs at a time: a run
+//! holds a lease in Redis.
 //!
-//! Voiding is arbitrated by the order row: the reconciler inserts the order
-//! as FAILED (`RESERVATION_EXPIRED`) with `ON CONFLICT DO NOTHING`; if the
-//! consumer inserted it first, the consumer's row stands and the reservation
-//! is committed instead. Whoever inserts first wins; a late event then finds
-//! the FAILED row and only releases what is already released.
+//! Voiding is arbitrated by the order row. The reservation is first claimed
+//! in Redis (`void.lua`: open, never acknowledged, neither made nor sent
+//! within the publish window), so no purchase retry can confirm it from
+//! then on; then the order is inserted FAILED (`RESERVATION_EXPIRED`) with
+//! `ON CONFLICT DO NOTHING`. If the consumer inserted it first, its row
+//! stands and the reservation is committed instead; otherwise its stock is
+//! released. A late event then finds the FAILED row and only releases what
+//! is already released.
+
+mod restore;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,33 +22,54 @@ use std::time::Duration;
 use anyhow::Context;
 use chrono::Utc;
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Integer, Text};
+use diesel::sql_types::{BigInt, Integer};
 use serde::Serialize;
+use tokio::sync::Notify;
 
+use crate::admission::gate::{Reservation, Status, VoidClaim};
 use crate::admission::{RedisGate, ReleaseReason};
-use crate::bus::Topics;
 use crate::bus::progress::GroupProgress;
+use crate::bus::{Producer, Topics};
 use crate::config::Settings;
 use crate::metrics::Metrics;
+use crate::orders::repo as orders;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
-use rdkafka::producer::FutureProducer;
 
-/// `POST /api/v1/admin/reconcile`: reconciles every recent activity now.
+/// `POST /api/v1/admin/reconcile`: reconciles every recent activity now,
+/// waiting a little for the lease if another run holds it.
 pub async fn route(
     _admin: crate::http::auth::AdminUser,
     state: actix_web::web::Data<crate::app::AppState>,
 ) -> Result<actix_web::HttpResponse, crate::http::error::ApiError> {
-    let reports = state
-        .reconciler()
-        .run()
-        .await
-        .map_err(crate::http::error::ApiError::unavailable)?;
-    Ok(actix_web::HttpResponse::Ok().json(serde_json::json!({"activities": reports})))
+    use crate::http::error::{ApiError, ErrorCode};
+    let reconciler = state.reconciler();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match reconciler.run().await.map_err(ApiError::unavailable)? {
+            Some(reports) => {
+                return Ok(
+                    actix_web::HttpResponse::Ok().json(serde_json::json!({"activities": reports}))
+                );
+            }
+            None if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            None => {
+                return Err(ApiError::new(
+                    ErrorCode::RetryLater,
+                    "another instance is reconciling; retry shortly",
+                ));
+            }
+        }
+    }
 }
 
 /// Why a voided order failed.
 pub const RESERVATION_EXPIRED: &str = "RESERVATION_EXPIRED";
+
+/// The lease only one reconciler holds at a time.
+const LEASE: &str = "reconcile";
 
 /// What one activity's reconciliation found and did.
 #[derive(Debug, Clone, Serialize)]
@@ -54,6 +82,21 @@ pub struct Report {
     pub differences: Vec<String>,
     /// Each repair made, in words.
     pub repaired: Vec<String>,
+    /// Whether Redis lost the activity and it is not restored yet.
+    #[serde(skip)]
+    pub restoring: bool,
+}
+
+impl Report {
+    fn new(activity_id: i64) -> Self {
+        Self {
+            activity_id,
+            consistent: true,
+            differences: Vec::new(),
+            repaired: Vec::new(),
+            restoring: false,
+        }
+    }
 }
 
 /// What reconciliation works with.
@@ -63,41 +106,51 @@ pub struct Reconciler {
     pub db: PgPool,
     /// Redis stock and reservations.
     pub gate: Arc<RedisGate>,
-    /// Grace and settle times.
+    /// Windows and intervals.
     pub settings: Arc<Settings>,
     /// Difference and repair counters.
     pub metrics: Metrics,
     /// How far the order consumers have provably got.
     pub progress: Arc<GroupProgress>,
     /// Publishes an acknowledged event again when the broker lost it.
-    pub producer: FutureProducer,
+    pub producer: Producer,
     /// Topic names.
     pub topics: Topics,
+    /// Who this reconciler is when it holds the lease.
+    pub owner: String,
 }
 
-/// Runs reconciliation every `reconcile.interval_secs`.
-pub fn spawn(r: Reconciler) -> WorkerHandle {
+/// Runs reconciliation every `reconcile.interval_secs`, at once when `wake`
+/// is notified (admission met an activity Redis lost), and every second
+/// while a restore waits for its moment.
+pub fn spawn(r: Reconciler, wake: Arc<Notify>) -> WorkerHandle {
     let interval = Duration::from_secs(r.settings.reconcile.interval_secs.max(1));
     WorkerHandle::spawn(|stop| async move {
+        let mut next = interval;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
-                _ = tokio::time::sleep(interval) => {}
+                _ = tokio::time::sleep(next) => {}
+                _ = wake.notified() => {}
             }
+            next = interval;
             match r.run().await {
-                Ok(reports) => {
-                    for report in reports
-                        .iter()
-                        .filter(|r| !r.consistent || !r.repaired.is_empty())
-                    {
-                        tracing::warn!(
-                            activity_id = report.activity_id,
-                            differences = ?report.differences,
-                            repaired = ?report.repaired,
-                            "reconciliation found differences"
-                        );
+                Ok(Some(reports)) => {
+                    for report in &reports {
+                        if report.restoring {
+                            next = Duration::from_secs(1).min(interval);
+                        }
+                        if !report.consistent || !report.repaired.is_empty() {
+                            tracing::warn!(
+                                activity_id = report.activity_id,
+                                differences = ?report.differences,
+                                repaired = ?report.repaired,
+                                "reconciliation found differences"
+                            );
+                        }
                     }
                 }
+                Ok(None) => tracing::debug!("another instance holds the reconcile lease"),
                 Err(e) => tracing::warn!(error = format!("{e:#}"), "reconciliation failed"),
             }
         }
@@ -118,13 +171,40 @@ struct Figures {
     waiting_units: i64,
     #[diesel(sql_type = BigInt)]
     paid_units: i64,
+}
+
+/// A cancelled or closed order, whose units Redis must have got back.
+#[derive(QueryableByName)]
+struct Released {
     #[diesel(sql_type = BigInt)]
-    releases_in_flight: i64,
+    order_no: i64,
+    #[diesel(sql_type = BigInt)]
+    user_id: i64,
+    #[diesel(sql_type = Integer)]
+    quantity: i32,
 }
 
 impl Reconciler {
-    /// Reconciles every recent, warmed activity.
-    pub async fn run(&self) -> anyhow::Result<Vec<Report>> {
+    /// Reconciles every recent, warmed activity; `None` when another
+    /// instance holds the lease.
+    pub async fn run(&self) -> anyhow::Result<Option<Vec<Report>>> {
+        let ttl_ms = self
+            .settings
+            .reconcile
+            .interval_secs
+            .saturating_mul(4000)
+            .max(120_000);
+        if !self.gate.try_lease(LEASE, &self.owner, ttl_ms).await? {
+            return Ok(None);
+        }
+        let reports = self.run_holding_the_lease().await;
+        if let Err(e) = self.gate.end_lease(LEASE, &self.owner).await {
+            tracing::debug!(error = %e, "reconcile lease not given back; it expires");
+        }
+        reports.map(Some)
+    }
+
+    async fn run_holding_the_lease(&self) -> anyhow::Result<Vec<Report>> {
         let ids = store::run(&self.db, |conn| {
             Ok(crate::activities::repo::to_reconcile(conn)?)
         })
@@ -137,6 +217,10 @@ impl Reconciler {
         let mut reports = Vec::with_capacity(ids.len());
         for (id, buckets, end_at) in ids {
             let buckets = usize::try_from(buckets).unwrap_or(1).max(1);
+            if !self.gate.is_warm(id).await? {
+                reports.push(self.restore(id, &cutoff).await?);
+                continue;
+            }
             let mut report = self.activity(id, buckets, &cutoff).await?;
             if Utc::now() > end_at + cleanup_after && report.consistent {
                 self.clean_up(id, buckets, &mut report).await?;
@@ -147,22 +231,19 @@ impl Reconciler {
     }
 
     /// After the end plus a grace, once every order is settled (none
-    /// WAITING_PAY, so no release can still come) and nothing is open or in
-    /// flight, removes the activity's Redis keys and marks it ENDED
-    /// (reservation records expire on their own TTL).
+    /// WAITING_PAY, so no release can still come, and every release
+    /// applied) and nothing is open, removes the activity's Redis keys and
+    /// marks it ENDED (reservation records expire on their own TTL).
     async fn clean_up(
         &self,
         activity_id: i64,
         buckets: usize,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        let settle = self.settings.reconcile.settle_secs as f64;
-        let f: Figures = store::run(&self.db, move |conn| {
-            Ok(figures(conn, activity_id, settle)?)
-        })
-        .await?;
+        let f: Figures = store::run(&self.db, move |conn| Ok(figures(conn, activity_id)?)).await?;
         let open = self.gate.open_reservations(activity_id).await?;
-        if f.waiting_units > 0 || f.releases_in_flight > 0 || open > 0 {
+        let (_, unapplied) = self.apply_releases(activity_id, buckets).await?;
+        if f.waiting_units > 0 || open > 0 || unapplied > 0 {
             return Ok(());
         }
         self.gate.remove_activity(activity_id, buckets).await?;
@@ -170,37 +251,38 @@ impl Reconciler {
             Ok(crate::activities::repo::mark_ended(conn, activity_id)?)
         })
         .await?;
-        self.metrics
-            .reconcile
-            .with_label_values(&["repair", "cleanup"])
-            .inc();
+        self.count("repair", "cleanup");
         report.repaired.push("ended: Redis keys removed".to_owned());
         Ok(())
     }
 
-    /// Reconciles one activity; reservations before `cutoff` are voided.
+    /// Reconciles one warm activity; reservations before `cutoff` are voided.
     async fn activity(
         &self,
         activity_id: i64,
         buckets: usize,
         cutoff: &Cutoff,
     ) -> anyhow::Result<Report> {
-        let mut report = Report {
-            activity_id,
-            consistent: true,
-            differences: Vec::new(),
-            repaired: Vec::new(),
-        };
+        let mut report = Report::new(activity_id);
         self.void_stale(activity_id, buckets, cutoff, &mut report)
             .await?;
 
-        let settle = self.settings.reconcile.settle_secs as f64;
-        let f: Figures = store::run(&self.db, move |conn| {
-            Ok(figures(conn, activity_id, settle)?)
-        })
-        .await?;
-        let redis = self.gate.available(activity_id, buckets).await?;
+        // Redis first, then the database: a stock move in between (a
+        // purchase, a release) shows up as a changed sum, and the
+        // compare-and-set below refuses to act on it.
+        let redis_before = self.gate.available(activity_id, buckets).await?;
         let open = self.gate.open_reservations(activity_id).await?;
+        let f: Figures = store::run(&self.db, move |conn| Ok(figures(conn, activity_id)?)).await?;
+        // Every release the database has committed by now is applied to
+        // Redis before the comparison, by the same idempotent script the
+        // stock releaser runs: the releaser's copy, later, is a no-op.
+        let (added, _) = self.apply_releases(activity_id, buckets).await?;
+        if added > 0 {
+            report.repaired.push(format!(
+                "gave {added} units of cancelled or closed orders back to Redis (their release had not been applied)"
+            ));
+            self.count("repair", "release_applied");
+        }
 
         let mut differ = |kind: &str, text: String| {
             self.metrics
@@ -233,20 +315,23 @@ impl Reconciler {
                 format!("db sold {} ≠ Σ PAID quantity {}", f.sold, f.paid_units),
             );
         }
-        let quiet = open == 0 && f.releases_in_flight == 0;
-        if quiet && redis != i64::from(f.available) {
+        let expected = redis_before + added;
+        let db_available = i64::from(f.available);
+        // Only while nothing is open, and only if nothing moved since
+        // Redis was read: otherwise the figures describe different moments.
+        let repaired = if open == 0 && expected != db_available {
+            self.gate
+                .repair(activity_id, buckets, expected, db_available)
+                .await?
+        } else {
+            None
+        };
+        if let Some(applied) = repaired {
             differ(
                 "redis_available",
-                format!("redis available {redis} ≠ db available {}", f.available),
+                format!("redis available {expected} ≠ db available {db_available}"),
             );
-            let applied = self
-                .gate
-                .repair(activity_id, buckets, i64::from(f.available) - redis)
-                .await?;
-            self.metrics
-                .reconcile
-                .with_label_values(&["repair", "redis_available"])
-                .inc();
+            self.count("repair", "redis_available");
             report.repaired.push(format!(
                 "redis available moved by {applied} to match the database"
             ));
@@ -255,12 +340,64 @@ impl Reconciler {
         Ok(report)
     }
 
+    /// Applies, for every cancelled or closed order whose reservation Redis
+    /// still holds (open or committed), the release the stock releaser
+    /// would apply. Returns `(units given back now, orders whose record is
+    /// gone and cannot be checked)`.
+    async fn apply_releases(
+        &self,
+        activity_id: i64,
+        buckets: usize,
+    ) -> anyhow::Result<(i64, usize)> {
+        let ttl =
+            i64::try_from(self.settings.admission.reservation_ttl_secs).unwrap_or(i64::MAX / 2);
+        let released: Vec<Released> = store::run(&self.db, move |conn| {
+            Ok(diesel::sql_query(
+                "SELECT order_no, user_id, quantity FROM orders \
+                 WHERE activity_id = $1 AND status IN ('CANCELLED', 'CLOSED') \
+                   AND closed_at > now() - make_interval(secs => $2)",
+            )
+            .bind::<BigInt, _>(activity_id)
+            .bind::<diesel::sql_types::Double, _>(ttl as f64)
+            .load(conn)?)
+        })
+        .await?;
+        let (mut added, mut gone) = (0, 0);
+        for chunk in released.chunks(500) {
+            let nos: Vec<i64> = chunk.iter().map(|o| o.order_no).collect();
+            let statuses = self.gate.statuses(activity_id, &nos).await?;
+            for (o, status) in chunk.iter().zip(statuses) {
+                match status {
+                    Some(Status::Released) => {}
+                    // Never add units for a record Redis no longer has: a
+                    // restore or a warm-up already counted them.
+                    None => gone += 1,
+                    Some(_) => {
+                        let reason = ReleaseReason::OrderReleased {
+                            user_id: o.user_id,
+                            quantity: o.quantity,
+                        };
+                        if self
+                            .gate
+                            .release(activity_id, o.order_no, buckets, reason)
+                            .await?
+                        {
+                            added += i64::from(o.quantity);
+                        }
+                    }
+                }
+            }
+        }
+        Ok((added, gone))
+    }
+
     /// Voids open reservations no order event will back (SPEC step 4):
-    /// those older than the publish window once the order consumers have
-    /// provably applied every published event, else those older than the
-    /// grace. A reservation whose event the broker acknowledged is never
-    /// voided: when the consumers have provably applied everything and it is
-    /// still open, the broker lost its event, which is published again.
+    /// unacknowledged ones neither made nor sent within the publish window
+    /// once the order consumers have provably applied every published
+    /// event, else those older than the grace. An acknowledged reservation
+    /// is never voided: if the consumers have provably applied everything
+    /// and it is still open, its row decides, and without a row the broker
+    /// lost its event, which is published again.
     async fn void_stale(
         &self,
         activity_id: i64,
@@ -276,41 +413,97 @@ impl Reconciler {
                 ));
                 continue;
             };
-            if let Some(event) = &r.event {
+            if r.acked && r.is_open() {
                 if cutoff.proven {
-                    self.republish(order_no, event).await?;
-                    report.repaired.push(format!(
-                        "published again the event of reservation {order_no} \
-                         (acknowledged, but the consumers never got it)"
-                    ));
+                    self.settle_acknowledged(activity_id, order_no, buckets, &r, report)
+                        .await?;
                 }
                 continue;
             }
-            let request_id = r.request_id.clone();
+            match self
+                .gate
+                .claim_void(activity_id, order_no, cutoff.before_ms)
+                .await?
+            {
+                VoidClaim::Claimed => {}
+                VoidClaim::Refused => continue,
+                VoidClaim::Gone => {
+                    self.gate.forget_open(activity_id, order_no).await?;
+                    continue;
+                }
+            }
+            let event = r.event(activity_id, order_no);
             let status = store::run(&self.db, move |conn| {
-                Ok(void_order(
-                    conn,
-                    activity_id,
-                    order_no,
-                    r.user_id,
-                    &request_id,
-                    r.quantity,
-                )?)
+                Ok(orders::insert_failed(conn, &event, RESERVATION_EXPIRED)?)
             })
             .await?;
-            if status == "FAILED" {
+            match status.as_deref() {
+                // No row: the same (user, request_id) already has another
+                // order; this reservation backs nothing.
+                Some("FAILED") | None => {
+                    self.gate
+                        .release(activity_id, order_no, buckets, ReleaseReason::OrderFailed)
+                        .await?;
+                    self.count("repair", "voided");
+                    report.repaired.push(format!(
+                        "voided reservation {order_no} (no order event arrived; {})",
+                        cutoff.because
+                    ));
+                }
+                Some(status) => {
+                    self.gate.commit(activity_id, &[order_no]).await?;
+                    report.repaired.push(format!(
+                        "committed reservation {order_no} (its order is {status})"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An acknowledged reservation still open although the consumers have
+    /// applied every published event: its order row says what happened
+    /// (the Redis step after the row was lost); without a row, the broker
+    /// lost the event, which is published again.
+    async fn settle_acknowledged(
+        &self,
+        activity_id: i64,
+        order_no: i64,
+        buckets: usize,
+        r: &Reservation,
+        report: &mut Report,
+    ) -> anyhow::Result<()> {
+        let status = store::run(&self.db, move |conn| {
+            Ok(orders::statuses(conn, &[order_no])?.remove(&order_no))
+        })
+        .await?;
+        match status.as_deref() {
+            None => {
+                let event = r.event(activity_id, order_no).encode();
+                self.producer
+                    .publish(
+                        &self.topics.order_requested,
+                        &order_no.to_string(),
+                        &event,
+                        None,
+                    )
+                    .await
+                    .with_context(|| format!("publishing the event of {order_no} again"))?;
+                self.count("repair", "republished");
+                report.repaired.push(format!(
+                    "published again the event of reservation {order_no} \
+                     (acknowledged, but the consumers never got it)"
+                ));
+            }
+            Some("FAILED") => {
                 self.gate
                     .release(activity_id, order_no, buckets, ReleaseReason::OrderFailed)
                     .await?;
-                self.metrics
-                    .reconcile
-                    .with_label_values(&["repair", "voided"])
-                    .inc();
                 report.repaired.push(format!(
-                    "voided reservation {order_no} (no order event arrived; {})",
-                    cutoff.because
+                    "released reservation {order_no} (its order FAILED)"
                 ));
-            } else {
+            }
+            Some(status) => {
                 self.gate.commit(activity_id, &[order_no]).await?;
                 report.repaired.push(format!(
                     "committed reservation {order_no} (its order is {status})"
@@ -322,8 +515,8 @@ impl Reconciler {
 
     /// The grace, or the much shorter publish window when the order
     /// consumers have committed every partition to its end. `now` is read
-    /// before the offsets, so every event acknowledged before it is among
-    /// those proven applied.
+    /// before the offsets, so every event that reached the broker before it
+    /// is among those proven applied.
     async fn void_cutoff(&self) -> Cutoff {
         let r = &self.settings.reconcile;
         let now = Utc::now().timestamp_millis();
@@ -333,12 +526,14 @@ impl Reconciler {
                 .saturating_mul(1000)
         };
         let grace = Cutoff {
+            at_ms: now,
             before_ms: now - secs(r.reservation_grace_secs),
             because: "older than the grace",
             proven: false,
         };
         match self.progress.caught_up().await {
             Ok(true) => Cutoff {
+                at_ms: now,
                 before_ms: now - secs(r.publish_window_secs.min(r.reservation_grace_secs)),
                 because: "the order consumers have applied every published event",
                 proven: true,
@@ -354,81 +549,33 @@ impl Reconciler {
         }
     }
 
-    /// Publishes a lost, acknowledged `order.requested` again (the order
-    /// consumer is idempotent: should the first copy turn up, it is a
-    /// duplicate).
-    async fn republish(&self, order_no: i64, event: &[u8]) -> anyhow::Result<()> {
-        crate::bus::publish(
-            &self.producer,
-            &self.topics.order_requested,
-            &order_no.to_string(),
-            event,
-            None,
-        )
-        .await
-        .with_context(|| format!("publishing the event of {order_no} again"))?;
+    fn count(&self, what: &str, kind: &str) {
         self.metrics
             .reconcile
-            .with_label_values(&["repair", "republished"])
+            .with_label_values(&[what, kind])
             .inc();
-        Ok(())
     }
 }
 
-/// Reservations made before `before_ms` are voided, `because` of what.
+/// Reservations neither made nor sent since `before_ms` are voided,
+/// `because` of what.
 struct Cutoff {
+    /// When it was read (before the consumers' offsets).
+    at_ms: i64,
     before_ms: i64,
     because: &'static str,
-    /// The order consumers have applied every event published before it.
+    /// The order consumers have applied every event published before
+    /// `at_ms`.
     proven: bool,
 }
 
-/// Inserts the order as FAILED unless a row exists; returns the row's status.
-fn void_order(
-    conn: &mut PgConn,
-    activity_id: i64,
-    order_no: i64,
-    user_id: i64,
-    request_id: &str,
-    quantity: i32,
-) -> QueryResult<String> {
-    #[derive(QueryableByName)]
-    struct Status {
-        #[diesel(sql_type = Text)]
-        status: String,
-    }
-    diesel::sql_query(
-        "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, failure_reason) \
-         SELECT $1, $2, $3, $4, $5, a.price_cents * $5, 'FAILED', $6 FROM activities a WHERE a.id = $3 \
-         ON CONFLICT DO NOTHING",
-    )
-    .bind::<BigInt, _>(order_no)
-    .bind::<Text, _>(request_id)
-    .bind::<BigInt, _>(activity_id)
-    .bind::<BigInt, _>(user_id)
-    .bind::<Integer, _>(quantity)
-    .bind::<Text, _>(RESERVATION_EXPIRED)
-    .execute(conn)?;
-    let row: Option<Status> = diesel::sql_query("SELECT status FROM orders WHERE order_no = $1")
-        .bind::<BigInt, _>(order_no)
-        .get_result(conn)
-        .optional()?;
-    // No row at all: the same (user, request_id) already has another order;
-    // this reservation backs nothing.
-    Ok(row.map_or_else(|| "FAILED".to_owned(), |r| r.status))
-}
-
-fn figures(conn: &mut PgConn, activity_id: i64, settle_secs: f64) -> QueryResult<Figures> {
+fn figures(conn: &mut PgConn, activity_id: i64) -> QueryResult<Figures> {
     diesel::sql_query(
         "SELECT s.total, s.available, s.locked, s.sold, \
            (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders WHERE activity_id = $1 AND status = 'WAITING_PAY') AS waiting_units, \
-           (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders WHERE activity_id = $1 AND status = 'PAID') AS paid_units, \
-           (SELECT count(*) FROM outbox WHERE topic = 'stock.released' \
-              AND (payload->>'activity_id')::bigint = $1 \
-              AND (status IN ('NEW', 'RETRY') OR sent_at > now() - make_interval(secs => $2))) AS releases_in_flight \
+           (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders WHERE activity_id = $1 AND status = 'PAID') AS paid_units \
          FROM stock s WHERE s.activity_id = $1",
     )
     .bind::<BigInt, _>(activity_id)
-    .bind::<diesel::sql_types::Double, _>(settle_secs)
     .get_result(conn)
 }

@@ -56,7 +56,7 @@ async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
     let app = spawn_app_with(|s| s.admission.max_in_flight = 1).await;
     let activity = app.live_activity(100, 1, 1).await;
     let results: Vec<(u16, serde_json::Value)> = stream::iter(1..=60)
-        .map(|u| app.buy(u, activity))
+        .map(|u| app.buy_once(u, activity))
         .buffer_unordered(60)
         .collect()
         .await;
@@ -95,7 +95,7 @@ async fn wait_for_lag(app: &TestApp, lag: i64) {
 #[tokio::test]
 async fn while_the_order_consumers_lag_past_the_limit_purchases_get_503_busy_and_keep_nothing() {
     let app = spawn_app_with(|s| {
-        s.orders.consumer_enabled = false;
+        crate::helpers::without_order_consumer(s);
         s.admission.max_consumer_lag = 3;
         s.admission.lag_sample_ms = 100;
     })
@@ -106,7 +106,7 @@ async fn while_the_order_consumers_lag_past_the_limit_purchases_get_503_busy_and
     }
     wait_for_lag(&app, 4).await;
 
-    let (status, body) = app.buy(5, activity).await;
+    let (status, body) = app.buy_once(5, activity).await;
     assert_eq!(
         (status, body["code"].as_str()),
         (503, Some("BUSY")),
@@ -150,7 +150,7 @@ fn consumer_process(app: &TestApp) -> Child {
 #[tokio::test]
 async fn a_consumer_process_killed_with_sigkill_mid_stream_loses_and_duplicates_nothing() {
     let app = spawn_app_with(|s| {
-        s.orders.consumer_enabled = false;
+        crate::helpers::without_order_consumer(s);
         crate::helpers::heal_within_the_drain(s);
     })
     .await;

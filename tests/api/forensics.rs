@@ -223,7 +223,7 @@ fn committed(settings: &Settings, group: &str, topic: &str) -> Result<Vec<(i32, 
 
 #[tokio::test]
 async fn the_report_finds_an_unconsumed_order_on_its_topic() {
-    let app = crate::helpers::spawn_app_with(|s| s.orders.consumer_enabled = false).await;
+    let app = crate::helpers::spawn_app_with(crate::helpers::without_order_consumer).await;
     let activity = app.live_activity(5, 1, 1).await;
     let (status, body) = app.buy(1, activity).await;
     assert_eq!(status, 202);

@@ -48,7 +48,16 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
     settings.kafka.topic_prefix = format!("t{id}.");
     let db_name = format!("seckill_test_{id}");
     settings.postgres.url = create_database(&settings.postgres.url, &db_name).await;
+    let addresses = |s: &Settings| {
+        (
+            s.kafka.brokers.clone(),
+            s.redis.url.clone(),
+            s.postgres.url.expose_secret().to_owned(),
+        )
+    };
+    let untouched = addresses(&settings);
     tweak(&mut settings);
+    let on_the_real_services = addresses(&settings) == untouched;
     if std::env::var_os("SECKILL_TEST_LOG").is_some() {
         // Debugging aid: `SECKILL_TEST_LOG=1 cargo test ... -- --nocapture`.
         settings.log.level = "info".into();
@@ -60,13 +69,48 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         .expect("application builds");
     let address = format!("http://127.0.0.1:{}", app.port());
     tokio::spawn(app.run_until_stopped());
-    TestApp {
+    let app = TestApp {
         address,
         keys: JwtKeys::new(&settings.auth.jwt_secret).expect("jwt keys"),
         settings,
         client: reqwest::Client::new(),
         db_name,
+    };
+    // A server on the real services is handed over once it is ready (its
+    // topics exist: on a slow broker their creation can outlast startup).
+    // Tests that point a client at a dead address get theirs at once.
+    if on_the_real_services {
+        app.wait_until_ready().await;
     }
+    app
+}
+
+impl TestApp {
+    /// Polls `/health/ready` until it answers 200 (one minute at most).
+    pub async fn wait_until_ready(&self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let res = self.get("/health/ready", None).await;
+            if res.status() == 200 {
+                return;
+            }
+            let body = res.text().await.unwrap_or_default();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the server never became ready: {body}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// No order consumer in the server: the test runs its own, or none. With
+/// nothing consuming on purpose, the stall check (which would rightly
+/// answer 503 BUSY once messages wait for `kafka.consumer_stall_secs`) is
+/// off too.
+pub fn without_order_consumer(settings: &mut Settings) {
+    settings.orders.consumer_enabled = false;
+    settings.kafka.consumer_stall_secs = 0;
 }
 
 /// The product's whole promise for the crash tests (I4): reconciliation
@@ -75,7 +119,8 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
 /// well inside [`TestApp::drained`]'s 60 s.
 pub fn heal_within_the_drain(settings: &mut Settings) {
     settings.reconcile.interval_secs = 2;
-    settings.reconcile.publish_window_secs = 4 * settings.kafka.timeout_ms.div_ceil(1000);
+    settings.kafka.message_timeout_ms = 5_000;
+    settings.reconcile.publish_window_secs = settings.in_flight_bound_ms().div_ceil(1000);
 }
 
 /// Creates and migrates `name` next to the configured database; returns its URL.
@@ -231,16 +276,24 @@ impl TestApp {
         id
     }
 
-    /// A purchase token for `user_id` (asserting 200).
+    /// A purchase token for `user_id` (asserting 200 in the end; a 503,
+    /// such as while a lost activity is restored, is retried for a minute).
     pub async fn purchase_token(&self, user_id: i64, activity_id: i64) -> String {
-        let res = self
-            .get(
-                &format!("/api/v1/activities/{activity_id}/token"),
-                Some(&self.user_token(user_id)),
-            )
-            .await;
-        assert_eq!(res.status(), 200);
-        json(res).await["token"].as_str().expect("token").to_owned()
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let res = self
+                .get(
+                    &format!("/api/v1/activities/{activity_id}/token"),
+                    Some(&self.user_token(user_id)),
+                )
+                .await;
+            if res.status() == 503 && std::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                continue;
+            }
+            assert_eq!(res.status(), 200);
+            return json(res).await["token"].as_str().expect("token").to_owned();
+        }
     }
 
     /// `POST /activities/{id}/orders` as `user_id` with `body`.
@@ -258,8 +311,38 @@ impl TestApp {
         .await
     }
 
-    /// Token, then order with a fresh request_id: (status, body).
-    pub async fn buy(&self, user_id: i64, activity_id: i64) -> (u16, serde_json::Value) {
+    /// `POST /activities/{id}/orders` as a client that retries what the
+    /// API says to retry with the same request: 503 BUSY (refused before
+    /// anything was reserved) and 503 RETRY_LATER naming an order_no (its
+    /// delivery is not confirmed yet), for up to a minute. A 2xx after such
+    /// a retry is reported as 202, the buyer's view: accepted.
+    pub async fn order_retrying(
+        &self,
+        user_id: i64,
+        activity_id: i64,
+        body: &serde_json::Value,
+    ) -> (u16, serde_json::Value) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut retried = false;
+        loop {
+            let res = self.order(user_id, activity_id, body).await;
+            let status = res.status().as_u16();
+            let answer = json(res).await;
+            let same_request_again =
+                status == 503 && (answer["code"] == "BUSY" || answer["order_no"].is_string());
+            if same_request_again && std::time::Instant::now() < deadline {
+                retried = true;
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                continue;
+            }
+            let accepted_on_retry = retried && status == 200 && answer["status"] != "FAILED";
+            return (if accepted_on_retry { 202 } else { status }, answer);
+        }
+    }
+
+    /// One purchase attempt, no retry: token, then the order with a fresh
+    /// request_id: (status, body).
+    pub async fn buy_once(&self, user_id: i64, activity_id: i64) -> (u16, serde_json::Value) {
         let token = self.purchase_token(user_id, activity_id).await;
         let request_id = uuid::Uuid::new_v4().to_string();
         let res = self
@@ -271,6 +354,36 @@ impl TestApp {
             .await;
         let status = res.status().as_u16();
         (status, json(res).await)
+    }
+
+    /// Buys as a well-behaved client does: a token, then the order with a
+    /// fresh request_id; on 503 (BUSY, or RETRY_LATER while a delivery is
+    /// unconfirmed) the same request_id again, with a new token, for up to
+    /// a minute. Returns the final (status, body); a purchase accepted on a
+    /// retry (a 2xx after a 503) is reported as 202, the buyer's view.
+    pub async fn buy(&self, user_id: i64, activity_id: i64) -> (u16, serde_json::Value) {
+        let request_id = uuid::Uuid::new_v4().to_string();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut retried = false;
+        loop {
+            let token = self.purchase_token(user_id, activity_id).await;
+            let res = self
+                .order(
+                    user_id,
+                    activity_id,
+                    &serde_json::json!({"request_id": request_id, "token": token}),
+                )
+                .await;
+            let status = res.status().as_u16();
+            let body = json(res).await;
+            if status == 503 && std::time::Instant::now() < deadline {
+                retried = true;
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                continue;
+            }
+            let accepted_on_retry = retried && status == 200 && body["status"] != "FAILED";
+            return (if accepted_on_retry { 202 } else { status }, body);
+        }
     }
 
     /// The admin stats of an activity.

@@ -74,6 +74,7 @@ async fn orphan_made_at(app: &TestApp, activity: i64, user: i64, order_no: i64, 
             order_no,
             buckets: 1,
             now_ms: made_at_ms,
+            coupon_id: None,
         })
         .await
         .unwrap();
@@ -83,13 +84,13 @@ async fn orphan_made_at(app: &TestApp, activity: i64, user: i64, order_no: i64, 
 #[tokio::test]
 async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_caught_up() {
     // The grace (600 s) is far away; the publish window (30 s) is not.
-    let app = spawn_app_with(|s| s.orders.consumer_enabled = false).await;
+    let app = spawn_app_with(crate::helpers::without_order_consumer).await;
     let activity = app.live_activity(5, 1, 1).await;
     assert_eq!(app.buy(1, activity).await.0, 202);
     let a_minute_ago = chrono::Utc::now().timestamp_millis() - 60_000;
     orphan_made_at(&app, activity, 2, 777_000_002, a_minute_ago).await;
 
-    // The accepted purchase keeps its acknowledged event on its reservation.
+    // The accepted purchase's reservation records the acknowledgement.
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let open = gate.open_before(activity, i64::MAX).await.unwrap();
     let bought = *open
@@ -100,21 +101,21 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let kept = loop {
         let r = gate.reservation(activity, bought).await.unwrap().unwrap();
-        if let Some(event) = r.event {
-            break event;
+        if r.acked {
+            break r;
         }
-        assert!(std::time::Instant::now() < deadline, "event never kept");
+        assert!(std::time::Instant::now() < deadline, "never acknowledged");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let event = OrderRequested::decode(&kept).unwrap();
+    let event = kept.event(activity, bought);
     assert_eq!((event.order_no.get(), event.user_id), (bought, 1));
     assert!(
-        gate.reservation(activity, 777_000_002)
+        !gate
+            .reservation(activity, 777_000_002)
             .await
             .unwrap()
             .unwrap()
-            .event
-            .is_none(),
+            .acked,
         "an orphan was never acknowledged"
     );
 
@@ -159,20 +160,9 @@ async fn an_acknowledged_purchase_whose_event_the_broker_lost_is_published_again
     // acknowledged write leaves behind.
     let a_minute_ago = chrono::Utc::now().timestamp_millis() - 60_000;
     orphan_made_at(&app, activity, 2, 777_000_003, a_minute_ago).await;
-    let lost = OrderRequested {
-        event_id: "777000003".into(),
-        order_no: OrderNo::new(777_000_003),
-        activity_id: activity,
-        user_id: 2,
-        request_id: "crashed".into(),
-        quantity: 1,
-        coupon_id: None,
-        reserved_at_ms: a_minute_ago,
-    };
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
-    gate.mark_published(&[(activity, 777_000_003, lost.encode())])
-        .await
-        .unwrap();
+    let now = chrono::Utc::now().timestamp_millis();
+    gate.ack(activity, &[777_000_003], now).await.unwrap();
 
     let repaired = reconcile_until_repaired(&app, activity).await;
     assert!(
@@ -283,7 +273,7 @@ async fn a_reservation_no_event_backs_is_voided_and_a_late_event_cannot_revive_i
 
 #[tokio::test]
 async fn redis_drift_is_reported_and_repaired_from_the_database_when_nothing_is_in_flight() {
-    let app = spawn_app_with(|s| s.reconcile.settle_secs = 0).await;
+    let app = spawn_app().await;
     let activity = app.live_activity(10, 1, 2).await;
     assert_eq!(app.buy(1, activity).await.0, 202);
     app.drained(activity, 1).await;
@@ -340,11 +330,7 @@ async fn redis_drift_is_reported_and_repaired_from_the_database_when_nothing_is_
 
 #[tokio::test]
 async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_are_removed() {
-    let app = spawn_app_with(|s| {
-        s.reconcile.settle_secs = 0;
-        s.reconcile.cleanup_after_secs = 0;
-    })
-    .await;
+    let app = spawn_app_with(|s| s.reconcile.cleanup_after_secs = 0).await;
     let activity = app
         .create_activity(5, 1, 2, crate::helpers::Window { start: -60, end: 3 })
         .await;

@@ -1,16 +1,28 @@
--- repair.lua — move an activity's Redis stock by a delta, never below zero.
+-- repair.lua — set an activity's Redis stock to the database's figure, as
+-- a compare-and-set.
 --
--- KEYS[1..] stock buckets, in bucket order
--- ARGV[1] delta (units; negative takes stock away)
+-- KEYS[1] open-reservations zset   KEYS[2..] stock buckets, in bucket order
+-- ARGV[1] the sum of the buckets the caller based its decision on
+-- ARGV[2] the figure to set (the database's available)
 --
--- Returns the delta actually applied (a negative delta stops at zero).
-local delta = tonumber(ARGV[1])
+-- Applies only while nothing is open (no reservation between Redis and the
+-- database) and the buckets still sum to ARGV[1]: anything that moved the
+-- stock since the caller looked (a purchase, a release) cancels the repair,
+-- so a release can never be counted twice. A negative correction takes
+-- from the buckets in order and never below zero.
+-- Returns {1, delta applied} or {0, current sum} when it did nothing.
+local sum = 0
+for i = 2, #KEYS do sum = sum + tonumber(redis.call('GET', KEYS[i]) or '0') end
+if redis.call('ZCARD', KEYS[1]) > 0 or sum ~= tonumber(ARGV[1]) then
+  return {0, sum}
+end
+local delta = tonumber(ARGV[2]) - sum
 if delta >= 0 then
-  redis.call('INCRBY', KEYS[1], delta)
-  return delta
+  redis.call('INCRBY', KEYS[2], delta)
+  return {1, delta}
 end
 local need, applied = -delta, 0
-for i = 1, #KEYS do
+for i = 2, #KEYS do
   if need == 0 then break end
   local s = tonumber(redis.call('GET', KEYS[i]) or '0')
   local take = math.min(s, need)
@@ -20,4 +32,4 @@ for i = 1, #KEYS do
     applied = applied - take
   end
 end
-return applied
+return {1, applied}

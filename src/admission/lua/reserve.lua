@@ -9,11 +9,16 @@
 -- KEYS[7..] stock buckets, in bucket order
 -- ARGV[1] user id   ARGV[2] request_id   ARGV[3] quantity   ARGV[4] order_no
 -- ARGV[5] now (unix ms)   ARGV[6] first bucket to try (0-based)
--- ARGV[7] reservation ttl (s)
+-- ARGV[7] reservation ttl (s)   ARGV[8] coupon id ('' for none)
 --
 -- Returns {code, order_no}:
 --   0 accepted (the given order_no)   1 duplicate (the existing order_no)
---   2 sold out   3 limit exceeded   4 invalid token   5 not active
+--   2 sold out   3 limit exceeded   4 invalid token
+--   5 outside the sale window   6 not warm (never warmed, or Redis lost it)
+--
+-- The reservation keeps everything its order.requested event carries, so
+-- the event can be rebuilt and sent again byte for byte (a retry of a
+-- purchase whose delivery is unknown; reconciliation after a broker lost it).
 local user, req, qty, order_no = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local now = tonumber(ARGV[5])
 local req_field = user .. ':' .. req
@@ -22,7 +27,7 @@ local existing = redis.call('HGET', KEYS[2], req_field)
 if existing then return {1, existing} end
 
 local meta = redis.call('HMGET', KEYS[1], 'start_ms', 'end_ms', 'limit')
-if not meta[1] then return {5, ''} end
+if not meta[1] then return {6, ''} end
 if now < tonumber(meta[1]) or now >= tonumber(meta[2]) then return {5, ''} end
 
 if redis.call('GET', KEYS[4]) ~= user then return {4, ''} end
@@ -65,6 +70,7 @@ end
 
 redis.call('HSET', KEYS[5], 'user', user, 'qty', qty, 'alloc', alloc,
   'req', req, 'status', 'occupied', 'ts', now)
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[5], 'coupon', ARGV[8]) end
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[7]))
 redis.call('ZADD', KEYS[6], now, order_no)
 redis.call('HSET', KEYS[2], req_field, order_no)

@@ -1,0 +1,254 @@
+//! The idempotent producer, with a delivery outcome of three values.
+//!
+//! A publish that did not end in an acknowledgement is not a "no": a
+//! message that timed out after it was sent may be on the broker all the
+//! same. librdkafka knows which of its failures were never transmitted
+//! (`rd_kafka_message_status`), so every publish here ends in one of:
+//!
+//! - delivered (`Ok`);
+//! - [`PublishError::QueueFull`] or [`PublishError::NotDelivered`]: the
+//!   broker definitely does not have it (never handed over, never sent, or
+//!   refused by the broker), so whatever it stood for may be undone;
+//! - [`PublishError::Unknown`]: sent, but no answer came back (a timeout, a
+//!   connection lost mid-request). The broker may have it: nothing may be
+//!   undone; send the same event again or let reconciliation decide.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use rdkafka::bindings::{rd_kafka_message_status, rd_kafka_msg_status_t};
+use rdkafka::client::ClientContext;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{DeliveryResult, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, Producer as _, ProducerContext, ThreadedProducer};
+use tokio::sync::oneshot;
+
+use crate::config::KafkaSettings;
+
+/// Why a publish did not end in an acknowledgement.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PublishError {
+    /// The local producer queue is full: never handed over (backpressure).
+    #[error("the producer queue is full")]
+    QueueFull,
+    /// Definitely not on the broker: refused before it was sent, never
+    /// transmitted before its timeout, or refused by the broker.
+    #[error("not delivered: {0}")]
+    NotDelivered(KafkaError),
+    /// Sent, but its fate is unknown (timed out or lost in transport after
+    /// transmission): the broker may have it.
+    #[error("delivery unknown: {0}")]
+    Unknown(KafkaError),
+}
+
+impl PublishError {
+    /// Whether this says nothing about the message itself, only that the
+    /// broker was unreachable, slow or busy. The outbox does not count
+    /// these as attempts: a broker outage never makes an event DEAD.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::QueueFull | Self::Unknown(_) => true,
+            Self::NotDelivered(e) => e.rdkafka_error_code().is_none_or(is_transport),
+        }
+    }
+
+    /// The metric label: `queue_full`, `not_delivered` or `unknown`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::QueueFull => "queue_full",
+            Self::NotDelivered(_) => "not_delivered",
+            Self::Unknown(_) => "unknown",
+        }
+    }
+}
+
+/// Error codes that describe the path to the broker, not the message.
+fn is_transport(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode::*;
+    matches!(
+        code,
+        MessageTimedOut
+            | QueueFull
+            | BrokerTransportFailure
+            | AllBrokersDown
+            | Resolve
+            | OperationTimedOut
+            | RequestTimedOut
+            | NetworkException
+            | LeaderNotAvailable
+            | NotLeaderForPartition
+            | UnknownTopicOrPartition
+            | UnknownTopic
+            | UnknownPartition
+            | NotEnoughReplicas
+            | NotEnoughReplicasAfterAppend
+            | NotCoordinator
+            | CoordinatorNotAvailable
+            | BrokerNotAvailable
+            | ReplicaNotAvailable
+            | BrokerDestroy
+            | DestroyBroker
+            | PurgeQueue
+            | PurgeInflight
+            | Fatal
+            | WaitingForCoordinator
+            | TimedOutQueue
+            | KafkaStorageError
+    )
+}
+
+/// What a delivery callback hands back.
+type Outcome = Result<(), PublishError>;
+
+/// Turns librdkafka's delivery reports into [`Outcome`]s.
+struct DeliveryContext;
+
+impl ClientContext for DeliveryContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        // Transport errors repeat every few seconds while a broker is away;
+        // the delivery outcomes carry what matters.
+        tracing::debug!(error = %error, reason, "kafka producer");
+    }
+}
+
+impl ProducerContext for DeliveryContext {
+    type DeliveryOpaque = Box<oneshot::Sender<Outcome>>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, tx: Self::DeliveryOpaque) {
+        let outcome = match result {
+            Ok(_) => Ok(()),
+            Err((error, message)) => {
+                // SAFETY: the message is alive for the duration of this
+                // callback, and the status call only reads it.
+                let status = unsafe { rd_kafka_message_status(message.ptr()) };
+                Err(match status {
+                    rd_kafka_msg_status_t::RD_KAFKA_MSG_STATUS_NOT_PERSISTED => {
+                        PublishError::NotDelivered(error.clone())
+                    }
+                    _ => PublishError::Unknown(error.clone()),
+                })
+            }
+        };
+        // The publisher may have stopped waiting (its request ended): fine.
+        let _ = tx.send(outcome);
+    }
+}
+
+/// The idempotent producer: `acks=all`, retried by librdkafka without
+/// duplicates or reordering within a partition until
+/// `kafka.message_timeout_ms`. Cheap to clone.
+#[derive(Clone)]
+pub struct Producer {
+    inner: Arc<ThreadedProducer<DeliveryContext>>,
+}
+
+impl Producer {
+    /// Creates the producer (it connects on first use).
+    pub fn new(settings: &KafkaSettings) -> anyhow::Result<Self> {
+        let inner = super::client_config(settings)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "2")
+            .set("queue.buffering.max.messages", "200000")
+            .set(
+                "message.timeout.ms",
+                settings.message_timeout_ms.max(1000).to_string(),
+            )
+            .create_with_context(DeliveryContext)
+            .context("creating the Kafka producer")?;
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Hands one message to librdkafka now (so messages enqueued one after
+    /// another keep their order within a partition) and returns the wait
+    /// for its delivery report. A full queue is reported at once.
+    pub fn enqueue(
+        &self,
+        topic: &str,
+        key: &str,
+        payload: &[u8],
+        headers: Option<OwnedHeaders>,
+    ) -> Result<Delivery, PublishError> {
+        let (tx, rx) = oneshot::channel();
+        let mut record = BaseRecord::with_opaque_to(topic, Box::new(tx))
+            .key(key)
+            .payload(payload);
+        if let Some(h) = headers {
+            record = record.headers(h);
+        }
+        match self.inner.send(record) {
+            Ok(()) => Ok(Delivery(rx)),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                Err(PublishError::QueueFull)
+            }
+            // Refused before it was handed over: never sent.
+            Err((e, _)) => Err(PublishError::NotDelivered(e)),
+        }
+    }
+
+    /// Enqueues one message and waits for its delivery report.
+    pub async fn publish(
+        &self,
+        topic: &str,
+        key: &str,
+        payload: &[u8],
+        headers: Option<OwnedHeaders>,
+    ) -> Result<(), PublishError> {
+        self.enqueue(topic, key, payload, headers)?.await
+    }
+
+    /// Asks the cluster for its metadata: the readiness probe. Runs on the
+    /// blocking pool because `fetch_metadata` blocks.
+    pub async fn ping(&self, timeout: Duration) -> anyhow::Result<()> {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            let metadata = inner
+                .client()
+                .fetch_metadata(None, timeout)
+                .context("fetching cluster metadata")?;
+            anyhow::ensure!(
+                !metadata.brokers().is_empty(),
+                "the cluster reports no broker"
+            );
+            Ok(())
+        })
+        .await
+        .context("Kafka probe task failed")?
+    }
+}
+
+/// The wait for one delivery report.
+pub struct Delivery(oneshot::Receiver<Outcome>);
+
+impl Future for Delivery {
+    type Output = Outcome;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Outcome> {
+        std::pin::Pin::new(&mut self.0).poll(cx).map(|r| {
+            // The producer went away with the message in it (shutdown): it
+            // may or may not have been sent.
+            r.unwrap_or(Err(PublishError::Unknown(KafkaError::Canceled)))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_refusals_of_the_message_itself_count_as_attempts() {
+        let timed_out = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
+        assert!(PublishError::Unknown(timed_out.clone()).is_transient());
+        assert!(PublishError::NotDelivered(timed_out).is_transient());
+        assert!(PublishError::QueueFull.is_transient());
+        let too_large = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
+        assert!(!PublishError::NotDelivered(too_large).is_transient());
+    }
+}

@@ -1,0 +1,160 @@
+//! An activity Redis lost (restarted empty, flushed) is restored from the
+//! database by reconciliation, without overselling.
+//!
+//! The database's available count is exact only once every order event
+//! sent before the loss has either become a row or provably never will: a
+//! purchase admitted just before the loss may still be on its way to the
+//! broker (for up to `Settings::in_flight_bound_ms`) or waiting in Kafka.
+//! Restoring earlier would hand its unit out a second time. So the restore
+//! waits until that bound has passed since the loss was first seen AND the
+//! order consumers have committed every partition to its end (read after
+//! that moment); meanwhile purchases hear 503 RETRY_LATER. Senders stop
+//! re-sending once their reservation record is gone, so nothing new starts
+//! on its way after the loss.
+//!
+//! Then, from one database snapshot, in one MULTI/EXEC: the stock (the
+//! database's available), every order's request id (a replay gets its
+//! order), the holdings of live orders (the per-user limit), committed
+//! records for WAITING_PAY orders and released ones for cancelled or closed
+//! orders (a later release applies exactly once), and the meta last.
+
+use chrono::Utc;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Integer, Text, Timestamptz};
+
+use super::{Cutoff, Reconciler, Report};
+use crate::admission::WarmSpec;
+use crate::admission::gate::{Restore, RestoredOrder, RestoredState};
+use crate::store::{self, PgConn};
+
+#[derive(QueryableByName)]
+struct Row {
+    #[diesel(sql_type = BigInt)]
+    order_no: i64,
+    #[diesel(sql_type = BigInt)]
+    user_id: i64,
+    #[diesel(sql_type = Text)]
+    request_id: String,
+    #[diesel(sql_type = Integer)]
+    quantity: i32,
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: chrono::DateTime<Utc>,
+    /// Cancelled or closed recently enough that a release of it may still
+    /// come (within the reservation records' lifetime).
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    recently_closed: bool,
+}
+
+impl Reconciler {
+    /// Restores `activity_id` once it is provably safe; reports the loss
+    /// and what it waits for until then.
+    pub(super) async fn restore(
+        &self,
+        activity_id: i64,
+        cutoff: &Cutoff,
+    ) -> anyhow::Result<Report> {
+        let mut report = Report::new(activity_id);
+        let since = self
+            .gate
+            .restoring_since(activity_id, Utc::now().timestamp_millis())
+            .await?;
+        report.consistent = false;
+        report.differences.push(format!(
+            "Redis has no stock for this warmed activity (seen lost at {since} ms)"
+        ));
+        let bound = i64::try_from(self.settings.in_flight_bound_ms()).unwrap_or(i64::MAX / 2);
+        let safe_from = since.saturating_add(bound);
+        if cutoff.at_ms < safe_from || !cutoff.proven {
+            report.restoring = true;
+            report.differences.push(if cutoff.at_ms < safe_from {
+                format!(
+                    "restore waits {} ms more for events sent before the loss",
+                    safe_from - cutoff.at_ms
+                )
+            } else {
+                "restore waits for the order consumers to catch up".to_owned()
+            });
+            return Ok(report);
+        }
+        let ttl_secs = self.settings.admission.reservation_ttl_secs as f64;
+        let restore = store::run(&self.db, move |conn| {
+            Ok(conn
+                .build_transaction()
+                .read_only()
+                .repeatable_read()
+                .run(|conn| snapshot(conn, activity_id, ttl_secs))?)
+        })
+        .await?;
+        let Some(restore) = restore else {
+            return Ok(report);
+        };
+        self.gate.restore(&restore).await?;
+        self.metrics
+            .reconcile
+            .with_label_values(&["repair", "restored"])
+            .inc();
+        let live = restore
+            .orders
+            .iter()
+            .filter(|o| o.state == RestoredState::Live)
+            .count();
+        report.repaired.push(format!(
+            "restored from the database: {} units available, {} orders' request ids, {live} waiting for payment",
+            restore.spec.units,
+            restore.orders.len()
+        ));
+        tracing::warn!(
+            activity_id,
+            units = restore.spec.units,
+            orders = restore.orders.len(),
+            "activity restored into Redis from the database"
+        );
+        Ok(report)
+    }
+}
+
+/// The activity as the database knows it, in one snapshot.
+fn snapshot(conn: &mut PgConn, activity_id: i64, ttl_secs: f64) -> QueryResult<Option<Restore>> {
+    let Some((activity, stock)) = crate::activities::repo::find_with_stock(conn, activity_id)?
+    else {
+        return Ok(None);
+    };
+    let rows: Vec<Row> = diesel::sql_query(
+        "SELECT order_no, user_id, request_id, quantity, status, created_at, \
+           COALESCE(closed_at > now() - make_interval(secs => $2), false) AS recently_closed \
+         FROM orders WHERE activity_id = $1",
+    )
+    .bind::<BigInt, _>(activity_id)
+    .bind::<diesel::sql_types::Double, _>(ttl_secs)
+    .load(conn)?;
+    let orders = rows
+        .into_iter()
+        .map(|r| RestoredOrder {
+            order_no: r.order_no,
+            user_id: r.user_id,
+            quantity: r.quantity,
+            reserved_at_ms: r.created_at.timestamp_millis(),
+            holds: matches!(r.status.as_str(), "WAITING_PAY" | "PAID"),
+            state: match r.status.as_str() {
+                "WAITING_PAY" => RestoredState::Live,
+                "CANCELLED" | "CLOSED" if r.recently_closed => RestoredState::Released,
+                _ => RestoredState::Settled,
+            },
+            request_id: r.request_id,
+        })
+        .collect();
+    Ok(Some(Restore {
+        spec: WarmSpec {
+            activity_id,
+            start_ms: activity.start_at.timestamp_millis(),
+            end_ms: activity.end_at.timestamp_millis(),
+            per_user_limit: activity.per_user_limit,
+            units: stock.available,
+            price_cents: activity.price_cents,
+            buckets: activity.bucket_count(),
+        },
+        orders,
+    }))
+}
