@@ -33,6 +33,11 @@ enum Command {
         #[arg(value_enum, default_value = "up")]
         direction: Direction,
     },
+    /// Operate the transactional outbox.
+    Outbox {
+        #[command(subcommand)]
+        action: OutboxAction,
+    },
     /// Print a signed JWT for development and load tests.
     Token {
         /// The user id (`sub`).
@@ -52,6 +57,21 @@ enum Command {
         /// Also print the report as one JSON line.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum OutboxAction {
+    /// List the DEAD rows (the broker refused them `workers.relay_max_attempts` times), as JSON.
+    Dead,
+    /// Put DEAD rows back to be published again: those given with --id, or --all.
+    Requeue {
+        /// A DEAD row's id (repeatable).
+        #[arg(long = "id", required_unless_present = "all")]
+        ids: Vec<i64>,
+        /// Every DEAD row.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
     },
 }
 
@@ -97,6 +117,7 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Migrate { direction } => migrate(&settings, direction),
+        Command::Outbox { action } => outbox(&settings, action),
         Command::Token { user, admin, ttl } => {
             let role = if admin { Role::Admin } else { Role::User };
             println!(
@@ -145,6 +166,23 @@ async fn shutdown_signal() {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
+}
+
+fn outbox(settings: &Settings, action: OutboxAction) -> anyhow::Result<()> {
+    use seckill::outbox::relay;
+    let mut conn = PgConnection::establish(settings.postgres.url.expose_secret())
+        .context("connecting to PostgreSQL")?;
+    match action {
+        OutboxAction::Dead => {
+            let rows = relay::dead_rows(&mut conn)?;
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        }
+        OutboxAction::Requeue { ids, all } => {
+            let n = relay::requeue(&mut conn, (!all).then_some(ids.as_slice()))?;
+            println!("outbox: {n} DEAD rows put back to be published");
+        }
+    }
+    Ok(())
 }
 
 fn migrate(settings: &Settings, direction: Direction) -> anyhow::Result<()> {

@@ -143,6 +143,22 @@ pub async fn warmup(
             "the activity has ended",
         ));
     }
+    if activity.warmed_at.is_some()
+        && !state
+            .gate
+            .is_warm(id)
+            .await
+            .map_err(|e| ApiError::unavailable(e.into()))?
+    {
+        // Warmed before, gone from Redis now: loading the available count
+        // alone would forget every holding and request id (and hand out
+        // units of orders still in flight). Reconciliation restores it.
+        state.restore_wanted.notify_one();
+        return Err(ApiError::new(
+            ErrorCode::RetryLater,
+            "Redis lost this activity; reconciliation is restoring it",
+        ));
+    }
     let spec = WarmSpec {
         activity_id: id,
         start_ms: activity.start_at.timestamp_millis(),

@@ -9,6 +9,7 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::Headers;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
+use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::bus::events::OrderRequested;
 use seckill::bus::{Topics, client_config};
 use seckill::ids::OrderNo;
@@ -336,4 +337,200 @@ async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_throu
             .await,
         8_000_001
     );
+}
+
+#[tokio::test]
+async fn a_purchase_not_confirmed_within_its_budget_keeps_its_order_no_and_a_retry_gets_that_order_once()
+ {
+    // A budget shorter than the producer's linger (2 ms): no delivery report
+    // can come back in time, so the outcome is unknown when the buyer hears.
+    let app = spawn_app_with(|s| s.admission.publish_budget_ms = 1).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let token = app.purchase_token(1, activity).await;
+    let body = json!({"request_id": "slow", "token": token});
+    let res = app.order(1, activity, &body).await;
+    assert_eq!(res.status(), 503);
+    let first = json(res).await;
+    assert_eq!(first["code"], "RETRY_LATER", "{first}");
+    let order_no = first["order_no"]
+        .as_str()
+        .expect("the order_no it keeps")
+        .to_owned();
+    // Nothing was released and nothing forgotten.
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["redis_available"], 9);
+
+    // The buyer retries with the same request_id (its token is spent: the
+    // replay check comes first) until the purchase is confirmed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let confirmed = loop {
+        let res = app.order(1, activity, &body).await;
+        let status = res.status().as_u16();
+        let answer = json(res).await;
+        if status == 200 || status == 202 {
+            break answer;
+        }
+        assert_eq!(status, 503, "{answer}");
+        if answer["code"] == "RETRY_LATER" {
+            assert_eq!(answer["order_no"], order_no.as_str(), "the same order");
+        }
+        assert!(std::time::Instant::now() < deadline, "never confirmed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(confirmed["order_no"], order_no.as_str());
+    let stats = app.drained(activity, 1).await;
+    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 1);
+    assert_eq!(stats["db_locked"], 1);
+    assert_eq!(stats["redis_available"], 9);
+    assert_eq!(app.order_status(1, &order_no).await, "WAITING_PAY");
+    let again = json(app.order(1, activity, &body).await).await;
+    assert_eq!(
+        (again["order_no"].as_str(), again["status"].as_str()),
+        (Some(order_no.as_str()), Some("WAITING_PAY"))
+    );
+}
+
+#[tokio::test]
+async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_reservation_once() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    // A purchase admitted and acknowledged, whose event the database will
+    // refuse for good: a LOCK flow row with its number already exists.
+    let order_no = 777_000_009;
+    let token = app.purchase_token(2, activity).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    let reserved = gate
+        .reserve(&ReserveRequest {
+            activity_id: activity,
+            user_id: 2,
+            request_id: "poison",
+            token: &token,
+            quantity: 1,
+            order_no,
+            buckets: 1,
+            now_ms: now,
+            coupon_id: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(reserved, Admission::Accepted(order_no));
+    gate.ack(activity, &[order_no], now).await.unwrap();
+    app.execute(&format!(
+        "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) \
+         VALUES ({activity}, 'LOCK', {order_no}, 1)"
+    ))
+    .await;
+    let r = gate.reservation(activity, order_no).await.unwrap().unwrap();
+    let payload = r.event(activity, order_no).encode();
+    produce(&app, None, &order_no.to_string(), &payload).await;
+
+    let stats = app
+        .wait_for_stats(activity, 60, |s| s["orders"]["FAILED"] == 1)
+        .await;
+    assert_eq!(stats["reservations_open"], 0);
+    assert_eq!(stats["redis_available"], 5, "the unit is back");
+    assert_eq!(stats["db_available"], 5);
+    let order = json(
+        app.get(
+            &format!("/api/v1/orders/{order_no}"),
+            Some(&app.user_token(2)),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (order["status"].as_str(), order["failure_reason"].as_str()),
+        (Some("FAILED"), Some("DEAD_LETTERED"))
+    );
+    // Nothing is left for reconciliation to publish again, and the unit is
+    // not given back twice.
+    let report = json(
+        app.post_json(
+            "/api/v1/admin/reconcile",
+            &json!({}),
+            Some(&app.admin_token()),
+        )
+        .await,
+    )
+    .await;
+    assert!(!report.to_string().contains("published again"), "{report}");
+    assert_eq!(app.stats(activity).await["redis_available"], 5);
+    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 1);
+}
+
+#[tokio::test]
+async fn a_consumer_group_wedged_with_messages_waiting_is_rebuilt_reported_and_backpressured() {
+    // The group is stuck in a rebalance: a member that joined and then
+    // stopped polling holds it (until max.poll.interval.ms, five minutes),
+    // so the order consumer gets no partition while messages wait.
+    let app = spawn_app_with(|s| {
+        crate::helpers::without_order_consumer(s);
+        s.kafka.consumer_stall_secs = 3;
+        s.admission.lag_sample_ms = 200;
+    })
+    .await;
+    let activity = app.live_activity(20, 1, 1).await;
+    let kafka = app.settings.kafka.clone();
+    let topic = Topics::new(&kafka.topic_prefix).order_requested;
+    let group = seckill::bus::group_id(&kafka, consumer::CONSUMER);
+    let rogue = tokio::task::spawn_blocking(move || {
+        let rogue: rdkafka::consumer::BaseConsumer = client_config(&kafka)
+            .set("group.id", &group)
+            .create()
+            .unwrap();
+        rogue.subscribe(&[&topic]).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while rogue.assignment().unwrap().count() == 0 {
+            assert!(std::time::Instant::now() < deadline, "rogue never assigned");
+            let _ = rogue.poll(Duration::from_millis(100));
+        }
+        rogue // and it never polls again
+    })
+    .await
+    .unwrap();
+    let deps = ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let restarts = deps.metrics.consumer_restarts.clone();
+    let consumer = consumer::spawn(deps).unwrap();
+    // Purchases until the stall is noticed (503 BUSY) or five are in.
+    for user in 1..=5 {
+        let (status, body) = app.buy_once(user, activity).await;
+        assert!(status == 202 || status == 503, "{status} {body}");
+    }
+    let waiting = app.stats(activity).await["reservations_open"]
+        .as_i64()
+        .unwrap();
+    assert!(waiting >= 1, "the first purchase met no stall");
+
+    // Noticed, reported, backpressured, rebuilt.
+    let group = seckill::bus::group_id(&app.settings.kafka, consumer::CONSUMER);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while restarts.with_label_values(&[&group]).get() == 0 {
+        assert!(std::time::Instant::now() < deadline, "never rebuilt");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ready = app.get("/health/ready", None).await;
+    assert_eq!(ready.status(), 503);
+    let why = json(ready).await;
+    assert!(
+        why["message"]
+            .as_str()
+            .unwrap()
+            .contains("nothing committed"),
+        "{why}"
+    );
+    let (status, body) = app.buy_once(6, activity).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("BUSY")),
+        "{body}"
+    );
+
+    // The wedged member leaves: the orders flow, and everything recovers.
+    let _ = tokio::task::spawn_blocking(move || drop(rogue)).await;
+    app.drained(activity, waiting).await;
+    app.wait_until_ready().await;
+    assert_eq!(app.buy(6, activity).await.0, 202);
+    app.drained(activity, waiting + 1).await;
+    consumer.stop().await;
 }

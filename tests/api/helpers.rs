@@ -465,6 +465,42 @@ impl TestApp {
         assert_eq!(stats["redis_available"], 0);
     }
 
+    /// Runs one SQL statement on this test's database.
+    pub async fn execute(&self, sql: &str) {
+        let url = self.settings.postgres.url.expose_secret().to_owned();
+        let sql = sql.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = PgConnection::establish(&url).expect("connect");
+            diesel::sql_query(sql)
+                .execute(&mut conn)
+                .expect("statement");
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Runs the `seckill` binary with `args` against this test's database,
+    /// Redis prefix and topic prefix; its output (blocking, short commands).
+    pub fn seckill(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(env!("CARGO_BIN_EXE_seckill"))
+            .args(args)
+            .env("SECKILL_ENV", "test")
+            .env(
+                "SECKILL__POSTGRES__URL",
+                self.settings.postgres.url.expose_secret(),
+            )
+            .env(
+                "SECKILL__REDIS__KEY_PREFIX",
+                &self.settings.redis.key_prefix,
+            )
+            .env(
+                "SECKILL__KAFKA__TOPIC_PREFIX",
+                &self.settings.kafka.topic_prefix,
+            )
+            .output()
+            .expect("the seckill binary runs")
+    }
+
     /// One SQL count on this test's database.
     pub async fn count(&self, sql: &str) -> i64 {
         #[derive(diesel::QueryableByName)]

@@ -152,3 +152,46 @@ async fn two_relays_at_once_publish_every_event_and_redis_releases_each_once() {
     assert_eq!(seen, expected);
     let _ = tokio::task::spawn_blocking(move || drop(reader)).await;
 }
+
+#[tokio::test]
+async fn dead_rows_are_listed_and_an_operator_command_puts_them_back_to_be_published() {
+    let app = spawn_app_with(|s| s.workers.relay_enabled = false).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 3).await;
+    cancel_all(&app, &orders).await;
+    // As if the broker had refused them relay_max_attempts times.
+    app.execute(
+        "UPDATE outbox SET status = 'DEAD', attempts = 20, last_error = 'refused' \
+         WHERE topic = 'stock.released'",
+    )
+    .await;
+    assert_eq!(outbox_count(&app, "DEAD").await, 3);
+
+    let listed = app.seckill(&["outbox", "dead"]);
+    assert!(listed.status.success(), "{listed:?}");
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(rows.len(), 3);
+    assert!(rows.iter().all(|r| r["last_error"] == "refused"));
+
+    let first = rows[0]["id"].as_i64().unwrap().to_string();
+    let one = app.seckill(&["outbox", "requeue", "--id", &first]);
+    assert!(one.status.success(), "{one:?}");
+    assert_eq!(outbox_count(&app, "DEAD").await, 2);
+    let rest = app.seckill(&["outbox", "requeue", "--all"]);
+    assert!(rest.status.success(), "{rest:?}");
+    assert_eq!(outbox_count(&app, "NEW").await, 3);
+    assert_eq!(
+        app.count("SELECT max(attempts)::bigint AS n FROM outbox")
+            .await,
+        0
+    );
+
+    // A relay publishes them, and Redis gets the units back once.
+    let relay = relay::spawn(AppState::connect(app.settings.clone()).unwrap().relay());
+    let stats = app
+        .wait_for_stats(activity, 30, |s| s["redis_available"] == 10)
+        .await;
+    relay.stop().await;
+    assert_eq!(outbox_count(&app, "SENT").await, 3);
+    assert_eq!(stats["db_available"], 10);
+}

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use seckill::admission::gate::VoidClaim;
 use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::bus::Topics;
 use seckill::bus::events::OrderRequested;
@@ -390,4 +391,212 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
             .iter()
             .all(|a| a["activity_id"] != activity)
     );
+}
+
+#[tokio::test]
+async fn a_reservation_being_voided_never_turns_into_a_202_and_one_sent_lately_is_not_voided() {
+    // No consumer and nothing published: the consumers have provably
+    // applied everything, so the publish window applies.
+    let app = spawn_app_with(crate::helpers::without_order_consumer).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let a_minute_ago = chrono::Utc::now().timestamp_millis() - 60_000;
+    orphan_made_at(&app, activity, 2, 777_000_004, a_minute_ago).await;
+    orphan_made_at(&app, activity, 3, 777_000_005, a_minute_ago).await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let now = chrono::Utc::now().timestamp_millis();
+    // 777000005's event is being sent again right now (a retry's copy).
+    gate.sending(activity, 777_000_005, now).await.unwrap();
+    // 777000004 is claimed by a reconciliation that stopped half-way.
+    assert_eq!(
+        gate.claim_void(activity, 777_000_004, now).await.unwrap(),
+        VoidClaim::Claimed
+    );
+
+    // Its buyer retries: it may not be confirmed now.
+    let retry = |user: i64| {
+        let app = &app;
+        async move {
+            let token = app.purchase_token(user, activity).await;
+            let res = app
+                .order(
+                    user,
+                    activity,
+                    &json!({"request_id": "crashed", "token": token}),
+                )
+                .await;
+            (res.status().as_u16(), json(res).await)
+        }
+    };
+    let (status, body) = retry(2).await;
+    assert_eq!(
+        (status, body["code"].as_str(), body["order_no"].as_str()),
+        (503, Some("RETRY_LATER"), Some("777000004")),
+        "{body}"
+    );
+
+    let r = reconcile_until_repaired(&app, activity).await;
+    let repaired = r["repaired"].to_string();
+    assert!(repaired.contains("voided reservation 777000004"), "{r}");
+    assert!(!repaired.contains("777000005"), "sent lately: {r}");
+    let (status, body) = retry(2).await;
+    assert_eq!(
+        (status, body["status"].as_str()),
+        (200, Some("FAILED")),
+        "{body}"
+    );
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["reservations_open"], 1, "777000005 stays open");
+    assert_eq!(stats["redis_available"], 4);
+}
+
+#[tokio::test]
+async fn a_release_redis_has_not_seen_is_applied_by_reconciliation_and_the_releaser_then_adds_nothing()
+ {
+    let app = spawn_app_with(|s| s.workers.releaser_enabled = false).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 2).await;
+    let (user, order_no) = &orders[0];
+    assert_eq!(app.cancel(*user, order_no).await.status(), 200);
+    let stats = app.stats(activity).await;
+    assert_eq!(
+        (
+            stats["db_available"].as_i64(),
+            stats["redis_available"].as_i64()
+        ),
+        (Some(9), Some(8))
+    );
+
+    let r = reconcile_until_repaired(&app, activity).await;
+    assert!(
+        r["repaired"][0].as_str().unwrap().contains("gave 1 units"),
+        "{r}"
+    );
+    assert_eq!(app.stats(activity).await["redis_available"], 9);
+    assert_eq!(report(&reconcile(&app).await, activity)["consistent"], true);
+
+    // The releaser comes back and applies the same stock.released event:
+    // release.lua already has it, so no unit is added twice.
+    let deps = seckill::orders::consumer::ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let applied = deps.metrics.stock_released.clone();
+    let releaser = seckill::orders::releaser::spawn(deps).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while applied.with_label_values(&["already"]).get() == 0 {
+        assert!(std::time::Instant::now() < deadline, "event never applied");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    releaser.stop().await;
+    assert_eq!(applied.with_label_values(&["released"]).get(), 0);
+    assert_eq!(app.stats(activity).await["redis_available"], 9);
+}
+
+#[tokio::test]
+async fn only_the_holder_of_the_lease_reconciles() {
+    let app = spawn_app().await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    // The server's own periodic run may hold it a moment.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !gate
+        .try_lease("reconcile", "another", 60_000)
+        .await
+        .unwrap()
+    {
+        assert!(std::time::Instant::now() < deadline, "lease never free");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reconciler = seckill::app::AppState::connect(app.settings.clone())
+        .unwrap()
+        .reconciler();
+    assert!(reconciler.run().await.unwrap().is_none(), "held elsewhere");
+    gate.end_lease("reconcile", "another").await.unwrap();
+    assert!(reconciler.run().await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_orders_and_limits()
+{
+    // Short Kafka timeouts, so the wait for events sent before the loss is
+    // a few seconds here.
+    let app = spawn_app_with(|s| {
+        s.kafka.message_timeout_ms = 1000;
+        s.admission.publish_budget_ms = 1000;
+        s.reconcile.publish_window_secs = 3;
+        s.reconcile.interval_secs = 1;
+    })
+    .await;
+    let activity = app.live_activity(20, 1, 2).await;
+    let mut order_nos = Vec::new();
+    for user in 1..=5 {
+        let token = app.purchase_token(user, activity).await;
+        let body = json!({"request_id": format!("r{user}"), "token": token});
+        let (status, body) = app.order_retrying(user, activity, &body).await;
+        assert_eq!(status, 202, "{body}");
+        order_nos.push(body["order_no"].as_str().unwrap().to_owned());
+    }
+    app.drained(activity, 5).await;
+    assert_eq!(app.cancel(1, &order_nos[0]).await.status(), 200);
+    app.wait_for_stats(activity, 30, |s| s["redis_available"] == 16)
+        .await;
+
+    // Redis loses everything of the activity.
+    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let pattern = format!("{}{{a:{activity}}}:*", app.settings.redis.key_prefix);
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(&keys)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let (status, body) = app.buy_once(6, activity).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("RETRY_LATER")),
+        "told to retry, not NOT_ACTIVE: {body}"
+    );
+    // A plain warm-up would forget every holding and request id: refused.
+    let warm = app
+        .post_json(
+            &format!("/api/v1/admin/activities/{activity}/warmup"),
+            &json!({}),
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(warm.status(), 503);
+
+    // Restored by itself: the database's stock, replays and limits.
+    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 16)
+        .await;
+    let token = app.purchase_token(2, activity).await;
+    let (status, replay) = app
+        .order_retrying(2, activity, &json!({"request_id": "r2", "token": token}))
+        .await;
+    assert_eq!(status, 200, "{replay}");
+    assert_eq!(replay["order_no"], order_nos[1].as_str());
+    assert_eq!(replay["status"], "WAITING_PAY");
+    let (status, body) = app.buy(3, activity).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("LIMIT_EXCEEDED"))
+    );
+    assert_eq!(
+        app.buy(1, activity).await.0,
+        202,
+        "its cancel freed the limit"
+    );
+    assert_eq!(app.buy(6, activity).await.0, 202);
+    let stats = app.drained(activity, 6).await;
+    assert_eq!(stats["redis_available"], 14);
+    assert_eq!(stats["db_available"], 14);
+    assert_eq!(stats["db_locked"], 6);
+    // A later cancel gives its unit back once.
+    assert_eq!(app.cancel(2, &order_nos[1]).await.status(), 200);
+    app.wait_for_stats(activity, 30, |s| s["redis_available"] == 15)
+        .await;
+    let r = report(&reconcile(&app).await, activity);
+    assert_eq!(r["consistent"], true, "{r}");
+    assert_eq!(app.stats(activity).await["redis_available"], 15);
 }
