@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Redis, PostgreSQL and Apache Kafka (KRaft) for seckill, on loopback.
 #
-#   scripts/services.sh up      install what is missing, start, wait until each answers
-#   scripts/services.sh down    stop what this script started (nothing else)
-#   scripts/services.sh status  where each listens, where its log is
+#   scripts/services.sh up           install what is missing, start, wait until each answers
+#   scripts/services.sh down         stop what this script started (nothing else)
+#   scripts/services.sh stop NAME    stop one of them: redis, postgres or kafka
+#   scripts/services.sh status       where each listens, where its log is
+#
+# SECKILL_SERVICES_DIR puts the data elsewhere and the SECKILL__* address
+# overrides move the ports: scripts/chaos.sh runs a second set this way.
 #
 # Addresses come from the server's own configuration (scripts/settings.py reads
 # config/default.toml, config/$SECKILL_ENV.toml and SECKILL__* overrides), so
@@ -291,12 +295,21 @@ case "${1:-}" in
     redis_down
     log "stopped"
     ;;
+  stop)
+    load_settings
+    case "${2:-}" in
+      redis) redis_down ;;
+      postgres) pg_down ;;
+      kafka) kafka_down ;;
+      *) echo "usage: $0 stop redis|postgres|kafka" >&2; exit 2 ;;
+    esac
+    ;;
   status)
     load_settings
     status
     ;;
   *)
-    echo "usage: $0 up|down|status" >&2
+    echo "usage: $0 up|down|stop NAME|status" >&2
     exit 2
     ;;
 esac

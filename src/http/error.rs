@@ -180,8 +180,19 @@ impl ApiError {
     /// A dependency (Redis, PostgreSQL, Kafka) failed: 503 RETRY_LATER, or
     /// 500 when the database answered with an error that is ours. Logged once.
     pub fn unavailable(error: anyhow::Error) -> Self {
+        use diesel::result::{DatabaseErrorKind, Error as DieselError};
+        // A connection the database closed (a restart) is the database
+        // being away, not a fault of ours.
+        let connection_lost = matches!(
+            error.downcast_ref::<DieselError>(),
+            Some(DieselError::DatabaseError(
+                DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
+                _
+            ))
+        );
         if error.downcast_ref::<crate::store::Unavailable>().is_none()
             && error.downcast_ref::<redis::RedisError>().is_none()
+            && !connection_lost
         {
             return Self::unexpected(error);
         }

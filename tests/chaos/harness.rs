@@ -1,0 +1,696 @@
+//! The fault-test harness: the services of `scripts/chaos.sh`, a real
+//! `seckill serve` process, a crowd of buyers that retry like real clients,
+//! and the invariant check that follows every fault.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
+use futures_util::future::join_all;
+use seckill::config::Settings;
+use seckill::http::auth::{JwtKeys, Role};
+use secrecy::{ExposeSecret, SecretString};
+use serde_json::{Value, json};
+
+/// How long buyers keep retrying, and how long the system may take to
+/// settle after the fault: sized for a loaded 2-core machine three times
+/// slower than the one the tests were written on.
+const BUYER_PATIENCE: Duration = Duration::from_secs(300);
+const SETTLE_WITHIN: Duration = Duration::from_secs(300);
+
+/// Buyers start at this rate, so the fault lands in the middle of the
+/// burst and the burst goes on through it.
+const BUYERS_PER_SEC: f64 = 150.0;
+
+/// Runs `f` when dropped (a stopped broker is resumed even if the test
+/// panics).
+pub struct OnDrop<F: FnMut()>(pub F);
+
+impl<F: FnMut()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)();
+    }
+}
+
+/// Sends `sig` (STOP, CONT, KILL) to `pid`.
+pub fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill -{sig} {pid}");
+}
+
+/// The services `scripts/chaos.sh` started.
+pub struct Services {
+    root: PathBuf,
+    state: PathBuf,
+}
+
+impl Services {
+    fn from_env() -> Self {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let state = std::env::var_os("SECKILL_SERVICES_DIR")
+            .map(PathBuf::from)
+            .expect("SECKILL_SERVICES_DIR (set by scripts/chaos.sh)");
+        Self { root, state }
+    }
+
+    /// The process id of `name` (kafka or redis), from its pid file.
+    pub fn pid(&self, name: &str) -> u32 {
+        let file = self.state.join(name).join(format!("{name}.pid"));
+        std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+            .trim()
+            .parse()
+            .expect("a pid")
+    }
+
+    /// `scripts/services.sh up`: starts whatever is not running, waits
+    /// until each answers.
+    pub async fn up(&self) {
+        self.script(&["up"]).await;
+    }
+
+    /// `scripts/services.sh stop NAME`.
+    pub async fn stop(&self, name: &str) {
+        self.script(&["stop", name]).await;
+    }
+
+    async fn script(&self, args: &[&str]) {
+        let script = self.root.join("scripts/services.sh");
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let status = tokio::task::spawn_blocking(move || {
+            Command::new(script)
+                .args(&args)
+                .stdout(Stdio::null())
+                .status()
+        })
+        .await
+        .unwrap()
+        .expect("services.sh runs");
+        assert!(status.success(), "services.sh failed");
+    }
+
+    /// FLUSHALL on the chaos Redis.
+    pub async fn flush_redis(&self) {
+        let settings = Settings::load_env("test").expect("settings");
+        let client = redis::Client::open(settings.redis.url.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    }
+}
+
+/// One fault test's world: its own database, key and topic prefixes, and
+/// a `seckill serve` process on a port of its own.
+pub struct Chaos {
+    /// The services under fault.
+    pub services: Services,
+    name: String,
+    settings: Settings,
+    env: Vec<(&'static str, String)>,
+    port: u16,
+    server: Mutex<Option<Child>>,
+    generation: Mutex<u32>,
+    keys: JwtKeys,
+    client: reqwest::Client,
+    db_name: String,
+}
+
+impl Chaos {
+    /// A fresh world with the server running.
+    pub async fn start(name: &str) -> Self {
+        Self::start_with(name, |_| {}).await
+    }
+
+    /// Like [`Chaos::start`], with extra server environment.
+    pub async fn start_with(
+        name: &str,
+        extra: impl FnOnce(&mut Vec<(&'static str, String)>),
+    ) -> Self {
+        assert_eq!(
+            std::env::var("SECKILL_CHAOS").as_deref(),
+            Ok("1"),
+            "fault tests stop and kill services: run them with scripts/chaos.sh"
+        );
+        let services = Services::from_env();
+        services.up().await;
+        let mut settings = Settings::load_env("test").expect("test settings load");
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let db_name = format!("seckill_chaos_{id}");
+        settings.postgres.url = create_database(&settings.postgres.url, &db_name).await;
+        settings.redis.key_prefix = format!("c{id}:");
+        settings.kafka.topic_prefix = format!("c{id}.");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut env = vec![
+            ("SECKILL_ENV", "test".to_owned()),
+            ("SECKILL__APP__PORT", port.to_string()),
+            (
+                "SECKILL__POSTGRES__URL",
+                settings.postgres.url.expose_secret().to_owned(),
+            ),
+            (
+                "SECKILL__REDIS__KEY_PREFIX",
+                settings.redis.key_prefix.clone(),
+            ),
+            (
+                "SECKILL__KAFKA__TOPIC_PREFIX",
+                settings.kafka.topic_prefix.clone(),
+            ),
+            ("SECKILL__LOG__LEVEL", "info".to_owned()),
+            // Short enough that what a fault leaves over is decided within
+            // the test: librdkafka retries a message 5 s, a purchase waits
+            // 3 s for its report, reservations are voided (and a lost Redis
+            // restored) 13 s after their last send, reconciliation runs
+            // every 2 s, a consumer stalled for 10 s is rebuilt.
+            ("SECKILL__KAFKA__MESSAGE_TIMEOUT_MS", "5000".to_owned()),
+            ("SECKILL__ADMISSION__PUBLISH_BUDGET_MS", "3000".to_owned()),
+            ("SECKILL__RECONCILE__PUBLISH_WINDOW_SECS", "13".to_owned()),
+            ("SECKILL__RECONCILE__INTERVAL_SECS", "2".to_owned()),
+            ("SECKILL__KAFKA__CONSUMER_STALL_SECS", "10".to_owned()),
+        ];
+        extra(&mut env);
+        let chaos = Self {
+            services,
+            name: name.to_owned(),
+            keys: JwtKeys::new(&settings.auth.jwt_secret).expect("jwt keys"),
+            settings,
+            env,
+            port,
+            server: Mutex::new(None),
+            generation: Mutex::new(0),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(20))
+                .build()
+                .unwrap(),
+            db_name,
+        };
+        chaos.restart_server().await;
+        chaos
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// Starts the server (again) and waits until it is ready.
+    pub async fn restart_server(&self) {
+        let log = {
+            let mut generation = self.generation.lock().unwrap();
+            *generation += 1;
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+            std::fs::create_dir_all(&dir).unwrap();
+            dir.join(format!("{}.{}.log", self.name, *generation))
+        };
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_seckill"))
+            .arg("serve")
+            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .expect("seckill serve starts");
+        *self.server.lock().unwrap() = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(res) = self.client.get(self.url("/health/ready")).send().await
+                && res.status() == 200
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server never ready; see {}",
+                log.display()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// How many lines of the server's logs (every start of it) contain
+    /// `needle`: proof that a fault hit what it was aimed at.
+    pub fn log_lines_with(&self, needle: &str) -> usize {
+        let generations = *self.generation.lock().unwrap();
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+        (1..=generations)
+            .filter_map(|g| {
+                std::fs::read_to_string(dir.join(format!("{}.{g}.log", self.name))).ok()
+            })
+            .map(|log| log.lines().filter(|l| l.contains(needle)).count())
+            .sum()
+    }
+
+    /// SIGKILL to the server: no shutdown path runs.
+    pub fn kill_server(&self) {
+        if let Some(mut child) = self.server.lock().unwrap().take() {
+            child.kill().expect("SIGKILL");
+            child.wait().expect("reaped");
+        }
+    }
+
+    fn admin(&self) -> String {
+        self.keys.mint(1, Role::Admin, 3600).unwrap()
+    }
+
+    fn user(&self, id: i64) -> String {
+        self.keys.mint(id, Role::User, 3600).unwrap()
+    }
+
+    async fn stats(&self, activity: i64) -> Option<Value> {
+        let res = self
+            .client
+            .get(self.url(&format!("/api/v1/admin/activities/{activity}/stats")))
+            .bearer_auth(self.admin())
+            .send()
+            .await
+            .ok()?;
+        if res.status() != 200 {
+            return None;
+        }
+        res.json().await.ok()
+    }
+
+    /// Waits until the sale has settled after the fault (nothing open or
+    /// processing, Redis = database), then checks the invariants.
+    pub async fn settle_and_check(&self, sale: &Sale<'_>, outcome: &Outcome) {
+        let accepted: Vec<&Bought> = outcome.bought.iter().filter(|b| b.accepted).collect();
+        eprintln!("{}: {}", self.name, outcome.summary());
+        assert!(
+            !accepted.is_empty(),
+            "nothing was accepted: {}",
+            outcome.summary()
+        );
+        let orders: Vec<String> = accepted.iter().filter_map(|b| b.order_no.clone()).collect();
+        let distinct: HashSet<&String> = orders.iter().collect();
+        assert_eq!(
+            orders.len(),
+            accepted.len(),
+            "every acceptance names its order"
+        );
+        assert_eq!(distinct.len(), orders.len(), "no order_no accepted twice");
+
+        let started = Instant::now();
+        let stats = loop {
+            let stats = self.stats(sale.activity).await;
+            let waiting = self.count_waiting(&orders).await;
+            if let Some(s) = &stats
+                && s["reservations_open"] == 0
+                && s["orders"]["PROCESSING"] == 0
+                && s["redis_available"] == s["db_available"]
+                && waiting == orders.len() as i64
+            {
+                break s.clone();
+            }
+            if started.elapsed() > SETTLE_WITHIN {
+                let lost = self.not_waiting(&orders).await;
+                panic!(
+                    "{}: not settled in {}s: {stats:?}; accepted but not WAITING_PAY: {lost:?}; server logs under target/chaos/{}.*.log",
+                    self.name,
+                    SETTLE_WITHIN.as_secs(),
+                    self.name
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        eprintln!(
+            "{}: settled {:.1}s after the burst: {stats}",
+            self.name,
+            started.elapsed().as_secs_f64()
+        );
+
+        // I4: every accepted purchase is an order waiting for payment,
+        // under the buyer's own request_id.
+        assert_eq!(self.not_waiting(&orders).await, Vec::<String>::new());
+        for b in &accepted {
+            let sql = format!(
+                "SELECT count(*) AS n FROM orders WHERE order_no = {} AND user_id = {} AND request_id = '{}'",
+                b.order_no.as_deref().unwrap(),
+                b.user,
+                b.request_id
+            );
+            assert_eq!(self.count(&sql).await, 1, "order of buyer {}", b.user);
+        }
+        // I3: one order per request.
+        assert_eq!(
+            self.count(
+                "SELECT count(*) AS n FROM (SELECT 1 FROM orders \
+                 GROUP BY activity_id, user_id, request_id HAVING count(*) > 1) d"
+            )
+            .await,
+            0
+        );
+        // I2: no buyer over the limit (1).
+        assert_eq!(
+            self.count(
+                "SELECT count(*) AS n FROM (SELECT user_id FROM orders \
+                 WHERE status IN ('WAITING_PAY', 'PAID') GROUP BY user_id \
+                 HAVING sum(quantity) > 1) o"
+            )
+            .await,
+            0
+        );
+        // I1 / I7: conservation, locked = Σ WAITING_PAY, Redis = database.
+        let total = stats["stock_total"].as_i64().unwrap();
+        let available = stats["db_available"].as_i64().unwrap();
+        let locked = stats["db_locked"].as_i64().unwrap();
+        let sold = stats["db_sold"].as_i64().unwrap();
+        assert_eq!(total, available + locked + sold, "{stats}");
+        assert!(
+            available >= 0 && locked + sold <= i64::from(sale.stock),
+            "{stats}"
+        );
+        assert_eq!(
+            locked,
+            self.count("SELECT COALESCE(sum(quantity), 0)::bigint AS n FROM orders WHERE status = 'WAITING_PAY'")
+                .await,
+            "locked = Σ WAITING_PAY"
+        );
+        assert_eq!(stats["redis_available"], stats["db_available"], "{stats}");
+        assert!(
+            locked >= accepted.len() as i64,
+            "every acceptance holds a unit: {stats}"
+        );
+    }
+
+    async fn count_waiting(&self, orders: &[String]) -> i64 {
+        if orders.is_empty() {
+            return 0;
+        }
+        self.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE status = 'WAITING_PAY' AND order_no IN ({})",
+            orders.join(",")
+        ))
+        .await
+    }
+
+    async fn not_waiting(&self, orders: &[String]) -> Vec<String> {
+        let mut lost = Vec::new();
+        for chunk in orders.chunks(500) {
+            let waiting = self
+                .strings(&format!(
+                    "SELECT order_no::text AS s FROM orders WHERE status = 'WAITING_PAY' AND order_no IN ({})",
+                    chunk.join(",")
+                ))
+                .await;
+            lost.extend(chunk.iter().filter(|o| !waiting.contains(*o)).cloned());
+        }
+        lost
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        #[derive(QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let url = self.settings.postgres.url.expose_secret().to_owned();
+        let sql = sql.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = PgConnection::establish(&url).expect("connect");
+            diesel::sql_query(sql)
+                .get_result::<N>(&mut conn)
+                .expect("count")
+                .n
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn strings(&self, sql: &str) -> HashSet<String> {
+        #[derive(QueryableByName)]
+        struct S {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            s: String,
+        }
+        let url = self.settings.postgres.url.expose_secret().to_owned();
+        let sql = sql.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = PgConnection::establish(&url).expect("connect");
+            diesel::sql_query(sql)
+                .load::<S>(&mut conn)
+                .expect("query")
+                .into_iter()
+                .map(|r| r.s)
+                .collect()
+        })
+        .await
+        .unwrap()
+    }
+}
+
+impl Drop for Chaos {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.server.lock().unwrap().take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::env::var_os("SECKILL_TEST_KEEP").is_some() {
+            eprintln!("kept: database {}", self.db_name);
+            return;
+        }
+        let url = self.settings.postgres.url.expose_secret().to_owned();
+        let name = self.db_name.clone();
+        let _ = std::thread::spawn(move || {
+            let (server, _) = url.rsplit_once('/').unwrap();
+            if let Ok(mut conn) = PgConnection::establish(&format!("{server}/postgres")) {
+                let _ =
+                    diesel::sql_query(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                        .execute(&mut conn);
+            }
+        })
+        .join();
+    }
+}
+
+async fn create_database(base: &SecretString, name: &str) -> SecretString {
+    let base = base.expose_secret().to_owned();
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut admin = PgConnection::establish(&base).expect("connect to the main database");
+        diesel::sql_query(format!("CREATE DATABASE \"{name}\""))
+            .execute(&mut admin)
+            .expect("create the database");
+        let (server, _) = base.rsplit_once('/').unwrap();
+        let url = format!("{server}/{name}");
+        let mut conn = PgConnection::establish(&url).expect("connect to it");
+        seckill::store::migrate_up(&mut conn).expect("migrations apply");
+        SecretString::from(url)
+    })
+    .await
+    .unwrap()
+}
+
+/// When the fault strikes.
+pub enum Fault {
+    /// This far into the burst (a fraction of the buyers' start times).
+    At(f64),
+}
+
+/// A sale of `stock` units (limit 1 each) to `buyers` buyers.
+pub struct Sale<'a> {
+    chaos: &'a Chaos,
+    /// The activity.
+    pub activity: i64,
+    buyers: i64,
+    /// Units on sale.
+    pub stock: i32,
+}
+
+/// What one buyer ended with.
+#[derive(Debug, Clone)]
+pub struct Bought {
+    user: i64,
+    request_id: String,
+    /// Accepted (202, or a 2xx replay after a retry that was not FAILED).
+    pub accepted: bool,
+    order_no: Option<String>,
+    /// The last answer: status and code.
+    last: String,
+    attempts: u32,
+}
+
+/// Every buyer's end.
+pub struct Outcome {
+    bought: Vec<Bought>,
+}
+
+impl Outcome {
+    fn summary(&self) -> String {
+        let mut by_end = std::collections::BTreeMap::<String, usize>::new();
+        for b in &self.bought {
+            *by_end.entry(b.last.clone()).or_default() += 1;
+        }
+        let retried = self.bought.iter().filter(|b| b.attempts > 1).count();
+        let most = self.bought.iter().map(|b| b.attempts).max().unwrap_or(0);
+        format!(
+            "{} buyers, {} accepted; ends {by_end:?}; {retried} retried (at most {most} attempts)",
+            self.bought.len(),
+            self.bought.iter().filter(|b| b.accepted).count()
+        )
+    }
+}
+
+impl<'a> Sale<'a> {
+    /// Creates and warms the activity.
+    pub async fn new(chaos: &'a Chaos, buyers: i64, stock: i32) -> Self {
+        let now = chrono::Utc::now();
+        let body = json!({
+            "sku_id": 1001, "name": "Phone", "price_cents": 9900, "stock": stock,
+            "start_at": now - chrono::Duration::seconds(60),
+            "end_at": now + chrono::Duration::seconds(3600),
+            "per_user_limit": 1, "pay_timeout_secs": 3600, "buckets": 2,
+        });
+        let res = chaos
+            .client
+            .post(chaos.url("/api/v1/admin/activities"))
+            .bearer_auth(chaos.admin())
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        let activity = res.json::<Value>().await.unwrap()["activity_id"]
+            .as_i64()
+            .unwrap();
+        let res = chaos
+            .client
+            .post(chaos.url(&format!("/api/v1/admin/activities/{activity}/warmup")))
+            .bearer_auth(chaos.admin())
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        Self {
+            chaos,
+            activity,
+            buyers,
+            stock,
+        }
+    }
+
+    /// Starts the buyers at [`BUYERS_PER_SEC`], runs `fault` when the
+    /// burst is `fault`'s way in, and returns once every buyer is done.
+    pub async fn run_with_fault<F, Fut>(&self, when: Fault, fault: F) -> Outcome
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = ()>,
+    {
+        let Fault::At(fraction) = when;
+        let burst = Duration::from_secs_f64(self.buyers as f64 / BUYERS_PER_SEC);
+        let started = Instant::now();
+        let buyers = join_all((1..=self.buyers).map(|user| {
+            let start_at = started + burst.mul_f64((user - 1) as f64 / self.buyers as f64);
+            async move {
+                tokio::time::sleep_until(start_at.into()).await;
+                self.buyer(user).await
+            }
+        }));
+        let faulting = async {
+            tokio::time::sleep(burst.mul_f64(fraction)).await;
+            eprintln!(
+                "{}: fault at {:.1}s",
+                self.chaos.name,
+                started.elapsed().as_secs_f64()
+            );
+            fault().await;
+            eprintln!(
+                "{}: fault over at {:.1}s",
+                self.chaos.name,
+                started.elapsed().as_secs_f64()
+            );
+        };
+        let (bought, ()) = tokio::join!(buyers, faulting);
+        eprintln!(
+            "{}: burst over at {:.1}s",
+            self.chaos.name,
+            started.elapsed().as_secs_f64()
+        );
+        Outcome { bought }
+    }
+
+    /// One buyer: a token, then the purchase; a 503 or a dropped
+    /// connection is retried with the same request_id (a new token each
+    /// time, as the old one may be spent or lost) until a final answer.
+    async fn buyer(&self, user: i64) -> Bought {
+        let c = self.chaos;
+        let jwt = c.user(user);
+        let request_id = format!(
+            "b{user}-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        let give_up = Instant::now() + BUYER_PATIENCE;
+        let mut bought = Bought {
+            user,
+            request_id: request_id.clone(),
+            accepted: false,
+            order_no: None,
+            last: "never answered".into(),
+            attempts: 0,
+        };
+        while Instant::now() < give_up {
+            bought.attempts += 1;
+            let token = match c
+                .client
+                .get(c.url(&format!("/api/v1/activities/{}/token", self.activity)))
+                .bearer_auth(&jwt)
+                .send()
+                .await
+            {
+                Ok(res) if res.status() == 200 => res.json::<Value>().await.unwrap()["token"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned(),
+                _ => {
+                    pause().await;
+                    continue;
+                }
+            };
+            let res = c
+                .client
+                .post(c.url(&format!("/api/v1/activities/{}/orders", self.activity)))
+                .bearer_auth(&jwt)
+                .json(&json!({"request_id": request_id, "token": token}))
+                .send()
+                .await;
+            let Ok(res) = res else {
+                bought.last = "transport error".into();
+                pause().await;
+                continue;
+            };
+            let status = res.status().as_u16();
+            let body: Value = res.json().await.unwrap_or(Value::Null);
+            let code = body["code"].as_str().unwrap_or("").to_owned();
+            bought.last = format!("{status} {code}");
+            match status {
+                202 | 200 if body["status"] != "FAILED" => {
+                    bought.accepted = true;
+                    bought.order_no = body["order_no"].as_str().map(str::to_owned);
+                    bought.last = format!("{status} {}", body["status"].as_str().unwrap_or(""));
+                    return bought;
+                }
+                200 => {
+                    bought.last = "200 FAILED".into();
+                    return bought;
+                }
+                409 => return bought,
+                // A token lost with Redis: a new one next time.
+                403 if code == "INVALID_TOKEN" => pause().await,
+                503 => pause().await,
+                _ => panic!("buyer {user}: unexpected {status} {body}"),
+            }
+        }
+        bought
+    }
+}
+
+async fn pause() {
+    tokio::time::sleep(Duration::from_millis(200 + fastrand::u64(..300))).await;
+}
