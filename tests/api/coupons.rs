@@ -87,18 +87,12 @@ async fn mine(app: &TestApp, user: i64) -> Vec<serde_json::Value> {
 
 /// Waits until the claims consumer has written `n` rows for the batch.
 async fn claims_written(app: &TestApp, coupon: i64, n: i64) -> serde_json::Value {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
+    let what = format!("{n} claims written");
+    crate::helpers::eventually(&what, Duration::from_secs(30), || async {
         let s = coupon_stats(app, coupon).await;
-        if s["db_claimed"] == n {
-            return s;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "claims not written: {s}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        (s["db_claimed"] == n).then_some(s)
+    })
+    .await
 }
 
 #[tokio::test]

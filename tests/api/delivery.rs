@@ -16,7 +16,7 @@ use seckill::ids::OrderNo;
 use seckill::orders::consumer::{self, ConsumerDeps};
 use serde_json::json;
 
-use crate::helpers::{TestApp, heal_within_the_drain, json, spawn_app, spawn_app_with};
+use crate::helpers::{TestApp, eventually, heal_within_the_drain, json, spawn_app, spawn_app_with};
 
 fn producer(app: &TestApp) -> FutureProducer {
     client_config(&app.settings.kafka)
@@ -80,7 +80,8 @@ async fn an_event_delivered_twice_makes_one_order_and_new_events_beside_a_duplic
 
     app.wait_for_stats(activity, 30, |s| s["orders"]["WAITING_PAY"] == 4)
         .await;
-    tokio::time::sleep(Duration::from_millis(500)).await; // a late duplicate would show now
+    // Every copy has been through the consumer: a duplicate would show now.
+    app.caught_up("order-creator", "order.requested").await;
     assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 4);
     assert_eq!(
         app.count(&format!(
@@ -361,22 +362,26 @@ async fn a_purchase_not_confirmed_within_its_budget_keeps_its_order_no_and_a_ret
     assert_eq!(stats["redis_available"], 9);
 
     // The buyer retries with the same request_id (its token is spent: the
-    // replay check comes first) until the purchase is confirmed.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let confirmed = loop {
-        let res = app.order(1, activity, &body).await;
-        let status = res.status().as_u16();
-        let answer = json(res).await;
-        if status == 200 || status == 202 {
-            break answer;
-        }
-        assert_eq!(status, 503, "{answer}");
-        if answer["code"] == "RETRY_LATER" {
-            assert_eq!(answer["order_no"], order_no.as_str(), "the same order");
-        }
-        assert!(std::time::Instant::now() < deadline, "never confirmed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    // replay check comes first) until the purchase is confirmed; until then
+    // every answer names the same order.
+    let confirmed = eventually(
+        "the purchase confirmed",
+        Duration::from_secs(30),
+        || async {
+            let res = app.order(1, activity, &body).await;
+            let status = res.status().as_u16();
+            let answer = json(res).await;
+            if status == 200 || status == 202 {
+                return Some(answer);
+            }
+            assert_eq!(status, 503, "{answer}");
+            if answer["code"] == "RETRY_LATER" {
+                assert_eq!(answer["order_no"], order_no.as_str(), "the same order");
+            }
+            None
+        },
+    )
+    .await;
     assert_eq!(confirmed["order_no"], order_no.as_str());
     let stats = app.drained(activity, 1).await;
     assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 1);
@@ -504,11 +509,10 @@ async fn a_consumer_group_wedged_with_messages_waiting_is_rebuilt_reported_and_b
 
     // Noticed, reported, backpressured, rebuilt.
     let group = seckill::bus::group_id(&app.settings.kafka, consumer::CONSUMER);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while restarts.with_label_values(&[&group]).get() == 0 {
-        assert!(std::time::Instant::now() < deadline, "never rebuilt");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eventually("the consumer rebuilt", Duration::from_secs(60), || async {
+        (restarts.with_label_values(&[&group]).get() > 0).then_some(())
+    })
+    .await;
     let ready = app.get("/health/ready", None).await;
     assert_eq!(ready.status(), 503);
     let why = json(ready).await;

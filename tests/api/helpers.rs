@@ -1,5 +1,7 @@
 //! `spawn_app()`: the server on port 0 in an isolated namespace.
 
+use std::time::Duration;
+
 use diesel::{Connection, PgConnection, RunQueryDsl};
 use seckill::app::Application;
 use seckill::config::Settings;
@@ -208,6 +210,28 @@ impl Drop for TestApp {
             }
         })
         .join();
+    }
+}
+
+/// Waits until `check` yields a value, polling every 100 ms; panics after
+/// `within` naming `what`. The one way tests wait for a condition: a
+/// deadline sized for a slow host, never a fixed sleep.
+pub async fn eventually<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not within {}s: {what}",
+            within.as_secs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -463,6 +487,31 @@ impl TestApp {
         );
         assert_eq!(stats["db_locked"], n);
         assert_eq!(stats["redis_available"], 0);
+    }
+
+    /// Waits until consumer group `group` (its suffix, e.g.
+    /// `stock-releaser`) has committed every message of `topic` (the
+    /// logical name): whatever was published has been applied.
+    pub async fn caught_up(&self, group: &str, topic: &str) {
+        let kafka = &self.settings.kafka;
+        let progress = std::sync::Arc::new(
+            seckill::bus::progress::GroupProgress::new(
+                kafka,
+                &seckill::bus::group_id(kafka, group),
+                &format!("{}{topic}", kafka.topic_prefix),
+            )
+            .expect("progress client"),
+        );
+        eventually(
+            &format!("{group} caught up on {topic}"),
+            Duration::from_secs(60),
+            || {
+                let progress = progress.clone();
+                async move { progress.caught_up().await.ok().filter(|done| *done) }
+            },
+        )
+        .await;
+        let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
     }
 
     /// Runs one SQL statement on this test's database.

@@ -10,7 +10,7 @@ use seckill::app::AppState;
 use seckill::bus::{Topics, client_config};
 use seckill::outbox::relay;
 
-use crate::helpers::{TestApp, spawn_app_with};
+use crate::helpers::{TestApp, eventually, spawn_app_with};
 
 async fn cancel_all(app: &TestApp, orders: &[(i64, String)]) {
     for (user, order_no) in orders {
@@ -42,14 +42,10 @@ async fn with_the_broker_down_released_stock_waits_in_the_outbox_and_is_applied_
     down.kafka.message_timeout_ms = 1000;
     down.workers.relay_max_attempts = 1;
     let dead_relay = relay::spawn(AppState::connect(down).unwrap().relay());
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while outbox_count(&app, "RETRY").await < 5 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "rows never moved to RETRY"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eventually("rows moved to RETRY", Duration::from_secs(30), || async {
+        (outbox_count(&app, "RETRY").await == 5).then_some(())
+    })
+    .await;
     // Every row goes through another pass against the unreachable broker.
     let first_pass = app
         .count("SELECT (extract(epoch FROM max(next_attempt_at)) * 1000)::bigint AS n FROM outbox")
@@ -58,11 +54,12 @@ async fn with_the_broker_down_released_stock_waits_in_the_outbox_and_is_applied_
         "SELECT count(*) AS n FROM outbox \
          WHERE extract(epoch FROM next_attempt_at) * 1000 > {first_pass}"
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while app.count(&again).await < 5 {
-        assert!(std::time::Instant::now() < deadline, "rows never retried");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eventually(
+        "every row retried again",
+        Duration::from_secs(30),
+        || async { (app.count(&again).await == 5).then_some(()) },
+    )
+    .await;
     dead_relay.stop().await;
     let errors_seen = "SELECT count(*) AS n FROM outbox WHERE last_error IS NOT NULL";
     assert_eq!(app.count(errors_seen).await, 5);
@@ -95,7 +92,7 @@ async fn with_the_broker_down_released_stock_waits_in_the_outbox_and_is_applied_
     live_relay.stop().await;
     assert_eq!(outbox_count(&app, "SENT").await, 5);
     assert_eq!(stats["db_available"], 10);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    app.caught_up("stock-releaser", "stock.released").await;
     assert_eq!(
         app.stats(activity).await["redis_available"],
         10,
@@ -121,7 +118,7 @@ async fn two_relays_at_once_publish_every_event_and_redis_releases_each_once() {
     b.stop().await;
     assert_eq!(outbox_count(&app, "SENT").await, 20);
     assert_eq!(stats["db_available"], 20);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    app.caught_up("stock-releaser", "stock.released").await;
     assert_eq!(
         app.stats(activity).await["redis_available"],
         20,

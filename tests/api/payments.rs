@@ -208,7 +208,7 @@ async fn ten_concurrent_cancels_release_the_unit_once_and_someone_else_can_buy_i
         .await;
     assert_eq!(stats["db_available"], 1);
     assert_eq!(stats["db_locked"], 0);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    app.caught_up("stock-releaser", "stock.released").await;
     assert_eq!(
         app.stats(activity).await["redis_available"],
         1,
@@ -357,7 +357,7 @@ async fn a_cancel_restores_redis_stock_once_even_when_redis_lost_the_reservation
     assert_eq!(app.cancel(*user, order_no).await.status(), 200);
     app.wait_for_stats(activity, 20, |s| s["redis_available"] == 3)
         .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    app.caught_up("stock-releaser", "stock.released").await;
     let stats = app.stats(activity).await;
     assert_eq!(stats["redis_available"], 3, "restored exactly once");
     assert_eq!(stats["db_available"], 3);

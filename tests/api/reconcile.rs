@@ -10,7 +10,7 @@ use seckill::bus::events::OrderRequested;
 use seckill::ids::OrderNo;
 use serde_json::json;
 
-use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
+use crate::helpers::{TestApp, eventually, json, spawn_app, spawn_app_with};
 
 async fn reconcile(app: &TestApp) -> serde_json::Value {
     let res = app
@@ -34,18 +34,18 @@ fn report(all: &serde_json::Value, activity: i64) -> serde_json::Value {
         .expect("reported")
 }
 
-/// Reconciles until the report of `activity` lists a repair (15 s at most):
-/// proof of consumer progress trails the batch by an offset commit.
+/// Reconciles until the report of `activity` lists a repair: proof of
+/// consumer progress trails the batch by an offset commit.
 async fn reconcile_until_repaired(app: &TestApp, activity: i64) -> serde_json::Value {
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let r = report(&reconcile(app).await, activity);
-        if r["repaired"] != json!([]) {
-            return r;
-        }
-        assert!(std::time::Instant::now() < deadline, "never repaired: {r}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eventually(
+        "a reconciliation repair",
+        Duration::from_secs(30),
+        || async {
+            let r = report(&reconcile(app).await, activity);
+            (r["repaired"] != json!([])).then_some(r)
+        },
+    )
+    .await
 }
 
 /// A reservation made the way admission makes it, but never published: what
@@ -99,15 +99,15 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
         .find(|o| **o != 777_000_002)
         .expect("the purchase");
     // Written just after the answer, in the background: ask until it is.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let kept = loop {
-        let r = gate.reservation(activity, bought).await.unwrap().unwrap();
-        if r.acked {
-            break r;
-        }
-        assert!(std::time::Instant::now() < deadline, "never acknowledged");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let kept = eventually(
+        "the acknowledgement recorded",
+        Duration::from_secs(10),
+        || async {
+            let r = gate.reservation(activity, bought).await.unwrap().unwrap();
+            r.acked.then_some(r)
+        },
+    )
+    .await;
     let event = kept.event(activity, bought);
     assert_eq!((event.order_no.get(), event.user_id), (bought, 1));
     assert!(
@@ -479,11 +479,12 @@ async fn a_release_redis_has_not_seen_is_applied_by_reconciliation_and_the_relea
     let deps = seckill::orders::consumer::ConsumerDeps::connect(app.settings.clone()).unwrap();
     let applied = deps.metrics.stock_released.clone();
     let releaser = seckill::orders::releaser::spawn(deps).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while applied.with_label_values(&["already"]).get() == 0 {
-        assert!(std::time::Instant::now() < deadline, "event never applied");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "the releaser applied the event",
+        Duration::from_secs(30),
+        || async { (applied.with_label_values(&["already"]).get() > 0).then_some(()) },
+    )
+    .await;
     releaser.stop().await;
     assert_eq!(applied.with_label_values(&["released"]).get(), 0);
     assert_eq!(app.stats(activity).await["redis_available"], 9);
