@@ -126,8 +126,11 @@ fi
 stop_all
 
 say "6/6 consumer drain: $DRAIN accepted orders queued, then a worker-only consumer"
-# The point is a queue: consumer-lag backpressure (admission.max_consumer_lag) off.
-start serve 18080 env SECKILL__APP__PORT=18080 SECKILL__ADMISSION__MAX_CONSUMER_LAG=0 $BIN serve --no-consumer
+# The point is a queue: consumer backpressure (the lag limit, and the stall
+# check that would answer BUSY once nothing has consumed for
+# kafka.consumer_stall_secs) off.
+start serve 18080 env SECKILL__APP__PORT=18080 SECKILL__ADMISSION__MAX_CONSUMER_LAG=0 \
+  SECKILL__KAFKA__CONSUMER_STALL_SECS=0 $BIN serve --no-consumer
 QUEUED=$(loadgen --url http://127.0.0.1:18080 --users "$DRAIN" --stock "$DRAIN" --concurrency "$CONC" --first-user 5000000 --no-check)
 ACT=$(field "$QUEUED" "['activity_id']")
 ADMIN=$($BIN token --admin)

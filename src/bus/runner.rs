@@ -128,7 +128,7 @@ async fn supervise<H: Handler>(
     let waiting = Arc::new(AtomicI64::new(0));
     let restarted = Arc::new(tokio::sync::Notify::new());
     let sampler = tokio::spawn(sample(
-        progress,
+        progress.clone(),
         waiting.clone(),
         restarted.clone(),
         shutdown.clone(),
@@ -209,6 +209,9 @@ async fn supervise<H: Handler>(
         }
     }
     sampler.abort();
+    let _ = sampler.await;
+    // The progress client's destructor joins librdkafka threads.
+    let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
 }
 
 /// Every second: how long the group has been stalled, into `waiting` (s).
