@@ -182,6 +182,11 @@ struct Released {
     user_id: i64,
     #[diesel(sql_type = Integer)]
     quantity: i32,
+    /// Made recently enough that its reservation record cannot have
+    /// expired (records live `admission.reservation_ttl_secs` from the
+    /// reservation; a day of slack).
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    record_alive: bool,
 }
 
 impl Reconciler {
@@ -231,19 +236,26 @@ impl Reconciler {
     }
 
     /// After the end plus a grace, once every order is settled (none
-    /// WAITING_PAY, so no release can still come, and every release
-    /// applied) and nothing is open, removes the activity's Redis keys and
-    /// marks it ENDED (reservation records expire on their own TTL).
+    /// WAITING_PAY, so no release can still come; every release applied,
+    /// none waiting in the outbox) and nothing is open, removes the
+    /// activity's Redis keys and marks it ENDED (reservation records expire
+    /// on their own TTL).
     async fn clean_up(
         &self,
         activity_id: i64,
         buckets: usize,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        let f: Figures = store::run(&self.db, move |conn| Ok(figures(conn, activity_id)?)).await?;
+        let (f, unsent): (Figures, i64) = store::run(&self.db, move |conn| {
+            Ok((
+                figures(conn, activity_id)?,
+                unsent_releases(conn, activity_id)?,
+            ))
+        })
+        .await?;
         let open = self.gate.open_reservations(activity_id).await?;
-        let (_, unapplied) = self.apply_releases(activity_id, buckets).await?;
-        if f.waiting_units > 0 || open > 0 || unapplied > 0 {
+        self.apply_releases(activity_id, buckets).await?;
+        if f.waiting_units > 0 || open > 0 || unsent > 0 {
             return Ok(());
         }
         self.gate.remove_activity(activity_id, buckets).await?;
@@ -276,7 +288,7 @@ impl Reconciler {
         // Every release the database has committed by now is applied to
         // Redis before the comparison, by the same idempotent script the
         // stock releaser runs: the releaser's copy, later, is a no-op.
-        let (added, _) = self.apply_releases(activity_id, buckets).await?;
+        let added = self.apply_releases(activity_id, buckets).await?;
         if added > 0 {
             report.repaired.push(format!(
                 "gave {added} units of cancelled or closed orders back to Redis (their release had not been applied)"
@@ -340,20 +352,21 @@ impl Reconciler {
         Ok(report)
     }
 
-    /// Applies, for every cancelled or closed order whose reservation Redis
-    /// still holds (open or committed), the release the stock releaser
-    /// would apply. Returns `(units given back now, orders whose record is
-    /// gone and cannot be checked)`.
-    async fn apply_releases(
-        &self,
-        activity_id: i64,
-        buckets: usize,
-    ) -> anyhow::Result<(i64, usize)> {
+    /// Applies, for every cancelled or closed order whose release Redis
+    /// has not seen, the release the stock releaser would apply (the same
+    /// idempotent script, so the releaser's copy, later, is a no-op): when
+    /// its reservation is still held (open or committed), and when its
+    /// record is gone although it cannot have expired yet (Redis lost it;
+    /// the script then records the release as it gives the units back).
+    /// Returns the units given back now.
+    async fn apply_releases(&self, activity_id: i64, buckets: usize) -> anyhow::Result<i64> {
         let ttl =
             i64::try_from(self.settings.admission.reservation_ttl_secs).unwrap_or(i64::MAX / 2);
         let released: Vec<Released> = store::run(&self.db, move |conn| {
             Ok(diesel::sql_query(
-                "SELECT order_no, user_id, quantity FROM orders \
+                "SELECT order_no, user_id, quantity, \
+                   created_at > now() - make_interval(secs => $2) + interval '1 day' AS record_alive \
+                 FROM orders \
                  WHERE activity_id = $1 AND status IN ('CANCELLED', 'CLOSED') \
                    AND closed_at > now() - make_interval(secs => $2)",
             )
@@ -362,33 +375,32 @@ impl Reconciler {
             .load(conn)?)
         })
         .await?;
-        let (mut added, mut gone) = (0, 0);
+        let mut added = 0;
         for chunk in released.chunks(500) {
             let nos: Vec<i64> = chunk.iter().map(|o| o.order_no).collect();
             let statuses = self.gate.statuses(activity_id, &nos).await?;
             for (o, status) in chunk.iter().zip(statuses) {
                 match status {
-                    Some(Status::Released) => {}
-                    // Never add units for a record Redis no longer has: a
-                    // restore or a warm-up already counted them.
-                    None => gone += 1,
-                    Some(_) => {
-                        let reason = ReleaseReason::OrderReleased {
-                            user_id: o.user_id,
-                            quantity: o.quantity,
-                        };
-                        if self
-                            .gate
-                            .release(activity_id, o.order_no, buckets, reason)
-                            .await?
-                        {
-                            added += i64::from(o.quantity);
-                        }
-                    }
+                    Some(Status::Released) => continue,
+                    // Expired on its own TTL, maybe after its release was
+                    // applied: adding the units again could oversell.
+                    None if !o.record_alive => continue,
+                    _ => {}
+                }
+                let reason = ReleaseReason::OrderReleased {
+                    user_id: o.user_id,
+                    quantity: o.quantity,
+                };
+                if self
+                    .gate
+                    .release(activity_id, o.order_no, buckets, reason)
+                    .await?
+                {
+                    added += i64::from(o.quantity);
                 }
             }
         }
-        Ok((added, gone))
+        Ok(added)
     }
 
     /// Voids open reservations no order event will back (SPEC step 4):
@@ -567,6 +579,22 @@ struct Cutoff {
     /// The order consumers have applied every event published before
     /// `at_ms`.
     proven: bool,
+}
+
+/// `stock.released` events of the activity the outbox has not sent yet.
+fn unsent_releases(conn: &mut PgConn, activity_id: i64) -> QueryResult<i64> {
+    #[derive(QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let n: N = diesel::sql_query(
+        "SELECT count(*) AS n FROM outbox WHERE topic = 'stock.released' \
+           AND status IN ('NEW', 'RETRY') AND (payload->>'activity_id')::bigint = $1",
+    )
+    .bind::<BigInt, _>(activity_id)
+    .get_result(conn)?;
+    Ok(n.n)
 }
 
 fn figures(conn: &mut PgConn, activity_id: i64) -> QueryResult<Figures> {

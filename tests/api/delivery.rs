@@ -397,7 +397,8 @@ async fn a_purchase_not_confirmed_within_its_budget_keeps_its_order_no_and_a_ret
 
 #[tokio::test]
 async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_reservation_once() {
-    let app = spawn_app().await;
+    // Its own reconciliation report is read below: no periodic one.
+    let app = spawn_app_with(|s| s.reconcile.enabled = false).await;
     let activity = app.live_activity(5, 1, 1).await;
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     // A purchase admitted and acknowledged, whose event the database will

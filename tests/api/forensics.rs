@@ -43,8 +43,9 @@ pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> Strin
             .ok()
             .and_then(|s| s.by_key.get(&key).cloned());
         report.push_str(&format!(
-            "  {label}: on topic at {place:?}, consume_log: {:?}\n",
-            logged.as_ref().map(|l| l.contains(&key))
+            "  {label}: on topic at {place:?}, consume_log: {:?}, reservation {}\n",
+            logged.as_ref().map(|l| l.contains(&key)),
+            reservation_fields(settings, activity_id, order_no)
         ));
     }
     match &on_topic {
@@ -88,6 +89,22 @@ fn open_reservations(settings: &Settings, activity_id: i64) -> redis::RedisResul
         .arg(0)
         .arg(-1)
         .query(&mut conn)
+}
+
+/// The reservation record as Redis holds it (status, acked, sent, ts…).
+fn reservation_fields(settings: &Settings, activity_id: i64, order_no: i64) -> String {
+    let read = || -> redis::RedisResult<Vec<(String, String)>> {
+        let client = redis::Client::open(settings.redis.url.as_str())?;
+        let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        let keys = ActivityKeys::new(&settings.redis.key_prefix, activity_id);
+        redis::cmd("HGETALL")
+            .arg(keys.reservation(order_no))
+            .query(&mut conn)
+    };
+    match read() {
+        Ok(fields) => format!("{fields:?}"),
+        Err(e) => format!("unreadable: {e}"),
+    }
 }
 
 fn failed_orders(settings: &Settings) -> Result<Vec<(i64, String)>, String> {

@@ -470,7 +470,26 @@ impl TestApp {
                 })
                 .await
                 .unwrap_or_else(|e| format!("forensics failed: {e}"));
-                panic!("orders did not drain in 60s: {stats}\n{report}");
+                let metrics = self
+                    .get("/metrics", None)
+                    .await
+                    .text()
+                    .await
+                    .unwrap_or_default();
+                let publishing: Vec<&str> = metrics
+                    .lines()
+                    .filter(|l| {
+                        !l.starts_with('#')
+                            && (l.contains("admission_total")
+                                || l.contains("produce_errors")
+                                || l.contains("deliveries_pending")
+                                || l.contains("reconcile_total"))
+                    })
+                    .collect();
+                panic!(
+                    "orders did not drain in 60s: {stats}\n{report}metrics: {}",
+                    publishing.join("; ")
+                );
             }
         }
     }

@@ -12,6 +12,14 @@ use seckill::outbox::relay;
 
 use crate::helpers::{TestApp, eventually, spawn_app_with};
 
+/// The outbox path alone: no relay in the server (the test starts its
+/// own), and no periodic reconciliation, which would give released units
+/// back itself.
+fn relay_by_hand(settings: &mut seckill::config::Settings) {
+    settings.workers.relay_enabled = false;
+    settings.reconcile.enabled = false;
+}
+
 async fn cancel_all(app: &TestApp, orders: &[(i64, String)]) {
     for (user, order_no) in orders {
         assert_eq!(app.cancel(*user, order_no).await.status(), 200);
@@ -28,7 +36,7 @@ async fn outbox_count(app: &TestApp, status: &str) -> i64 {
 #[tokio::test]
 async fn with_the_broker_down_released_stock_waits_in_the_outbox_and_is_applied_once_when_it_is_back()
  {
-    let app = spawn_app_with(|s| s.workers.relay_enabled = false).await;
+    let app = spawn_app_with(relay_by_hand).await;
     let activity = app.live_activity(10, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 5).await;
     cancel_all(&app, &orders).await;
@@ -102,7 +110,7 @@ async fn with_the_broker_down_released_stock_waits_in_the_outbox_and_is_applied_
 
 #[tokio::test]
 async fn two_relays_at_once_publish_every_event_and_redis_releases_each_once() {
-    let app = spawn_app_with(|s| s.workers.relay_enabled = false).await;
+    let app = spawn_app_with(relay_by_hand).await;
     let activity = app.live_activity(20, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 20).await;
     cancel_all(&app, &orders).await;
@@ -152,7 +160,7 @@ async fn two_relays_at_once_publish_every_event_and_redis_releases_each_once() {
 
 #[tokio::test]
 async fn dead_rows_are_listed_and_an_operator_command_puts_them_back_to_be_published() {
-    let app = spawn_app_with(|s| s.workers.relay_enabled = false).await;
+    let app = spawn_app_with(relay_by_hand).await;
     let activity = app.live_activity(10, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 3).await;
     cancel_all(&app, &orders).await;
