@@ -22,13 +22,7 @@ rm -rf "$SECKILL_SERVICES_DIR/kafka/data"
 scripts/services.sh up
 
 # Databases of fault tests that crashed.
-eval "$(python3 scripts/settings.py)"
-export PGPASSWORD=$PG_PASSWORD
-stale=$(psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -tAc \
-  "select datname from pg_database where datname like 'seckill\_chaos\_%'" || true)
-for db in $stale; do
-  psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -qc "drop database if exists \"$db\" with (force)" || true
-done
+scripts/drop-databases.sh 'seckill\_chaos\_%'
 
 status=0
 cargo test --test chaos -- --ignored --test-threads=1 --nocapture "$@" || status=$?

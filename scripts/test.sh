@@ -7,16 +7,9 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
 scripts/services.sh up
-eval "$(python3 scripts/settings.py)"
-
 # Each test creates its own database and drops it when done; a test that
 # crashed leaves one behind. Clear those before a run.
-export PGPASSWORD=$PG_PASSWORD
-stale=$(psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -tAc \
-  "select datname from pg_database where datname like 'seckill\_test\_%'" || true)
-for db in $stale; do
-  psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -qc "drop database if exists \"$db\" with (force)" || true
-done
+scripts/drop-databases.sh 'seckill\_test\_%'
 
 command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >&2; exit 1; }
 # The criterion benches, once each in test mode (they must still run).

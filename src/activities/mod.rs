@@ -10,6 +10,7 @@ use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use serde::Serialize;
 
+use crate::admission::WarmSpec;
 use crate::store::schema::activities;
 
 /// An activity row.
@@ -52,6 +53,20 @@ impl Activity {
     /// Number of Redis stock buckets (validated ≥ 1 on creation).
     pub fn bucket_count(&self) -> usize {
         usize::try_from(self.buckets).unwrap_or(1).max(1)
+    }
+
+    /// What Redis is loaded with: its window, limit, price and buckets, and
+    /// `units` of stock (the database's available count).
+    pub fn warm_spec(&self, units: i32) -> WarmSpec {
+        WarmSpec {
+            activity_id: self.id,
+            start_ms: self.start_at.timestamp_millis(),
+            end_ms: self.end_at.timestamp_millis(),
+            per_user_limit: self.per_user_limit,
+            units,
+            price_cents: self.price_cents,
+            buckets: self.bucket_count(),
+        }
     }
 }
 

@@ -8,7 +8,6 @@ use serde_json::json;
 use super::cache::Lookup;
 use super::repo::{self, NewActivity};
 use super::{Activity, Lifecycle};
-use crate::admission::WarmSpec;
 use crate::app::AppState;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode};
@@ -159,15 +158,7 @@ pub async fn warmup(
             "Redis lost this activity; reconciliation is restoring it",
         ));
     }
-    let spec = WarmSpec {
-        activity_id: id,
-        start_ms: activity.start_at.timestamp_millis(),
-        end_ms: activity.end_at.timestamp_millis(),
-        per_user_limit: activity.per_user_limit,
-        units: stock.available,
-        price_cents: activity.price_cents,
-        buckets: activity.bucket_count(),
-    };
+    let spec = activity.warm_spec(stock.available);
     let (_, units) = state
         .gate
         .warmup(&spec)

@@ -23,7 +23,6 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text, Timestamptz};
 
 use super::{Cutoff, Reconciler, Report};
-use crate::admission::WarmSpec;
 use crate::admission::gate::{Restore, RestoredOrder, RestoredState};
 use crate::store::{self, PgConn};
 
@@ -146,15 +145,7 @@ fn snapshot(conn: &mut PgConn, activity_id: i64, ttl_secs: f64) -> QueryResult<O
         })
         .collect();
     Ok(Some(Restore {
-        spec: WarmSpec {
-            activity_id,
-            start_ms: activity.start_at.timestamp_millis(),
-            end_ms: activity.end_at.timestamp_millis(),
-            per_user_limit: activity.per_user_limit,
-            units: stock.available,
-            price_cents: activity.price_cents,
-            buckets: activity.bucket_count(),
-        },
+        spec: activity.warm_spec(stock.available),
         orders,
     }))
 }

@@ -6,7 +6,7 @@ use diesel::{Connection, PgConnection, RunQueryDsl};
 use seckill::app::Application;
 use seckill::config::Settings;
 use seckill::http::auth::{JwtKeys, Role};
-use secrecy::{ExposeSecret, SecretString};
+use secrecy::ExposeSecret;
 
 /// A running server and what a test needs to talk to it.
 pub struct TestApp {
@@ -125,29 +125,7 @@ pub fn heal_within_the_drain(settings: &mut Settings) {
     settings.reconcile.publish_window_secs = settings.in_flight_bound_ms().div_ceil(1000);
 }
 
-/// Creates and migrates `name` next to the configured database; returns its URL.
-pub async fn create_database(base: &SecretString, name: &str) -> SecretString {
-    let base = base.expose_secret().to_owned();
-    let name = name.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut admin = PgConnection::establish(&base).expect("connect to the main database");
-        diesel::sql_query(format!("CREATE DATABASE \"{name}\""))
-            .execute(&mut admin)
-            .expect("create the test database");
-        let url = database_url(&base, &name);
-        let mut conn = PgConnection::establish(&url).expect("connect to the test database");
-        seckill::store::migrate_up(&mut conn).expect("migrations apply");
-        SecretString::from(url)
-    })
-    .await
-    .expect("database setup task")
-}
-
-/// `base` with its database name replaced by `name`.
-pub fn database_url(base: &str, name: &str) -> String {
-    let (server, _) = base.rsplit_once('/').expect("postgres url has a database");
-    format!("{server}/{name}")
-}
+pub use crate::db::{create_database, database_url};
 
 impl TestApp {
     /// A user token for `user_id`.
@@ -202,12 +180,7 @@ impl Drop for TestApp {
         let settings = self.settings.clone();
         let _ = std::thread::spawn(move || {
             crate::cleanup::remove_namespace(&settings);
-            let main = database_url(&base, "postgres");
-            if let Ok(mut conn) = PgConnection::establish(&main) {
-                let _ =
-                    diesel::sql_query(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
-                        .execute(&mut conn);
-            }
+            crate::db::drop_database(&base, &name);
         })
         .join();
     }
@@ -367,8 +340,18 @@ impl TestApp {
     /// One purchase attempt, no retry: token, then the order with a fresh
     /// request_id: (status, body).
     pub async fn buy_once(&self, user_id: i64, activity_id: i64) -> (u16, serde_json::Value) {
-        let token = self.purchase_token(user_id, activity_id).await;
         let request_id = uuid::Uuid::new_v4().to_string();
+        self.attempt(user_id, activity_id, &request_id).await
+    }
+
+    /// A fresh token, then the order with `request_id`: (status, body).
+    async fn attempt(
+        &self,
+        user_id: i64,
+        activity_id: i64,
+        request_id: &str,
+    ) -> (u16, serde_json::Value) {
+        let token = self.purchase_token(user_id, activity_id).await;
         let res = self
             .order(
                 user_id,
@@ -390,16 +373,7 @@ impl TestApp {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         let mut retried = false;
         loop {
-            let token = self.purchase_token(user_id, activity_id).await;
-            let res = self
-                .order(
-                    user_id,
-                    activity_id,
-                    &serde_json::json!({"request_id": request_id, "token": token}),
-                )
-                .await;
-            let status = res.status().as_u16();
-            let body = json(res).await;
+            let (status, body) = self.attempt(user_id, activity_id, &request_id).await;
             if status == 503 && std::time::Instant::now() < deadline {
                 retried = true;
                 tokio::time::sleep(std::time::Duration::from_millis(200)).await;
@@ -571,22 +545,7 @@ impl TestApp {
 
     /// One SQL count on this test's database.
     pub async fn count(&self, sql: &str) -> i64 {
-        #[derive(diesel::QueryableByName)]
-        struct N {
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            n: i64,
-        }
-        let url = self.settings.postgres.url.expose_secret().to_owned();
-        let sql = sql.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let mut conn = PgConnection::establish(&url).expect("connect");
-            diesel::sql_query(sql)
-                .get_result::<N>(&mut conn)
-                .expect("count query")
-                .n
-        })
-        .await
-        .unwrap()
+        crate::db::count(&self.settings.postgres.url, sql).await
     }
 }
 

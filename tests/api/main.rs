@@ -4,6 +4,8 @@
 
 mod cleanup;
 mod coupons;
+#[path = "../common/db.rs"]
+mod db;
 mod degradation;
 mod delivery;
 mod errors_and_auth;

@@ -12,7 +12,7 @@ use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
 use futures_util::future::join_all;
 use seckill::config::Settings;
 use seckill::http::auth::{JwtKeys, Role};
-use secrecy::{ExposeSecret, SecretString};
+use secrecy::ExposeSecret;
 use serde_json::{Value, json};
 
 /// How long buyers keep retrying, and how long the system may take to
@@ -142,7 +142,7 @@ impl Chaos {
         let mut settings = Settings::load_env("test").expect("test settings load");
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let db_name = format!("seckill_chaos_{id}");
-        settings.postgres.url = create_database(&settings.postgres.url, &db_name).await;
+        settings.postgres.url = crate::db::create_database(&settings.postgres.url, &db_name).await;
         settings.redis.key_prefix = format!("c{id}:");
         settings.kafka.topic_prefix = format!("c{id}.");
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -405,22 +405,7 @@ impl Chaos {
     }
 
     async fn count(&self, sql: &str) -> i64 {
-        #[derive(QueryableByName)]
-        struct N {
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            n: i64,
-        }
-        let url = self.settings.postgres.url.expose_secret().to_owned();
-        let sql = sql.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let mut conn = PgConnection::establish(&url).expect("connect");
-            diesel::sql_query(sql)
-                .get_result::<N>(&mut conn)
-                .expect("count")
-                .n
-        })
-        .await
-        .unwrap()
+        crate::db::count(&self.settings.postgres.url, sql).await
     }
 
     async fn strings(&self, sql: &str) -> HashSet<String> {
@@ -457,34 +442,8 @@ impl Drop for Chaos {
         }
         let url = self.settings.postgres.url.expose_secret().to_owned();
         let name = self.db_name.clone();
-        let _ = std::thread::spawn(move || {
-            let (server, _) = url.rsplit_once('/').unwrap();
-            if let Ok(mut conn) = PgConnection::establish(&format!("{server}/postgres")) {
-                let _ =
-                    diesel::sql_query(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
-                        .execute(&mut conn);
-            }
-        })
-        .join();
+        let _ = std::thread::spawn(move || crate::db::drop_database(&url, &name)).join();
     }
-}
-
-async fn create_database(base: &SecretString, name: &str) -> SecretString {
-    let base = base.expose_secret().to_owned();
-    let name = name.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut admin = PgConnection::establish(&base).expect("connect to the main database");
-        diesel::sql_query(format!("CREATE DATABASE \"{name}\""))
-            .execute(&mut admin)
-            .expect("create the database");
-        let (server, _) = base.rsplit_once('/').unwrap();
-        let url = format!("{server}/{name}");
-        let mut conn = PgConnection::establish(&url).expect("connect to it");
-        seckill::store::migrate_up(&mut conn).expect("migrations apply");
-        SecretString::from(url)
-    })
-    .await
-    .unwrap()
 }
 
 /// When the fault strikes.

@@ -6,6 +6,8 @@
 //! `scripts/test.sh` runs `scripts/chaos.sh`. Run alone, they refuse to
 //! start (they would stop the services the other tests use).
 
+#[path = "../common/db.rs"]
+mod db;
 mod harness;
 
 use std::time::Duration;

@@ -1,0 +1,59 @@
+//! Databases of the integration and fault tests: each test gets its own,
+//! created and migrated here, and reads its rows back with plain SQL.
+//! Shared by `tests/api` and `tests/chaos` (`#[path]`-included by both).
+
+use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
+use secrecy::{ExposeSecret, SecretString};
+
+/// Creates and migrates `name` next to the configured database; returns its URL.
+pub async fn create_database(base: &SecretString, name: &str) -> SecretString {
+    let base = base.expose_secret().to_owned();
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut admin = PgConnection::establish(&base).expect("connect to the main database");
+        diesel::sql_query(format!("CREATE DATABASE \"{name}\""))
+            .execute(&mut admin)
+            .expect("create the test database");
+        let url = database_url(&base, &name);
+        let mut conn = PgConnection::establish(&url).expect("connect to the test database");
+        seckill::store::migrate_up(&mut conn).expect("migrations apply");
+        SecretString::from(url)
+    })
+    .await
+    .expect("database setup task")
+}
+
+/// Drops database `name` of the server `url` points at (best effort,
+/// blocking: from `Drop`).
+pub fn drop_database(url: &str, name: &str) {
+    if let Ok(mut conn) = PgConnection::establish(&database_url(url, "postgres")) {
+        let _ = diesel::sql_query(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+            .execute(&mut conn);
+    }
+}
+
+/// `base` with its database name replaced by `name`.
+pub fn database_url(base: &str, name: &str) -> String {
+    let (server, _) = base.rsplit_once('/').expect("postgres url has a database");
+    format!("{server}/{name}")
+}
+
+/// One `SELECT … AS n` (a BIGINT) on the database at `url`.
+pub async fn count(url: &SecretString, sql: &str) -> i64 {
+    #[derive(QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let url = url.expose_secret().to_owned();
+    let sql = sql.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = PgConnection::establish(&url).expect("connect");
+        diesel::sql_query(sql)
+            .get_result::<N>(&mut conn)
+            .expect("count query")
+            .n
+    })
+    .await
+    .expect("count task")
+}
