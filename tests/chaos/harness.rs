@@ -642,7 +642,9 @@ impl<'a> Sale<'a> {
                 409 => return bought,
                 // A token lost with Redis: a new one next time.
                 403 if code == "INVALID_TOKEN" => pause().await,
-                503 => pause().await,
+                // 408: a server too starved to read the request in time
+                // (actix's request timeout) never processed it.
+                503 | 408 => pause().await,
                 _ => panic!("buyer {user}: unexpected {status} {body}"),
             }
         }
