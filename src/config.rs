@@ -265,6 +265,18 @@ impl Settings {
             .saturating_add(self.admission.publish_budget_ms)
     }
 
+    /// How long after Redis was seen to have lost an activity an event sent
+    /// before the loss can still reach the broker: every send after the
+    /// loss first checks a reservation record the loss took, so only
+    /// messages already handed to librdkafka (within a publish budget of
+    /// their reservation) are left, and librdkafka reports each within its
+    /// message timeout. The restore waits this long.
+    pub fn restore_wait_ms(&self) -> u64 {
+        self.kafka
+            .message_timeout_ms
+            .saturating_add(self.admission.publish_budget_ms)
+    }
+
     /// Whether this is a production deployment.
     pub fn is_production(&self) -> bool {
         self.app.env == "production"

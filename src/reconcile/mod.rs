@@ -16,6 +16,7 @@
 
 mod restore;
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -120,25 +121,43 @@ pub struct Reconciler {
     pub owner: String,
 }
 
-/// Runs reconciliation every `reconcile.interval_secs`, at once when `wake`
+/// Runs reconciliation every `reconcile.interval_secs`, soon when `wake`
 /// is notified (admission met an activity Redis lost), and every second
-/// while a restore waits for its moment.
+/// while a restore waits for its moment — never more than once a second,
+/// however often it is woken.
 pub fn spawn(r: Reconciler, wake: Arc<Notify>) -> WorkerHandle {
     let interval = Duration::from_secs(r.settings.reconcile.interval_secs.max(1));
+    let at_most_every = Duration::from_secs(1).min(interval);
     WorkerHandle::spawn(|stop| async move {
         let mut next = interval;
+        let mut last_run: Option<tokio::time::Instant> = None;
+        // Activities already reported as waiting for a restore: reported
+        // once, not on every run until it happens.
+        let mut waiting: HashSet<i64> = HashSet::new();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = tokio::time::sleep(next) => {}
                 _ = wake.notified() => {}
             }
+            if let Some(last) = last_run {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep_until(last + at_most_every) => {}
+                }
+            }
+            last_run = Some(tokio::time::Instant::now());
             next = interval;
             match r.run().await {
                 Ok(Some(reports)) => {
                     for report in &reports {
                         if report.restoring {
-                            next = Duration::from_secs(1).min(interval);
+                            next = at_most_every;
+                            if !waiting.insert(report.activity_id) {
+                                continue;
+                            }
+                        } else {
+                            waiting.remove(&report.activity_id);
                         }
                         if !report.consistent || !report.repaired.is_empty() {
                             tracing::warn!(

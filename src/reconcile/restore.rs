@@ -4,13 +4,13 @@
 //! The database's available count is exact only once every order event
 //! sent before the loss has either become a row or provably never will: a
 //! purchase admitted just before the loss may still be on its way to the
-//! broker (for up to `Settings::in_flight_bound_ms`) or waiting in Kafka.
+//! broker (for up to `Settings::restore_wait_ms`) or waiting in Kafka.
 //! Restoring earlier would hand its unit out a second time. So the restore
-//! waits until that bound has passed since the loss was first seen AND the
+//! waits until that long has passed since the loss was first seen AND the
 //! order consumers have committed every partition to its end (read after
-//! that moment); meanwhile purchases hear 503 RETRY_LATER. Senders stop
-//! re-sending once their reservation record is gone, so nothing new starts
-//! on its way after the loss.
+//! that moment); meanwhile purchases hear 503 RETRY_LATER. Senders check
+//! their reservation record before every send and stop once it is gone, so
+//! nothing new starts on its way after the loss.
 //!
 //! Then, from one database snapshot, in one MULTI/EXEC: the stock (the
 //! database's available), every order's request id (a replay gets its
@@ -63,7 +63,7 @@ impl Reconciler {
         report.differences.push(format!(
             "Redis has no stock for this warmed activity (seen lost at {since} ms)"
         ));
-        let bound = i64::try_from(self.settings.in_flight_bound_ms()).unwrap_or(i64::MAX / 2);
+        let bound = i64::try_from(self.settings.restore_wait_ms()).unwrap_or(i64::MAX / 2);
         let safe_from = since.saturating_add(bound);
         if cutoff.at_ms < safe_from || !cutoff.proven {
             report.restoring = true;
