@@ -11,7 +11,7 @@ use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, 
 use diesel::{Connection, PgConnection, RunQueryDsl};
 use seckill::bus::events::OrderRequested;
 use seckill::config::Settings;
-use seckill::ids::{IdGenerator, OrderNo, Snowflake};
+use seckill::ids::{OrderNo, Snowflake};
 use seckill::orders::repo::{self, ActivityTerms};
 use seckill::store::PgConn;
 use secrecy::ExposeSecret;
@@ -56,7 +56,7 @@ fn connect() -> Option<seckill::store::PgPool> {
 fn events(ids: &Snowflake, n: usize) -> Vec<OrderRequested> {
     (0..n)
         .map(|_| {
-            let no = ids.next_id();
+            let no = ids.next_at(seckill::ids::epoch_ms_now());
             OrderRequested {
                 event_id: no.to_string(),
                 order_no: OrderNo::new(no),

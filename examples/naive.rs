@@ -146,7 +146,12 @@ async fn place(
     if body.request_id.is_empty() || body.request_id.len() > 64 || quantity < 1 {
         return Err(ApiError::bad_request("bad request_id or quantity"));
     }
-    let order_no = state.ids.next_id();
+    let Some(order_no) = state.ids.next_id() else {
+        return Err(ApiError::new(
+            ErrorCode::RetryLater,
+            "no instance id leased",
+        ));
+    };
     let user_id = user.user_id.get();
     let request_id = body.request_id.clone();
     let outcome = store::run(&state.db, move |conn| {
@@ -181,7 +186,10 @@ async fn main() -> anyhow::Result<()> {
     seckill::telemetry::init(&settings.log);
     let address = format!("{}:{}", settings.app.host, settings.app.port);
     let keys = web::Data::new(JwtKeys::new(&settings.auth.jwt_secret)?);
-    let state = web::Data::new(AppState::connect(settings)?);
+    let state = AppState::connect(settings)?;
+    state.lease.acquire_at_start().await?;
+    let _lease = state.lease.clone().spawn();
+    let state = web::Data::new(state);
     tracing::info!(%address, started = %Utc::now(), "naive baseline serving");
     HttpServer::new(move || {
         let metrics = state.metrics.clone();

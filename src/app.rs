@@ -24,7 +24,7 @@ use crate::config::{RedisSettings, Settings};
 use crate::coupons::gate::CouponGate;
 use crate::http;
 use crate::http::auth::JwtKeys;
-use crate::ids::{IdGenerator, Snowflake};
+use crate::ids::{IdGenerator, InstanceLease, LeasedIds};
 use crate::metrics::Metrics;
 use crate::orders::closer;
 use crate::orders::consumer::{self, ConsumerDeps};
@@ -61,8 +61,10 @@ pub struct AppState {
     pub limits: Limits,
     /// Purchases awaiting their delivery report; empty → 503 BUSY.
     pub in_flight: Arc<Semaphore>,
-    /// Snowflake order numbers.
+    /// Snowflake order numbers, made only under a leased instance id.
     pub ids: Arc<dyn IdGenerator>,
+    /// The lease behind `ids`; taken by [`Application::build`].
+    pub lease: InstanceLease,
     /// PostgreSQL connections (use through [`store::run`]).
     pub db: PgPool,
     /// The idempotent Kafka producer; cheap to clone.
@@ -97,6 +99,15 @@ impl AppState {
         let topics = Topics::new(&settings.kafka.topic_prefix);
         let producer = Producer::new(&settings.kafka)?;
         let metrics = Metrics::new()?;
+        let leased = Arc::new(LeasedIds::default());
+        let lease = InstanceLease::new(
+            gate.conn(),
+            &settings.redis.key_prefix,
+            settings.app.instance_id,
+            Duration::from_secs(settings.app.instance_lease_secs),
+            leased.clone(),
+            metrics.instance_id.clone(),
+        );
         let publisher = Arc::new(Publisher {
             producer: producer.clone(),
             topic: topics.order_requested.clone(),
@@ -120,7 +131,8 @@ impl AppState {
                 ip: KeyedLimiter::new(a.ip_rate_per_sec, a.ip_burst),
             },
             in_flight: Arc::new(Semaphore::new(a.max_in_flight.max(1))),
-            ids: Arc::new(Snowflake::new(settings.app.instance_id)),
+            ids: leased,
+            lease,
             db: store::pool(&settings.postgres),
             producer,
             metrics,
@@ -254,6 +266,7 @@ pub fn redis_pool(settings: &RedisSettings) -> anyhow::Result<deadpool_redis::Po
 /// The background workers of one process.
 #[derive(Default)]
 pub struct Workers {
+    lease: Option<WorkerHandle>,
     consumer: Option<WorkerHandle>,
     releaser: Option<WorkerHandle>,
     claimer: Option<WorkerHandle>,
@@ -269,6 +282,7 @@ impl Workers {
         let s = &state.settings;
         let w = &s.workers;
         Ok(Self {
+            lease: None,
             consumer: s
                 .orders
                 .consumer_enabled
@@ -278,9 +292,8 @@ impl Workers {
                 .releaser_enabled
                 .then(|| releaser::spawn(state.consumer_deps()))
                 .transpose()?,
-            claimer: s
-                .orders
-                .consumer_enabled
+            claimer: w
+                .claimer_enabled
                 .then(|| crate::coupons::consumer::spawn(state.consumer_deps()))
                 .transpose()?,
             closer: w.closer_enabled.then(|| {
@@ -319,6 +332,7 @@ impl Workers {
             self.lag_sampler,
             self.releaser,
             self.claimer,
+            self.lease,
         ];
         for worker in workers.into_iter().flatten() {
             worker.stop().await;
@@ -354,7 +368,13 @@ impl Application {
             state.topics_created.clone(),
         )
         .await;
-        let workers = Workers::start(&state)?;
+        // Order numbers need a leased instance id: a configured one that a
+        // running instance holds stops the start here.
+        if let Some(instance) = state.lease.acquire_at_start().await? {
+            tracing::info!(instance, "instance id leased");
+        }
+        let mut workers = Workers::start(&state)?;
+        workers.lease = Some(state.lease.clone().spawn());
 
         let server = HttpServer::new(move || {
             let metrics = state.metrics.clone();

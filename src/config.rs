@@ -97,6 +97,8 @@ pub struct WorkerSettings {
     pub relay_max_attempts: i32,
     /// Consume `stock.released` and give the units back to Redis.
     pub releaser_enabled: bool,
+    /// Consume `coupon.claimed` and write the claims.
+    pub claimer_enabled: bool,
 }
 
 /// Admission (SPEC step 1) settings.
@@ -133,7 +135,7 @@ pub struct AdmissionSettings {
 /// Order-creating consumer settings (SPEC step 3).
 #[derive(Debug, Clone, Deserialize)]
 pub struct OrderSettings {
-    /// Run the consumer inside `serve`.
+    /// Run the order consumer inside `serve`.
     pub consumer_enabled: bool,
     /// Largest number of messages in one database transaction.
     pub batch_size: usize,
@@ -150,10 +152,16 @@ pub struct AppSettings {
     pub host: String,
     /// Port the HTTP server binds; 0 picks a free one (tests).
     pub port: u16,
-    /// This instance's id in the snowflake generator (0..=1023). Two instances
-    /// running at once must have different ids or they can mint the same
-    /// `order_no`.
-    pub instance_id: u16,
+    /// This instance's id in the snowflake generator (0..=1023). Unset (the
+    /// default): a free one is leased in Redis at start-up. Set: exactly
+    /// this one is leased, and `serve` refuses to start while another
+    /// running instance holds it. Either way two running instances never
+    /// share an id.
+    pub instance_id: Option<u16>,
+    /// Lifetime of the instance-id lease in Redis, in seconds; renewed five
+    /// times per lifetime. A process that cannot renew stops making order
+    /// numbers when it runs out; a crashed one's id is free again after it.
+    pub instance_lease_secs: u64,
     /// How long a graceful shutdown waits for in-flight requests, in seconds.
     pub shutdown_timeout_secs: u64,
 }
@@ -298,6 +306,9 @@ impl Settings {
                  set SECKILL__PAYMENT__NOTIFY_SECRET for production"
             );
         }
+        if self.app.instance_lease_secs < 2 {
+            bail!("app.instance_lease_secs must be at least 2");
+        }
         if !matches!(self.redis.gate_connection.as_str(), "multiplexed" | "pool") {
             bail!("redis.gate_connection must be \"multiplexed\" or \"pool\"");
         }
@@ -308,7 +319,11 @@ impl Settings {
                  (how long an event can still reach the broker after it was sent)"
             );
         }
-        if self.app.instance_id > 1023 {
+        if self
+            .app
+            .instance_id
+            .is_some_and(|id| id > crate::ids::MAX_INSTANCE)
+        {
             bail!("app.instance_id must be within 0..=1023 (10 bits of the snowflake id)");
         }
         Ok(())

@@ -18,14 +18,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve HTTP and run the order consumer in the same process.
+    /// Serve HTTP and run the consumers in the same process.
     Serve {
-        /// Do not run the order consumer here (API-only instance).
+        /// Run no consumer here (orders, stock releases, coupon claims): an
+        /// API-only instance, beside `seckill consume` workers.
         #[arg(long)]
         no_consumer: bool,
     },
-    /// Run only the order consumer (a worker-only instance) until SIGINT/SIGTERM.
-    Consume,
+    /// Run the consumers (a worker-only instance) until SIGINT/SIGTERM:
+    /// every one, or those named.
+    Consume {
+        #[command(flatten)]
+        which: Consumers,
+    },
     /// Reconcile every recent activity once and print the report (JSON).
     Reconcile,
     /// Apply (default) or revert the database migrations.
@@ -58,6 +63,34 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Which consumers `seckill consume` runs; none named: all of them.
+#[derive(clap::Args, Clone, Copy)]
+struct Consumers {
+    /// The order creator (`order.requested` → order rows).
+    #[arg(long)]
+    orders: bool,
+    /// The stock releaser (`stock.released` → units back in Redis).
+    #[arg(long)]
+    releases: bool,
+    /// The coupon claimer (`coupon.claimed` → claim rows).
+    #[arg(long)]
+    claims: bool,
+}
+
+impl Consumers {
+    fn all_if_none(self) -> Self {
+        if self.orders || self.releases || self.claims {
+            self
+        } else {
+            Self {
+                orders: true,
+                releases: true,
+                claims: true,
+            }
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -93,10 +126,12 @@ async fn main() -> anyhow::Result<()> {
             let mut settings = settings;
             if no_consumer {
                 settings.orders.consumer_enabled = false;
+                settings.workers.releaser_enabled = false;
+                settings.workers.claimer_enabled = false;
             }
             serve(settings).await
         }
-        Command::Consume => consume(settings).await,
+        Command::Consume { which } => consume(settings, which.all_if_none()).await,
         Command::Reconcile => {
             let state = seckill::app::AppState::connect(settings)?;
             let reports = state.reconciler().run().await?;
@@ -140,16 +175,34 @@ async fn serve(settings: Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn consume(settings: Settings) -> anyhow::Result<()> {
+async fn consume(settings: Settings, which: Consumers) -> anyhow::Result<()> {
     use seckill::orders::consumer::{self, ConsumerDeps};
     let deps = ConsumerDeps::connect(settings)?;
     seckill::bus::ensure_topics_or_retry(&deps.settings.kafka, &deps.topics, Default::default())
         .await;
-    let handle = consumer::spawn(deps)?;
-    tracing::info!("order consumer running");
+    let mut running = Vec::new();
+    if which.orders {
+        running.push(("order creator", consumer::spawn(deps.clone())?));
+    }
+    if which.releases {
+        running.push((
+            "stock releaser",
+            seckill::orders::releaser::spawn(deps.clone())?,
+        ));
+    }
+    if which.claims {
+        running.push((
+            "coupon claimer",
+            seckill::coupons::consumer::spawn(deps.clone())?,
+        ));
+    }
+    let names: Vec<&str> = running.iter().map(|(name, _)| *name).collect();
+    tracing::info!(consumers = ?names, "consumers running");
     shutdown_signal().await;
-    handle.stop().await;
-    tracing::info!("order consumer stopped");
+    for (_, handle) in running {
+        handle.stop().await;
+    }
+    tracing::info!("consumers stopped");
     Ok(())
 }
 

@@ -48,6 +48,11 @@ pub struct Metrics {
     pub stock_released: IntCounterVec,
     /// Reconciliation findings by what (difference | repair) and kind.
     pub reconcile: IntCounterVec,
+    /// The snowflake instance id this process holds a lease on (-1: none).
+    pub instance_id: IntGauge,
+    /// Order events whose event_id was applied before with a different
+    /// payload (two instances minted one number): dead-lettered, alerting.
+    pub event_conflicts: IntCounter,
     /// Order events not yet applied by the order consumers (−1: unknown);
     /// admission's consumer-lag backpressure reads it.
     pub order_consumer_lag: IntGauge,
@@ -134,6 +139,18 @@ impl Metrics {
                 Opts::new("reconcile_total", "Reconciliation differences and repairs"),
                 &["what", "kind"],
             )?,
+            instance_id: {
+                let gauge = IntGauge::new(
+                    "instance_id",
+                    "Snowflake instance id leased by this process (-1: none)",
+                )?;
+                gauge.set(-1);
+                gauge
+            },
+            event_conflicts: IntCounter::new(
+                "event_conflicts_total",
+                "Order events applied before under the same event_id with a different payload",
+            )?,
             order_consumer_lag: {
                 let gauge = IntGauge::new(
                     "order_consumer_lag",
@@ -163,6 +180,8 @@ impl Metrics {
         r.register(Box::new(metrics.stock_released.clone()))?;
         r.register(Box::new(metrics.reconcile.clone()))?;
         r.register(Box::new(metrics.order_consumer_lag.clone()))?;
+        r.register(Box::new(metrics.instance_id.clone()))?;
+        r.register(Box::new(metrics.event_conflicts.clone()))?;
         Ok(metrics)
     }
 

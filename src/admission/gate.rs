@@ -35,6 +35,9 @@ pub enum Admission {
     /// Redis holds no stock for the activity: never warmed, or Redis lost
     /// it (restarted empty) and reconciliation has not restored it yet.
     NotWarm,
+    /// The order_no already keys another reservation (two instances made
+    /// the same number): nothing was reserved, the other is untouched.
+    NumberTaken,
 }
 
 /// One purchase attempt, as the admission script sees it.
@@ -244,6 +247,7 @@ impl RedisGate {
             3 => Admission::LimitExceeded,
             4 => Admission::InvalidToken,
             5 => Admission::NotActive,
+            7 => Admission::NumberTaken,
             _ => Admission::NotWarm,
         })
     }

@@ -119,11 +119,12 @@ async fn process(
     shutdown: &CancellationToken,
 ) -> bool {
     let mut events = Vec::with_capacity(batch.len());
-    let mut origin = HashMap::new();
+    // The message each event came in, by the event's index.
+    let mut origin = Vec::with_capacity(batch.len());
     for m in batch {
         match OrderRequested::decode(m.payload().unwrap_or_default()) {
             Ok(e) => {
-                origin.insert(e.event_id.clone(), m);
+                origin.push(m);
                 events.push(e);
             }
             Err(reason) => {
@@ -141,20 +142,24 @@ async fn process(
         match apply(deps, &events).await {
             Ok(outcome) => {
                 record(deps, &outcome);
+                for &i in &outcome.conflicts {
+                    if !dead_letter_conflict(deps, origin[i], &events[i], shutdown).await {
+                        return false;
+                    }
+                }
                 return true;
             }
             Err(e) if is_permanent(&e) && attempt + 1 >= PERMANENT_ATTEMPTS => {
                 if events.len() == 1 {
                     let reason = format!("database refused the event: {e:#}");
-                    if !dead_letter(deps, origin[&events[0].event_id], &reason, shutdown).await {
+                    if !dead_letter(deps, origin[0], &reason, shutdown).await {
                         return false;
                     }
                     return void_dead_lettered(deps, &events[0], shutdown).await;
                 }
                 // Isolate the poison event: apply one by one.
-                for e in &events {
-                    let single = std::slice::from_ref(origin[&e.event_id]);
-                    if !Box::pin(process(deps, single, shutdown)).await {
+                for m in &origin {
+                    if !Box::pin(process(deps, std::slice::from_ref(*m), shutdown)).await {
                         return false;
                     }
                 }
@@ -173,6 +178,32 @@ async fn process(
             }
         }
     }
+}
+
+/// An event reusing an applied event_id with another payload is another
+/// purchase under a number already taken (two instances minted it). It is
+/// never dropped as a duplicate: it goes to the dead-letter topic, and an
+/// error log and `seckill_event_conflicts_total` raise the alarm. Its
+/// reservation, if any, is the first order's, and stays as it is.
+async fn dead_letter_conflict(
+    deps: &ConsumerDeps,
+    m: &OwnedMessage,
+    e: &OrderRequested,
+    shutdown: &CancellationToken,
+) -> bool {
+    tracing::error!(
+        event_id = %e.event_id,
+        activity_id = e.activity_id,
+        user_id = e.user_id,
+        request_id = %e.request_id,
+        "order event conflicts with one applied under the same event_id; dead-lettered"
+    );
+    deps.metrics.event_conflicts.inc();
+    let reason = format!(
+        "conflict: event_id {} was applied before with a different payload",
+        e.event_id
+    );
+    dead_letter(deps, m, &reason, shutdown).await
 }
 
 /// DB transaction, then Redis marks. Either failing fails the whole call;
@@ -197,7 +228,11 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
     // Reservations follow the rows: kept for live orders, released for
     // FAILED ones and for events that produced no row.
     let mut commit: HashMap<i64, Vec<i64>> = HashMap::new();
-    for e in events {
+    for (_, e) in events
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !outcome.conflicts.contains(i))
+    {
         let order_no = e.order_no.get();
         let buckets = terms
             .get(&e.activity_id)

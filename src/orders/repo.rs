@@ -137,6 +137,10 @@ pub struct BatchOutcome {
     pub failed: usize,
     /// Events naming an activity that does not exist (nothing written).
     pub unknown_activity: usize,
+    /// Indexes (into the batch) of events whose event_id was applied
+    /// before, or earlier in the batch, with a different payload: two
+    /// instances minted one number. Nothing of theirs was written.
+    pub conflicts: Vec<usize>,
 }
 
 /// SPEC step 3 in ONE transaction: skip events already in `consume_log`;
@@ -168,13 +172,17 @@ pub fn apply_batch(
         .map(|r| r.event_id)
         .collect();
         outcome.duplicates = events.len() - fresh.len();
+        outcome.conflicts = conflicts(conn, events, &fresh)?;
 
         let mut rows = OrderColumns::default();
         let mut coupon_locked: Vec<i64> = Vec::new();
         let mut seen = HashSet::new();
-        for e in events.iter().filter(|e| fresh.contains(&e.event_id)) {
+        for (i, e) in events.iter().enumerate() {
             // The same event twice in one batch counts once.
-            if !seen.insert(e.order_no.get()) {
+            if !fresh.contains(&e.event_id)
+                || outcome.conflicts.contains(&i)
+                || !seen.insert(e.order_no.get())
+            {
                 continue;
             }
             let Some(t) = terms.get(&e.activity_id) else {
@@ -272,6 +280,64 @@ pub fn apply_batch(
         outcome.failed = inserted.len() - locked.len();
         Ok(outcome)
     })
+}
+
+/// What an event says of its order, to tell a redelivery from another
+/// order under the same number.
+fn payload(e: &OrderRequested) -> (i64, i64, &str, i32, Option<i64>) {
+    (
+        e.activity_id,
+        e.user_id,
+        &e.request_id,
+        e.quantity,
+        e.coupon_id,
+    )
+}
+
+/// Indexes of `events` that reuse an event_id with another payload: against
+/// the order row of an event applied before, or against the first event
+/// of the batch with that id.
+fn conflicts(
+    conn: &mut PgConn,
+    events: &[OrderRequested],
+    fresh: &HashSet<String>,
+) -> QueryResult<Vec<usize>> {
+    let applied: Vec<i64> = events
+        .iter()
+        .filter(|e| !fresh.contains(&e.event_id))
+        .map(|e| e.order_no.get())
+        .collect();
+    let stored: HashMap<i64, Order> = if applied.is_empty() {
+        HashMap::new()
+    } else {
+        orders::table
+            .filter(orders::order_no.eq_any(&applied))
+            .select(Order::as_select())
+            .load(conn)?
+            .into_iter()
+            .map(|o| (o.order_no, o))
+            .collect()
+    };
+    let mut first: HashMap<&str, &OrderRequested> = HashMap::new();
+    let mut conflicts = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        let differs = match stored.get(&e.order_no.get()) {
+            Some(o) if !fresh.contains(&e.event_id) => {
+                (
+                    o.activity_id,
+                    o.user_id,
+                    o.request_id.as_str(),
+                    o.quantity,
+                    o.coupon_id,
+                ) != payload(e)
+            }
+            _ => payload(first.entry(&e.event_id).or_insert(e)) != payload(e),
+        };
+        if differs {
+            conflicts.push(i);
+        }
+    }
+    Ok(conflicts)
 }
 
 /// Marks WAITING_PAY orders FAILED with `reason` and frees their coupons.

@@ -166,13 +166,21 @@ pub async fn place(
             "too many purchases in flight; retry shortly",
         ));
     };
+    let Some(order_no) = state.ids.next_id() else {
+        return Err(reject(
+            &state,
+            "retry_later",
+            ErrorCode::RetryLater,
+            "no order number can be made right now; retry shortly",
+        ));
+    };
     let reserve = ReserveRequest {
         activity_id,
         user_id: user.user_id.get(),
         request_id: &body.request_id,
         token,
         quantity,
-        order_no: state.ids.next_id(),
+        order_no,
         buckets: meta.buckets,
         now_ms,
         coupon_id: body.coupon_id,
@@ -219,6 +227,19 @@ pub async fn place(
                 "not_active",
                 ErrorCode::NotActive,
                 "the sale is not open",
+            ));
+        }
+        Admission::NumberTaken => {
+            tracing::error!(
+                order_no,
+                activity_id,
+                "order number already reserved: two instances share an instance id"
+            );
+            return Err(reject(
+                &state,
+                "number_taken",
+                ErrorCode::RetryLater,
+                "the order number was taken; retry",
             ));
         }
         Admission::NotWarm => {

@@ -25,7 +25,12 @@ pub async fn pay(
 ) -> Result<HttpResponse, ApiError> {
     let order_no = crate::http::id_in_path(&path, "no such order")?;
     let user_id = user.user_id.get();
-    let payment_no = state.ids.next_id();
+    let Some(payment_no) = state.ids.next_id() else {
+        return Err(ApiError::new(
+            ErrorCode::RetryLater,
+            "no payment number can be made right now; retry shortly",
+        ));
+    };
     let provider = state.provider.name();
     let intent = store::run(&state.db, move |conn| {
         Ok(repo::create_or_get(

@@ -8,7 +8,13 @@ use serde_json::json;
 
 use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
 
-async fn create_coupon(app: &TestApp, total: i32, discount: i64, min: i64, valid_secs: i64) -> i64 {
+pub(crate) async fn create_coupon(
+    app: &TestApp,
+    total: i32,
+    discount: i64,
+    min: i64,
+    valid_secs: i64,
+) -> i64 {
     let body = json!({"name": "Spring", "total": total, "discount_cents": discount,
         "min_amount_cents": min, "per_user_limit": 1,
         "valid_until": chrono::Utc::now() + chrono::Duration::seconds(valid_secs)});
@@ -39,7 +45,7 @@ async fn claim_once(
 /// A claim as a client makes it: a 503 is retried with the same
 /// request_id for up to a minute; a 200 after such a retry is the claim
 /// accepted (reported as 202).
-async fn claim(
+pub(crate) async fn claim(
     app: &TestApp,
     user: i64,
     coupon: i64,
@@ -86,7 +92,7 @@ async fn mine(app: &TestApp, user: i64) -> Vec<serde_json::Value> {
 }
 
 /// Waits until the claims consumer has written `n` rows for the batch.
-async fn claims_written(app: &TestApp, coupon: i64, n: i64) -> serde_json::Value {
+pub(crate) async fn claims_written(app: &TestApp, coupon: i64, n: i64) -> serde_json::Value {
     let what = format!("{n} claims written");
     crate::helpers::eventually(&what, Duration::from_secs(30), || async {
         let s = coupon_stats(app, coupon).await;

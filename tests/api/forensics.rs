@@ -176,6 +176,11 @@ fn client_for(
     Ok((consumer, partitions))
 }
 
+/// The `error` headers of every message on `topic` now (blocking).
+pub fn errors_on(settings: &Settings, topic: &str) -> Result<Vec<String>, String> {
+    scan(settings, topic).map(|s| s.errors)
+}
+
 /// Reads `topic` from the beginning to its high watermarks, outside any group.
 fn scan(settings: &Settings, topic: &str) -> Result<Scan, String> {
     let (consumer, partitions) = client_for(settings, "forensics", topic)?;

@@ -12,6 +12,7 @@ mod errors_and_auth;
 mod forensics;
 mod health;
 mod helpers;
+mod instances;
 mod migrations;
 mod orders;
 mod outbox;

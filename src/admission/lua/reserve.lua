@@ -15,6 +15,8 @@
 --   0 accepted (the given order_no)   1 duplicate (the existing order_no)
 --   2 sold out   3 limit exceeded   4 invalid token
 --   5 outside the sale window   6 not warm (never warmed, or Redis lost it)
+--   7 the order_no already keys a reservation (two instances minted the
+--     same number): nothing is written, the existing one is untouched
 --
 -- The reservation keeps everything its order.requested event carries, so
 -- the event can be rebuilt and sent again byte for byte (a retry of a
@@ -25,6 +27,7 @@ local req_field = user .. ':' .. req
 
 local existing = redis.call('HGET', KEYS[2], req_field)
 if existing then return {1, existing} end
+if redis.call('EXISTS', KEYS[5]) == 1 then return {7, ''} end
 
 local meta = redis.call('HMGET', KEYS[1], 'start_ms', 'end_ms', 'limit')
 if not meta[1] then return {6, ''} end

@@ -1,0 +1,319 @@
+//! The instance id, leased in Redis so that two running instances never
+//! mint the same numbers, whatever their configuration says.
+//!
+//! - A lease is a key per instance id, `SET NX PX` with the owner's name,
+//!   renewed by a heartbeat (compare-and-set on the owner).
+//! - `app.instance_id` unset: the first free id from a random point of
+//!   0..=1023. Set: exactly that id; held by a live instance, `serve`
+//!   waits one lease lifetime (a crashed predecessor's lease runs out) and
+//!   then refuses to start.
+//! - The process makes numbers only while its lease is certainly valid:
+//!   until the lease lifetime after the last renewal it *sent*, which is no
+//!   later than Redis lets the key expire. If renewals fail (Redis
+//!   unreachable) it stops before anyone else can take the id; a lease
+//!   found taken is given up at once and a new one sought.
+//! - Each renewal records where the holder may get to (its last
+//!   millisecond plus a lifetime) beside the lease. The next holder of the
+//!   id starts there, so a wall clock that stepped back between two
+//!   holders cannot repeat a number either.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use prometheus::IntGauge;
+use redis::aio::ConnectionManager;
+use redis::{RedisResult, Script};
+
+use super::{IdGenerator, MAX_INSTANCE, Snowflake, epoch_ms_now};
+use crate::worker::WorkerHandle;
+
+/// Takes the lease if it is free (or already ours). Returns the floor (ms
+/// since the epoch) the last holder recorded, or -1 if another holds it.
+const ACQUIRE: &str = r"
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return -1 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return tonumber(redis.call('GET', KEYS[2]) or '0')
+";
+
+/// Renews the lease if it is still ours and raises the recorded floor.
+/// Returns 1, or 0 if the lease is gone or another's.
+const RENEW: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local floor = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[3]) > floor then redis.call('SET', KEYS[2], ARGV[3]) end
+return 1
+";
+
+/// Gives the lease up if it is still ours (a clean shutdown).
+const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+";
+
+/// Snowflake numbers made only under a valid instance-id lease.
+pub struct LeasedIds {
+    ids: Snowflake,
+    started: Instant,
+    /// Until when (ms since `started`) the lease is certainly ours; 0: not
+    /// held.
+    valid_until: AtomicU64,
+    /// Whether a lease was ever held (the generator's id is then worth
+    /// asking for first again).
+    ever_held: AtomicBool,
+}
+
+impl Default for LeasedIds {
+    fn default() -> Self {
+        Self {
+            ids: Snowflake::new(0),
+            started: Instant::now(),
+            valid_until: AtomicU64::new(0),
+            ever_held: AtomicBool::new(false),
+        }
+    }
+}
+
+impl LeasedIds {
+    fn elapsed_ms(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.started).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The instance id held now, if any.
+    pub fn instance(&self) -> Option<u16> {
+        self.is_held().then(|| self.ids.instance())
+    }
+
+    /// Whether numbers can be made now.
+    pub fn is_held(&self) -> bool {
+        self.elapsed_ms(Instant::now()) < self.valid_until.load(Ordering::Acquire)
+    }
+
+    fn extend(&self, sent: Instant, ttl: Duration) {
+        let until = self.elapsed_ms(sent + ttl);
+        self.valid_until.fetch_max(until, Ordering::AcqRel);
+        self.ever_held.store(true, Ordering::Release);
+    }
+
+    fn revoke(&self) {
+        self.valid_until.store(0, Ordering::Release);
+    }
+}
+
+impl IdGenerator for LeasedIds {
+    fn next_id(&self) -> Option<i64> {
+        self.is_held().then(|| self.ids.next_at(epoch_ms_now()))
+    }
+}
+
+/// Why the instance id could not be leased.
+#[derive(Debug)]
+pub enum LeaseError {
+    /// Redis did not answer; try again later.
+    Unavailable(redis::RedisError),
+    /// Every id asked for is held by a live instance.
+    Taken(String),
+}
+
+impl From<redis::RedisError> for LeaseError {
+    fn from(e: redis::RedisError) -> Self {
+        Self::Unavailable(e)
+    }
+}
+
+/// This process's claim on an instance id.
+#[derive(Clone)]
+pub struct InstanceLease {
+    conn: ConnectionManager,
+    prefix: String,
+    owner: String,
+    /// The configured id, or `None` for any free one.
+    wanted: Option<u16>,
+    ttl: Duration,
+    ids: Arc<LeasedIds>,
+    gauge: IntGauge,
+}
+
+impl InstanceLease {
+    /// A lease (not yet taken) feeding `ids`; `gauge` shows the id held
+    /// (-1: none).
+    pub fn new(
+        conn: ConnectionManager,
+        prefix: &str,
+        wanted: Option<u16>,
+        ttl: Duration,
+        ids: Arc<LeasedIds>,
+        gauge: IntGauge,
+    ) -> Self {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".into());
+        gauge.set(-1);
+        Self {
+            conn,
+            prefix: prefix.to_owned(),
+            owner: format!(
+                "{host}:{}:{}",
+                std::process::id(),
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            ),
+            wanted,
+            ttl: ttl.max(Duration::from_secs(1)),
+            ids,
+            gauge,
+        }
+    }
+
+    fn keys(&self, instance: u16) -> (String, String) {
+        let key = format!("{}{{instance:{instance}}}", self.prefix);
+        (key.clone(), format!("{key}:floor"))
+    }
+
+    fn ttl_ms(&self) -> u64 {
+        u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Tries once to take the configured id, or any free one.
+    pub async fn acquire(&self) -> Result<u16, LeaseError> {
+        let candidates: Vec<u16> = match self.wanted {
+            Some(id) => vec![id],
+            None => {
+                // The id held last (its lease may still be ours), else a
+                // random one, so that instances starting together spread.
+                let first = if self.ids.ever_held.load(Ordering::Acquire) {
+                    self.ids.ids.instance()
+                } else {
+                    fastrand::u16(..=MAX_INSTANCE)
+                };
+                (0..=MAX_INSTANCE)
+                    .map(|i| (first + i) % (MAX_INSTANCE + 1))
+                    .collect()
+            }
+        };
+        let script = Script::new(ACQUIRE);
+        for instance in candidates {
+            let (key, floor_key) = self.keys(instance);
+            let sent = Instant::now();
+            let floor: i64 = script
+                .key(&key)
+                .key(&floor_key)
+                .arg(&self.owner)
+                .arg(self.ttl_ms())
+                .invoke_async(&mut self.conn.clone())
+                .await?;
+            if floor < 0 {
+                continue;
+            }
+            let floor = u64::try_from(floor).unwrap_or(0);
+            self.ids.ids.reset(instance, floor.max(epoch_ms_now()));
+            self.ids.extend(sent, self.ttl);
+            self.gauge.set(i64::from(instance));
+            return Ok(instance);
+        }
+        Err(LeaseError::Taken(match self.wanted {
+            Some(id) => format!(
+                "app.instance_id {id} is leased by another running instance; \
+                 give each instance its own id, or leave app.instance_id unset \
+                 to lease a free one"
+            ),
+            None => "every instance id (0..=1023) is leased by a running instance".into(),
+        }))
+    }
+
+    /// Takes the lease at start-up. A configured id that is held is waited
+    /// for one lease lifetime (a crashed predecessor's lease runs out),
+    /// then refused. Redis unreachable is not fatal: the heartbeat takes
+    /// the lease once it answers, and purchases get 503 until then.
+    pub async fn acquire_at_start(&self) -> anyhow::Result<Option<u16>> {
+        let deadline = Instant::now() + self.ttl + Duration::from_secs(1);
+        loop {
+            match self.acquire().await {
+                Ok(id) => return Ok(Some(id)),
+                Err(LeaseError::Unavailable(e)) => {
+                    tracing::warn!(
+                        error = %e,
+                        "Redis unreachable: no instance id leased yet; purchases get 503 until it is"
+                    );
+                    return Ok(None);
+                }
+                Err(LeaseError::Taken(why)) if Instant::now() >= deadline => bail!(why),
+                Err(LeaseError::Taken(_)) => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+    }
+
+    /// Renews a held lease. False if it is no longer ours.
+    async fn renew(&self, instance: u16) -> RedisResult<bool> {
+        let (key, floor_key) = self.keys(instance);
+        // Where this holder may get to before its lease runs out.
+        let reach = self.ids.ids.last_ms().max(epoch_ms_now()) + self.ttl_ms();
+        let sent = Instant::now();
+        let renewed: i64 = Script::new(RENEW)
+            .key(&key)
+            .key(&floor_key)
+            .arg(&self.owner)
+            .arg(self.ttl_ms())
+            .arg(reach)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if renewed == 1 {
+            self.ids.extend(sent, self.ttl);
+        }
+        Ok(renewed == 1)
+    }
+
+    /// One heartbeat: renew the lease held, or take one.
+    async fn beat(&self) {
+        match self.ids.instance() {
+            Some(instance) => match self.renew(instance).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.ids.revoke();
+                    self.gauge.set(-1);
+                    tracing::error!(
+                        instance,
+                        "instance id lease lost to another instance; no numbers are made until a new one is leased"
+                    );
+                }
+                Err(e) => tracing::warn!(instance, error = %e, "instance id lease not renewed"),
+            },
+            None => {
+                self.gauge.set(-1);
+                match self.acquire().await {
+                    Ok(instance) => tracing::info!(instance, "instance id leased"),
+                    Err(LeaseError::Unavailable(e)) => {
+                        tracing::warn!(error = %e, "instance id not leased: Redis unreachable");
+                    }
+                    Err(LeaseError::Taken(why)) => tracing::error!("{why}"),
+                }
+            }
+        }
+    }
+
+    /// Renews (or takes) the lease five times per lifetime until stopped,
+    /// then gives it up.
+    pub fn spawn(self) -> WorkerHandle {
+        WorkerHandle::spawn(move |shutdown| async move {
+            let period = self.ttl / 5;
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    () = tokio::time::sleep(period) => self.beat().await,
+                }
+            }
+            if let Some(instance) = self.ids.instance() {
+                self.ids.revoke();
+                let (key, _) = self.keys(instance);
+                let released: RedisResult<i64> = Script::new(RELEASE)
+                    .key(&key)
+                    .arg(&self.owner)
+                    .invoke_async(&mut self.conn.clone())
+                    .await;
+                if let Err(e) = released {
+                    tracing::warn!(instance, error = %e, "instance id lease not given up");
+                }
+            }
+        })
+    }
+}

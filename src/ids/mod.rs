@@ -1,0 +1,253 @@
+//! Order and payment numbers: Twitter-style snowflakes (41 bits of
+//! milliseconds since 2024-01-01, 10 bits of instance id, 12 bits of
+//! sequence), made before anything is written so the number can key the
+//! Redis reservation, the Kafka message and the order row alike.
+//!
+//! Two things make them unique across a fleet and across time:
+//! - the instance id is leased in Redis ([`lease`]), so two running
+//!   instances never share one, whatever their configuration says;
+//! - the generator's clock never goes back: when the wall clock steps back
+//!   (an NTP correction), it goes on from the last millisecond it used,
+//!   taking the next millisecond once that one's 4096 numbers are spent.
+//!   It never panics and never repeats a number.
+
+pub mod lease;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+pub use lease::{InstanceLease, LeasedIds};
+
+/// Snowflake epoch: 2024-01-01T00:00:00Z in unix ms. 41 bits of
+/// milliseconds last until 2093.
+pub const EPOCH_UNIX_MS: u64 = 1_704_067_200_000;
+
+/// The largest instance id (10 bits).
+pub const MAX_INSTANCE: u16 = 1023;
+
+const SEQUENCE_BITS: u32 = 12;
+const INSTANCE_BITS: u32 = 10;
+const SEQUENCE_MASK: u64 = (1 << SEQUENCE_BITS) - 1;
+
+/// Makes unique ids; a trait so tests can make deterministic ones.
+pub trait IdGenerator: Send + Sync {
+    /// A new id, unique across instances with distinct instance ids; `None`
+    /// while this process holds no instance id (its lease is not taken yet,
+    /// or was lost), when it must not make any.
+    fn next_id(&self) -> Option<i64>;
+}
+
+/// Milliseconds since the snowflake epoch by the wall clock (0 before it).
+pub fn epoch_ms_now() -> u64 {
+    let unix_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    unix_ms.saturating_sub(EPOCH_UNIX_MS)
+}
+
+/// A snowflake generator. Lock-free: the last id it made (millisecond,
+/// instance and sequence) is one atomic word.
+pub struct Snowflake {
+    last: AtomicU64,
+}
+
+const MS_SHIFT: u32 = INSTANCE_BITS + SEQUENCE_BITS;
+
+impl Snowflake {
+    /// A generator for `instance` (0..=1023; higher bits are dropped).
+    pub fn new(instance: u16) -> Self {
+        Self::starting_at(instance, 0)
+    }
+
+    /// A generator for `instance` whose first id is in a millisecond (since
+    /// the epoch) no earlier than `floor_ms`: where an earlier holder of the
+    /// same instance id may have got to.
+    pub fn starting_at(instance: u16, floor_ms: u64) -> Self {
+        Self {
+            last: AtomicU64::new(Self::before(instance, floor_ms)),
+        }
+    }
+
+    /// Makes ids for `instance` from now on, starting no earlier than
+    /// `floor_ms` (a new lease).
+    pub fn reset(&self, instance: u16, floor_ms: u64) {
+        self.last
+            .store(Self::before(instance, floor_ms), Ordering::Release);
+    }
+
+    /// The last id of the millisecond before `floor_ms`.
+    fn before(instance: u16, floor_ms: u64) -> u64 {
+        floor_ms.saturating_sub(1) << MS_SHIFT
+            | u64::from(instance & MAX_INSTANCE) << SEQUENCE_BITS
+            | SEQUENCE_MASK
+    }
+
+    /// The instance id in every number this makes.
+    pub fn instance(&self) -> u16 {
+        instance_of(self.last.load(Ordering::Acquire) as i64)
+    }
+
+    /// The millisecond (since the epoch) of the last id made: where this
+    /// generator got to, which may be ahead of the wall clock.
+    pub fn last_ms(&self) -> u64 {
+        self.last.load(Ordering::Acquire) >> MS_SHIFT
+    }
+
+    /// The next id, given the wall clock reads `now_ms` since the epoch.
+    pub fn next_at(&self, now_ms: u64) -> i64 {
+        let mut last = self.last.load(Ordering::Relaxed);
+        loop {
+            let last_ms = last >> MS_SHIFT;
+            let instance = last & (u64::from(MAX_INSTANCE) << SEQUENCE_BITS);
+            let next = if now_ms > last_ms {
+                now_ms << MS_SHIFT | instance
+            } else if last & SEQUENCE_MASK < SEQUENCE_MASK {
+                last + 1
+            } else {
+                // This millisecond is spent (or the clock stepped back):
+                // borrow the next one.
+                (last_ms + 1) << MS_SHIFT | instance
+            };
+            match self
+                .last
+                .compare_exchange_weak(last, next, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => return (next & (i64::MAX as u64)) as i64,
+                Err(actual) => last = actual,
+            }
+        }
+    }
+}
+
+impl IdGenerator for Snowflake {
+    fn next_id(&self) -> Option<i64> {
+        Some(self.next_at(epoch_ms_now()))
+    }
+}
+
+/// The instance id inside a snowflake.
+pub fn instance_of(id: i64) -> u16 {
+    ((id as u64 >> SEQUENCE_BITS) & u64::from(MAX_INSTANCE)) as u16
+}
+
+/// An order number. A string in JSON (API.md), an i64 in storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OrderNo(i64);
+
+impl OrderNo {
+    /// Wraps a stored or generated number.
+    pub fn new(raw: i64) -> Self {
+        Self(raw)
+    }
+
+    /// Parses the decimal string a client sends; `None` for anything else.
+    pub fn parse(raw: &str) -> Option<Self> {
+        if raw.is_empty() || raw.len() > 19 || !raw.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        raw.parse::<i64>().ok().filter(|n| *n > 0).map(Self)
+    }
+
+    /// The raw number, for storage.
+    pub fn get(self) -> i64 {
+        self.0
+    }
+}
+
+impl fmt::Display for OrderNo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl Serialize for OrderNo {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for OrderNo {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(d)?;
+        Self::parse(&raw).ok_or_else(|| serde::de::Error::custom("order_no must be a decimal id"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn snowflakes_are_unique_increasing_and_carry_the_instance() {
+        let generator = Snowflake::new(7);
+        let ids: Vec<i64> = (0..10_000).map(|_| generator.next_id().unwrap()).collect();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len());
+        assert!(
+            ids.iter().all(|id| (id >> 12) & 0x3ff == 7),
+            "instance bits"
+        );
+        assert!(ids[0] > 0);
+    }
+
+    #[test]
+    fn two_instances_never_collide() {
+        let a = Snowflake::new(1);
+        let b = Snowflake::new(2);
+        let mut seen = HashSet::new();
+        for _ in 0..5_000 {
+            assert!(seen.insert(a.next_id().unwrap()));
+            assert!(seen.insert(b.next_id().unwrap()));
+        }
+    }
+
+    #[test]
+    fn a_clock_stepping_back_neither_panics_nor_repeats_a_number() {
+        let generator = Snowflake::new(3);
+        let now = epoch_ms_now();
+        let mut ids = Vec::new();
+        // Forward, then the clock steps back by a minute and creeps on.
+        for t in [now, now + 1, now + 2] {
+            ids.extend((0..100).map(|_| generator.next_at(t)));
+        }
+        for t in (now - 60_000..now - 59_990).chain([now - 1, now, now + 2, now + 3]) {
+            ids.extend((0..100).map(|_| generator.next_at(t)));
+        }
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "strictly increasing");
+        assert!(ids.iter().all(|id| instance_of(*id) == 3));
+        assert!(generator.last_ms() >= now + 3);
+    }
+
+    #[test]
+    fn a_spent_millisecond_borrows_the_next_one() {
+        let generator = Snowflake::new(1);
+        let t = epoch_ms_now();
+        let ids: Vec<i64> = (0..10_000).map(|_| generator.next_at(t)).collect();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(generator.last_ms(), t + 2, "10 000 numbers span three ms");
+    }
+
+    #[test]
+    fn a_generator_starts_at_its_floor() {
+        let now = epoch_ms_now();
+        let generator = Snowflake::starting_at(5, now + 10_000);
+        let id = generator.next_at(now);
+        assert_eq!(id as u64 >> 22, now + 10_000);
+        let fresh = Snowflake::new(5).next_at(now);
+        assert!(fresh < id);
+    }
+
+    #[test]
+    fn order_numbers_parse_only_from_positive_decimal_strings() {
+        assert_eq!(OrderNo::parse("123").map(OrderNo::get), Some(123));
+        for bad in ["", "0", "-5", "12a", " 1", "99999999999999999999"] {
+            assert!(OrderNo::parse(bad).is_none(), "{bad:?}");
+        }
+        let json = serde_json::to_string(&OrderNo::new(42)).unwrap();
+        assert_eq!(json, "\"42\"");
+    }
+}

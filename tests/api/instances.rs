@@ -1,0 +1,295 @@
+//! Many instances: leased instance ids, order numbers that cannot collide
+//! in Redis, and conflicting events that are never dropped silently.
+
+use std::time::Duration;
+
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::util::Timeout;
+use seckill::admission::{Admission, RedisGate, ReserveRequest};
+use seckill::app::Application;
+use seckill::bus::events::OrderRequested;
+use seckill::bus::{Topics, client_config};
+use seckill::ids::{OrderNo, instance_of};
+
+use crate::helpers::{TestApp, eventually, json, spawn_app, spawn_app_with};
+
+/// A gauge or counter of `/metrics`, by its full name.
+async fn metric(app: &TestApp, name: &str) -> Option<i64> {
+    let text = app.get("/metrics", None).await.text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as i64)
+}
+
+fn order_no(body: &serde_json::Value) -> i64 {
+    body["order_no"]
+        .as_str()
+        .expect("order_no")
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn two_instances_with_the_default_config_lease_distinct_ids_and_mint_distinct_numbers() {
+    let a = spawn_app().await;
+    assert_eq!(a.settings.app.instance_id, None, "the default config");
+    let prefix = a.settings.redis.key_prefix.clone();
+    let b = spawn_app_with(|s| s.redis.key_prefix = prefix).await;
+
+    let (ia, ib) = (
+        metric(&a, "seckill_instance_id").await.unwrap(),
+        metric(&b, "seckill_instance_id").await.unwrap(),
+    );
+    assert!(ia >= 0 && ib >= 0, "both hold a lease: {ia} {ib}");
+    assert_ne!(ia, ib, "one Redis, two instances, two ids");
+    // (One Redis prefix over two databases: their activity ids coincide,
+    // so the buyers differ.)
+    for (app, instance, user) in [(&a, ia, 1), (&b, ib, 2)] {
+        let activity = app.live_activity(5, 1, 1).await;
+        let (status, body) = app.buy(user, activity).await;
+        assert_eq!(status, 202, "{body}");
+        assert_eq!(i64::from(instance_of(order_no(&body))), instance);
+    }
+}
+
+#[tokio::test]
+async fn a_pinned_instance_id_held_by_a_running_instance_refuses_to_start() {
+    let pin = |s: &mut seckill::config::Settings| {
+        s.app.instance_id = Some(7);
+        s.app.instance_lease_secs = 2;
+    };
+    let a = spawn_app_with(pin).await;
+    assert_eq!(metric(&a, "seckill_instance_id").await, Some(7));
+    let mut settings = a.settings.clone();
+    pin(&mut settings);
+    let err = Application::build(settings)
+        .await
+        .err()
+        .expect("the second instance with id 7 must not start");
+    assert!(
+        format!("{err:#}").contains("app.instance_id 7 is leased"),
+        "{err:#}"
+    );
+    // The first is unharmed: it still holds 7 (its heartbeat renewed it
+    // all along) and sells under it.
+    let activity = a.live_activity(5, 1, 1).await;
+    let (status, body) = a.buy(1, activity).await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(instance_of(order_no(&body)), 7);
+}
+
+#[tokio::test]
+async fn an_instance_whose_lease_is_taken_stops_minting_then_leases_another_id() {
+    let a = spawn_app_with(|s| s.app.instance_lease_secs = 2).await;
+    let activity = a.live_activity(5, 1, 1).await;
+    let held = metric(&a, "seckill_instance_id").await.unwrap();
+    assert!(held >= 0);
+    // Another process takes the id over (as if our lease had run out).
+    let mut redis = redis::Client::open(a.settings.redis.url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = format!("{}{{instance:{held}}}", a.settings.redis.key_prefix);
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("someone-else")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    // Its heartbeat notices within a fifth of the lifetime, and it holds
+    // another id soon after; never two numbers under the taken one.
+    let next = eventually("a new id leased", Duration::from_secs(30), || async {
+        metric(&a, "seckill_instance_id")
+            .await
+            .filter(|id| *id >= 0 && *id != held)
+    })
+    .await;
+    let (status, body) = a.buy(1, activity).await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(i64::from(instance_of(order_no(&body))), next);
+    let owner: String = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(owner, "someone-else", "the taken id was left alone");
+}
+
+#[tokio::test]
+async fn a_reservation_is_never_overwritten_by_another_purchase_under_the_same_number() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let order_no = 880_000_001;
+    let mut reserved = Vec::new();
+    for (user, request_id) in [(1, "first"), (2, "second")] {
+        let token = app.purchase_token(user, activity).await;
+        reserved.push(
+            gate.reserve(&ReserveRequest {
+                activity_id: activity,
+                user_id: user,
+                request_id,
+                token: &token,
+                quantity: 1,
+                order_no,
+                buckets: 1,
+                now_ms: chrono::Utc::now().timestamp_millis(),
+                coupon_id: None,
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    assert_eq!(
+        reserved,
+        [Admission::Accepted(order_no), Admission::NumberTaken]
+    );
+    let kept = gate.reservation(activity, order_no).await.unwrap().unwrap();
+    assert_eq!((kept.user_id, kept.request_id.as_str()), (1, "first"));
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["redis_available"], 9, "one unit reserved, not two");
+    assert_eq!(stats["reservations_open"], 1);
+}
+
+#[tokio::test]
+async fn an_event_reusing_an_applied_event_id_with_another_payload_is_dead_lettered_not_dropped() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202);
+    app.drained(activity, 1).await;
+    let number = order_no(&body);
+
+    // Another purchase that was minted the same number.
+    let other = OrderRequested {
+        event_id: number.to_string(),
+        order_no: OrderNo::new(number),
+        activity_id: activity,
+        user_id: 2,
+        request_id: "another-buyer".into(),
+        quantity: 1,
+        coupon_id: None,
+        reserved_at_ms: chrono::Utc::now().timestamp_millis(),
+    };
+    let topics = Topics::new(&app.settings.kafka.topic_prefix);
+    let producer: FutureProducer = client_config(&app.settings.kafka).create().unwrap();
+    producer
+        .send(
+            FutureRecord::to(&topics.order_requested)
+                .key(&other.event_id)
+                .payload(&other.encode()),
+            Timeout::After(Duration::from_secs(10)),
+        )
+        .await
+        .expect("produced");
+
+    let settings = app.settings.clone();
+    let errors = eventually(
+        "the conflicting event dead-lettered",
+        Duration::from_secs(60),
+        || {
+            let (settings, dlq) = (settings.clone(), topics.order_requested_dlq.clone());
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    crate::forensics::errors_on(&settings, &dlq).ok()
+                })
+                .await
+                .unwrap()
+                .filter(|errors| !errors.is_empty())
+            }
+        },
+    )
+    .await;
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].contains("conflict") && errors[0].contains(&other.event_id),
+        "{errors:?}"
+    );
+    assert_eq!(metric(&app, "seckill_event_conflicts_total").await, Some(1));
+    // The first order stands untouched.
+    assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 1);
+    let order = json(
+        app.get(
+            &format!("/api/v1/orders/{number}"),
+            Some(&app.user_token(1)),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(order["status"], "WAITING_PAY");
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["db_locked"], 1);
+    assert_eq!(stats["redis_available"], 9);
+}
+
+/// A `seckill consume` process over this test's database and prefixes,
+/// killed when dropped.
+struct Worker(std::process::Child);
+
+impl Worker {
+    fn start(app: &TestApp, args: &[&str]) -> Self {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_seckill"))
+            .arg("consume")
+            .args(args)
+            .env("SECKILL_ENV", "test")
+            .env(
+                "SECKILL__POSTGRES__URL",
+                secrecy::ExposeSecret::expose_secret(&app.settings.postgres.url),
+            )
+            .env("SECKILL__REDIS__KEY_PREFIX", &app.settings.redis.key_prefix)
+            .env(
+                "SECKILL__KAFKA__TOPIC_PREFIX",
+                &app.settings.kafka.topic_prefix,
+            )
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("seckill consume starts");
+        Self(child)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn an_api_only_server_and_a_consume_worker_cover_orders_stock_releases_and_coupon_claims() {
+    // `serve --no-consumer`: none of the three consumers runs in the server.
+    let app = spawn_app_with(|s| {
+        crate::helpers::without_order_consumer(s);
+        s.workers.releaser_enabled = false;
+        s.workers.claimer_enabled = false;
+    })
+    .await;
+    let _worker = Worker::start(&app, &[]);
+
+    // Coupon claims are written by the worker.
+    let coupon = crate::coupons::create_coupon(&app, 5, 100, 0, 3600).await;
+    assert_eq!(crate::coupons::claim(&app, 1, coupon, "c1").await.0, 202);
+    crate::coupons::claims_written(&app, coupon, 1).await;
+
+    // Orders are created by the worker.
+    let activity = app.live_activity(5, 1, 1).await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202, "{body}");
+    app.drained(activity, 1).await;
+
+    // A cancelled order's unit goes back to Redis through the worker's
+    // stock releaser.
+    let number = body["order_no"].as_str().unwrap();
+    assert_eq!(app.cancel(1, number).await.status(), 200);
+    let stats = app
+        .wait_for_stats(activity, 60, |s| {
+            s["redis_available"] == 5 && s["reservations_open"] == 0
+        })
+        .await;
+    assert_eq!(stats["db_available"], 5);
+    assert_eq!(stats["orders"]["CANCELLED"], 1);
+}
