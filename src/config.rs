@@ -114,8 +114,12 @@ pub struct AdmissionSettings {
     pub ip_rate_per_sec: u32,
     /// Per-client-IP token bucket capacity.
     pub ip_burst: u32,
-    /// Trust `X-Forwarded-For` for the client address. Only behind a proxy
-    /// that sets it; otherwise clients pick their own rate-limit key.
+    /// Proxies in front of the service that append to `X-Forwarded-For`:
+    /// the client address is the entry this many hops from the right (the
+    /// entries further left are whatever the client sent). 0: the peer
+    /// address, the header ignored.
+    pub trusted_proxies: usize,
+    /// Older form of `trusted_proxies = 1`; used only while that is 0.
     pub trust_forwarded_for: bool,
     /// Purchases awaiting a Kafka delivery report before new ones are
     /// refused with 503 BUSY (backpressure before Redis is touched).
@@ -285,26 +289,58 @@ impl Settings {
             .saturating_add(self.admission.publish_budget_ms)
     }
 
+    /// How many `X-Forwarded-For` hops from the right name the client.
+    pub fn forwarded_hops(&self) -> usize {
+        match self.admission.trusted_proxies {
+            0 => usize::from(self.admission.trust_forwarded_for),
+            n => n,
+        }
+    }
+
     /// Whether this is a production deployment.
     pub fn is_production(&self) -> bool {
         self.app.env == "production"
     }
 
-    /// Refuses settings that would run but be unsafe or wrong.
-    pub fn validate(&self) -> anyhow::Result<()> {
-        let secret = self.auth.jwt_secret.expose_secret();
-        if self.is_production() && (secret == DEV_JWT_SECRET || secret.len() < 32) {
-            bail!(
-                "auth.jwt_secret is the development secret or shorter than 32 bytes; \
-                 set SECKILL__AUTH__JWT_SECRET for production"
+    /// What a production deployment must set and has not, each named by
+    /// its variable, so one start-up message lists them all.
+    pub fn production_problems(&self) -> Vec<&'static str> {
+        let weak = |secret: &SecretString, dev: &str| {
+            let secret = secret.expose_secret();
+            secret == dev || secret.len() < 32
+        };
+        let mut problems = Vec::new();
+        if weak(&self.auth.jwt_secret, DEV_JWT_SECRET) {
+            problems.push(
+                "SECKILL__AUTH__JWT_SECRET (auth.jwt_secret: at least 32 bytes, \
+                 not the development secret)",
             );
         }
-        let notify = self.payment.notify_secret.expose_secret();
-        if self.is_production() && (notify == DEV_NOTIFY_SECRET || notify.len() < 32) {
-            bail!(
-                "payment.notify_secret is the development secret or shorter than 32 bytes; \
-                 set SECKILL__PAYMENT__NOTIFY_SECRET for production"
+        if weak(&self.payment.notify_secret, DEV_NOTIFY_SECRET) {
+            problems.push(
+                "SECKILL__PAYMENT__NOTIFY_SECRET (payment.notify_secret: at least 32 bytes, \
+                 not the development secret)",
             );
+        }
+        if self.payment.mock {
+            problems.push(
+                "SECKILL__PAYMENT__MOCK=false (payment.mock: the mock provider's \
+                 /api/v1/dev routes let any buyer mark an order paid)",
+            );
+        }
+        problems
+    }
+
+    /// Refuses settings that would run but be unsafe or wrong.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.is_production() {
+            let problems = self.production_problems();
+            if !problems.is_empty() {
+                bail!(
+                    "production (SECKILL_ENV=production) needs: {}",
+                    problems.join("; ")
+                );
+            }
         }
         if self.app.instance_lease_secs < 2 {
             bail!("app.instance_lease_secs must be at least 2");
@@ -348,6 +384,8 @@ mod tests {
         let mut s = Settings::load_env("test").expect("test settings load");
         s.app.env = env.into();
         s.auth.jwt_secret = SecretString::from(secret.to_owned());
+        // As config/production.toml has it.
+        s.payment.mock = env != "production";
         s
     }
 
@@ -364,6 +402,26 @@ mod tests {
         s.payment.notify_secret = SecretString::from("y".repeat(40));
         assert!(s.validate().is_ok());
         assert!(settings("development", DEV_JWT_SECRET).validate().is_ok());
+    }
+
+    #[test]
+    fn production_refuses_the_mock_provider_and_names_every_missing_variable_at_once() {
+        let mut s = settings("production", DEV_JWT_SECRET);
+        s.payment.mock = true; // SECKILL__PAYMENT__MOCK=true
+        let err = s.validate().expect_err("refused").to_string();
+        for name in [
+            "SECKILL__AUTH__JWT_SECRET",
+            "SECKILL__PAYMENT__NOTIFY_SECRET",
+            "SECKILL__PAYMENT__MOCK=false",
+        ] {
+            assert!(err.contains(name), "{err}");
+        }
+        s.auth.jwt_secret = SecretString::from("x".repeat(40));
+        s.payment.notify_secret = SecretString::from("y".repeat(40));
+        let err = s.validate().expect_err("the mock alone is refused");
+        assert!(err.to_string().contains("payment.mock"), "{err}");
+        s.payment.mock = false;
+        assert!(s.validate().is_ok());
     }
 
     #[test]

@@ -39,18 +39,35 @@ fn is_valid_key(v: &str) -> bool {
     !v.is_empty() && v.len() <= MAX_ID_LEN && v.bytes().all(|b| b.is_ascii_graphic())
 }
 
-fn client_ip(req: &HttpRequest, trust_forwarded_for: bool) -> Option<IpAddr> {
-    if trust_forwarded_for
-        && let Some(ip) = req
-            .headers()
-            .get("x-forwarded-for")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split(',').next())
-            .and_then(|v| v.trim().parse().ok())
-    {
-        return Some(ip);
+/// The client address: the `X-Forwarded-For` entry `hops` from the right
+/// (each trusted proxy appended the address it was connected from, so the
+/// entries left of that are whatever the client wrote), or the peer address
+/// with no trusted proxy or no usable header.
+fn client_ip(req: &HttpRequest, hops: usize) -> Option<IpAddr> {
+    let peer = req.peer_addr().map(|a| a.ip());
+    if hops == 0 {
+        return peer;
     }
-    req.peer_addr().map(|a| a.ip())
+    let headers = req.headers().get_all("x-forwarded-for");
+    let values: Vec<&str> = headers.filter_map(|v| v.to_str().ok()).collect();
+    forwarded_client(&values, hops).or(peer)
+}
+
+/// The entry `hops` from the right of the `X-Forwarded-For` values (in
+/// header order); fewer entries than hops: the leftmost, which a trusted
+/// proxy wrote. `None` if there are none or it is not an address.
+fn forwarded_client(values: &[&str], hops: usize) -> Option<IpAddr> {
+    let entries: Vec<&str> = values
+        .iter()
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect();
+    let entry = entries.get(entries.len().saturating_sub(hops))?;
+    entry
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
 }
 
 fn outcome(state: &AppState, name: &str) {
@@ -82,15 +99,9 @@ pub async fn place(
     if quantity < 1 {
         return Err(ApiError::bad_request("quantity must be at least 1"));
     }
-    if !state.limits.activity.try_acquire(activity_id) {
-        return Err(reject(
-            &state,
-            "rate_limited",
-            ErrorCode::RateLimited,
-            "too many requests for this activity",
-        ));
-    }
-    if let Some(ip) = client_ip(&req, state.settings.admission.trust_forwarded_for)
+    // The client's own bucket first: one address flooding requests must
+    // not drain the activity's bucket for everyone else.
+    if let Some(ip) = client_ip(&req, state.settings.forwarded_hops())
         && !state.limits.ip.try_acquire(ip)
     {
         return Err(reject(
@@ -98,6 +109,14 @@ pub async fn place(
             "rate_limited",
             ErrorCode::RateLimited,
             "too many requests from this address",
+        ));
+    }
+    if !state.limits.activity.try_acquire(activity_id) {
+        return Err(reject(
+            &state,
+            "rate_limited",
+            ErrorCode::RateLimited,
+            "too many requests for this activity",
         ));
     }
     let meta = match state
@@ -515,4 +534,38 @@ pub async fn list(
     };
     let views: Vec<_> = orders.iter().map(order_view).collect();
     Ok(HttpResponse::Ok().json(json!({"orders": views, "next_cursor": next_cursor})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forwarded_client;
+
+    fn ip(s: &str) -> Option<std::net::IpAddr> {
+        Some(s.parse().unwrap())
+    }
+
+    #[test]
+    fn the_client_is_counted_from_the_right_so_a_spoofed_leftmost_entry_is_ignored() {
+        // One proxy: it appended the address it saw; the rest is the client's.
+        assert_eq!(
+            forwarded_client(&["6.6.6.6, 1.2.3.4, 10.0.0.9"], 1),
+            ip("10.0.0.9")
+        );
+        assert_eq!(
+            forwarded_client(&["6.6.6.6, 1.2.3.4, 10.0.0.9"], 2),
+            ip("1.2.3.4")
+        );
+        // Several headers are one list, in order.
+        assert_eq!(
+            forwarded_client(&["6.6.6.6", "1.2.3.4, 10.0.0.9"], 2),
+            ip("1.2.3.4")
+        );
+        // Fewer entries than proxies: the leftmost, which a proxy wrote.
+        assert_eq!(forwarded_client(&["10.0.0.9"], 2), ip("10.0.0.9"));
+        assert_eq!(forwarded_client(&["[::1]:443"], 1), ip("::1"));
+        assert_eq!(forwarded_client(&["1.2.3.4:80"], 1), ip("1.2.3.4"));
+        assert_eq!(forwarded_client(&[], 1), None);
+        assert_eq!(forwarded_client(&["garbage"], 1), None);
+        assert_eq!(forwarded_client(&[" , "], 1), None);
+    }
 }

@@ -61,7 +61,8 @@ pub fn verify(
     let (Some(t), Some(v1)) = (t, v1) else {
         return Err(SignatureError::Malformed);
     };
-    if (now - t).abs() > tolerance_secs {
+    // No subtraction: a hostile `t` (i64::MIN) must not overflow.
+    if now.abs_diff(t) > tolerance_secs.unsigned_abs() {
         return Err(SignatureError::Stale);
     }
     mac(secret, t, body)
@@ -106,6 +107,18 @@ mod tests {
         );
         let edge = sign(b"s", NOW - 300, b"x");
         assert_eq!(verify(b"s", Some(&edge), b"x", NOW, 300), Ok(()));
+    }
+
+    #[test]
+    fn extreme_timestamps_are_stale_not_an_overflow() {
+        for t in [i64::MIN, i64::MIN + 1, i64::MAX] {
+            let header = format!("t={t},v1=00");
+            assert_eq!(
+                verify(b"s", Some(&header), b"x", NOW, 300),
+                Err(SignatureError::Stale),
+                "{t}"
+            );
+        }
     }
 
     #[test]

@@ -51,6 +51,68 @@ async fn a_client_over_its_rate_gets_429_rate_limited() {
     assert!(statuses[2..].contains(&429), "{statuses:?}");
 }
 
+/// A purchase attempt as seen through one proxy that appended `forwarded`.
+async fn order_via_proxy(app: &TestApp, activity: i64, user: i64, forwarded: &str) -> u16 {
+    let token = app.purchase_token(user, activity).await;
+    app.client
+        .post(format!(
+            "{}/api/v1/activities/{activity}/orders",
+            app.address
+        ))
+        .bearer_auth(app.user_token(user))
+        .header("x-forwarded-for", forwarded)
+        .json(&json!({"request_id": uuid::Uuid::new_v4().to_string(), "token": token}))
+        .send()
+        .await
+        .expect("request sent")
+        .status()
+        .as_u16()
+}
+
+#[tokio::test]
+async fn a_client_cannot_escape_its_ip_limit_by_writing_x_forwarded_for() {
+    let app = spawn_app_with(|s| {
+        s.admission.trusted_proxies = 1;
+        s.admission.ip_rate_per_sec = 1;
+        s.admission.ip_burst = 2;
+    })
+    .await;
+    let activity = app.live_activity(10, 10, 1).await;
+    let mut statuses = Vec::new();
+    for i in 0..5 {
+        // The client claims a new address each time; the proxy appends the
+        // one it really saw.
+        let forwarded = format!("203.0.113.{i}, 198.51.100.7");
+        statuses.push(order_via_proxy(&app, activity, 1, &forwarded).await);
+    }
+    assert_eq!(&statuses[..2], &[202, 202], "{statuses:?}");
+    assert!(statuses[2..].contains(&429), "{statuses:?}");
+}
+
+#[tokio::test]
+async fn one_address_flooding_does_not_drain_the_activity_bucket_for_everyone_else() {
+    let app = spawn_app_with(|s| {
+        s.admission.trusted_proxies = 1;
+        s.admission.ip_rate_per_sec = 1;
+        s.admission.ip_burst = 1;
+        s.admission.activity_rate_per_sec = 1;
+        s.admission.activity_burst = 3;
+    })
+    .await;
+    let activity = app.live_activity(10, 10, 1).await;
+    let mut flood = Vec::new();
+    for _ in 0..6 {
+        flood.push(order_via_proxy(&app, activity, 1, "198.51.100.66").await);
+    }
+    assert!(
+        flood.iter().filter(|s| **s == 429).count() >= 4,
+        "{flood:?}"
+    );
+    // Another buyer behind another address still gets through.
+    let other = order_via_proxy(&app, activity, 2, "198.51.100.77").await;
+    assert_eq!(other, 202, "flood {flood:?}");
+}
+
 #[tokio::test]
 async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
     let app = spawn_app_with(|s| s.admission.max_in_flight = 1).await;

@@ -17,4 +17,5 @@ mod migrations;
 mod orders;
 mod outbox;
 mod payments;
+mod production;
 mod reconcile;

@@ -1,0 +1,80 @@
+//! Production start-up: what it refuses, in one message, and the compose
+//! file's environment passing it as written.
+
+use std::process::Command;
+
+/// `seckill token` under `SECKILL_ENV=production` with `vars`: every
+/// command loads and validates the settings first.
+fn start_in_production(vars: &[(String, String)]) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_seckill"));
+    cmd.arg("token").env("SECKILL_ENV", "production");
+    for (key, _) in std::env::vars().filter(|(k, _)| k.starts_with("SECKILL__")) {
+        cmd.env_remove(key);
+    }
+    for (key, value) in vars {
+        cmd.env(key, value);
+    }
+    cmd.output().expect("the seckill binary runs")
+}
+
+/// The `SECKILL__*` variables compose.yaml gives the service, with each
+/// `${VAR:?…}` a user must supply filled in with a strong value.
+fn compose_environment() -> Vec<(String, String)> {
+    let compose = std::fs::read_to_string("compose.yaml").expect("compose.yaml");
+    compose
+        .lines()
+        .filter_map(|l| l.trim().split_once(": "))
+        .filter(|(k, _)| k.starts_with("SECKILL__"))
+        .map(|(k, v)| {
+            let v = if v.starts_with("${") {
+                format!("{k}-{}", "s".repeat(40))
+            } else {
+                v.to_owned()
+            };
+            (k.to_owned(), v)
+        })
+        .collect()
+}
+
+#[test]
+fn production_without_its_variables_names_each_missing_one_in_one_message() {
+    let out = start_in_production(&[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for name in [
+        "SECKILL__AUTH__JWT_SECRET",
+        "SECKILL__PAYMENT__NOTIFY_SECRET",
+    ] {
+        assert!(err.contains(name), "{err}");
+    }
+    assert_eq!(
+        err.matches("production (SECKILL_ENV=production) needs")
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn production_refuses_the_mock_payment_provider() {
+    let mut vars = compose_environment();
+    vars.push(("SECKILL__PAYMENT__MOCK".into(), "true".into()));
+    let out = start_in_production(&vars);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SECKILL__PAYMENT__MOCK=false"), "{err}");
+}
+
+#[test]
+fn the_compose_files_environment_starts_in_production_as_written() {
+    let vars = compose_environment();
+    assert!(
+        vars.iter()
+            .any(|(k, _)| k == "SECKILL__PAYMENT__NOTIFY_SECRET")
+    );
+    let out = start_in_production(&vars);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
