@@ -83,6 +83,11 @@ pub struct AppState {
     pub http: reqwest::Client,
     /// This server's own base URL (the mock provider calls it back).
     pub self_url: String,
+    /// The runtime the state was made on (the process's main one). Work a
+    /// request starts that must finish even if the request is dropped runs
+    /// here: the HTTP workers' own runtimes end with them, taking their
+    /// tasks along, when a graceful shutdown runs out of time.
+    pub background: tokio::runtime::Handle,
 }
 
 impl AppState {
@@ -112,7 +117,7 @@ impl AppState {
             producer: producer.clone(),
             topic: topics.order_requested.clone(),
             gate: gate.clone(),
-            acks: Acks::start(gate.clone()),
+            acks: Acks::start(gate.clone(), a.max_pending_acks),
             metrics: metrics.clone(),
             budget: Duration::from_millis(a.publish_budget_ms.max(1)),
             breaker: Breaker::default(),
@@ -160,6 +165,7 @@ impl AppState {
                 settings.app.port
             ),
             settings: Arc::new(settings),
+            background: tokio::runtime::Handle::current(),
         })
     }
 
@@ -401,6 +407,12 @@ impl Application {
             server,
             workers,
         })
+    }
+
+    /// Stops the server (tests: a graceful shutdown that may run out of
+    /// time).
+    pub fn server_handle(&self) -> actix_web::dev::ServerHandle {
+        self.server.handle()
     }
 
     /// The port actually bound (useful with port 0).

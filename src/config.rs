@@ -124,6 +124,9 @@ pub struct AdmissionSettings {
     /// Purchases awaiting a Kafka delivery report before new ones are
     /// refused with 503 BUSY (backpressure before Redis is touched).
     pub max_in_flight: usize,
+    /// Acknowledgements waiting to be recorded in Redis before new purchases
+    /// get 503 BUSY (Redis falling behind).
+    pub max_pending_acks: usize,
     /// Purchases get 503 BUSY while the order consumers are this many
     /// messages behind (SPEC step 2); 0 turns it off.
     pub max_consumer_lag: i64,

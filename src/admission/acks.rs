@@ -17,17 +17,21 @@ type Ack = (i64, i64);
 /// Most acknowledgements taken off the queue at once.
 const MAX_BATCH: usize = 512;
 
-/// The queue of acknowledgements; cheap to clone.
+/// The queue of acknowledgements; cheap to clone. Bounded: while Redis
+/// falls behind and it is full, purchases get 503 BUSY before anything is
+/// reserved ([`Acks::has_room`]), and an acknowledgement that still finds
+/// it full waits for room in its delivery task; none is dropped.
 #[derive(Clone)]
 pub struct Acks {
-    tx: mpsc::UnboundedSender<Ack>,
+    tx: mpsc::Sender<Ack>,
 }
 
 impl Acks {
-    /// Starts the writer on the current runtime; it ends once every `Acks`
-    /// is dropped and the queue is written.
-    pub fn start(gate: Arc<RedisGate>) -> Self {
-        let (tx, mut rx) = mpsc::unbounded_channel::<Ack>();
+    /// Starts the writer on the current runtime, with room for `capacity`
+    /// queued acknowledgements; it ends once every `Acks` is dropped and
+    /// the queue is written.
+    pub fn start(gate: Arc<RedisGate>, capacity: usize) -> Self {
+        let (tx, mut rx) = mpsc::channel::<Ack>(capacity.max(1));
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(MAX_BATCH);
             let mut by_activity: HashMap<i64, Vec<i64>> = HashMap::new();
@@ -54,9 +58,52 @@ impl Acks {
         Self { tx }
     }
 
-    /// Queues the acknowledgement of one purchase.
-    pub fn ack(&self, activity_id: i64, order_no: i64) {
+    /// Queues the acknowledgement of one purchase, waiting for room.
+    pub async fn ack(&self, activity_id: i64, order_no: i64) {
         // The writer only stops when the process does.
-        let _ = self.tx.send((activity_id, order_no));
+        let _ = self.tx.send((activity_id, order_no)).await;
+    }
+
+    /// Whether the queue has room: a new purchase is refused (503 BUSY)
+    /// while it has none.
+    pub fn has_room(&self) -> bool {
+        self.tx.capacity() > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Settings;
+
+    #[tokio::test]
+    async fn the_queue_is_bounded_while_redis_does_not_answer() {
+        // A "Redis" that accepts connections and never answers.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = silent.local_addr().unwrap();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                open.push(socket);
+            }
+        });
+        let mut settings = Settings::load_env("test").unwrap();
+        settings.redis.url = format!("redis://{address}");
+        let gate = Arc::new(RedisGate::new(&settings.redis, &settings.admission, None).unwrap());
+        let acks = Acks::start(gate, 2);
+        assert!(acks.has_room());
+        // The writer takes what is queued and hangs on it; what comes after
+        // fills the queue, whatever the scheduling.
+        let mut queued = 0;
+        while acks.has_room() && queued < 10 {
+            acks.ack(1, queued).await;
+            queued += 1;
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            !acks.has_room(),
+            "full after {queued} behind a silent Redis"
+        );
+        held.abort();
     }
 }

@@ -116,9 +116,34 @@ pub async fn claim(
         ));
     }
     let user_id = user.user_id.get();
+    // The claim and its publish-or-undo run in a task of their own, on the
+    // main runtime: a dropped request (a client gone, a shutdown out of
+    // time) drops this handler, not the task, so a claim is never left
+    // taken in Redis with its event neither sent nor undone.
+    let background = state.background.clone();
+    let fresh = background
+        .spawn(claim_and_publish(state, coupon_id, user_id, request_id))
+        .await
+        .map_err(|e| ApiError::unavailable(anyhow::anyhow!("coupon claim task failed: {e}")))??;
+    let claimed = json!({"coupon_id": coupon_id, "status": "CLAIMED"});
+    Ok(if fresh {
+        HttpResponse::Accepted().json(claimed)
+    } else {
+        HttpResponse::Ok().json(claimed)
+    })
+}
+
+/// The claim in Redis, then its event: delivered → whether the claim is
+/// new (202) or a replay (200); definitely not delivered → undone, 503;
+/// unknown → kept, 503 (retry with the same request_id).
+async fn claim_and_publish(
+    state: web::Data<AppState>,
+    coupon_id: i64,
+    user_id: i64,
+    request_id: String,
+) -> Result<bool, ApiError> {
     let now_ms = Utc::now().timestamp_millis();
     let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
-    let claimed = json!({"coupon_id": coupon_id, "status": "CLAIMED"});
     let fresh = match state
         .coupons
         .claim(coupon_id, user_id, &request_id, now_ms)
@@ -170,8 +195,7 @@ pub async fn claim(
         ),
     )));
     match published {
-        Ok(()) if fresh => Ok(HttpResponse::Accepted().json(claimed)),
-        Ok(()) => Ok(HttpResponse::Ok().json(claimed)),
+        Ok(()) => Ok(fresh),
         Err(e @ (PublishError::QueueFull | PublishError::NotDelivered(_))) if fresh => {
             tracing::warn!(error = %e, coupon_id, user_id, "coupon claim not delivered; undoing the claim");
             if let Err(e) = state

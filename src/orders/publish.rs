@@ -126,7 +126,7 @@ impl Publisher {
         self.observe(started, &outcome);
         match outcome {
             Ok(()) => {
-                self.acks.ack(activity_id, order_no);
+                self.acks.ack(activity_id, order_no).await;
                 let _ = answer.send(Published::Delivered);
             }
             Err(e @ (PublishError::QueueFull | PublishError::NotDelivered(_))) => {
@@ -184,7 +184,7 @@ impl Publisher {
         loop {
             match &outcome {
                 Ok(()) => {
-                    self.acks.ack(activity_id, order_no);
+                    self.acks.ack(activity_id, order_no).await;
                     break;
                 }
                 Err(e) if attempt == 0 => {

@@ -177,6 +177,14 @@ pub async fn place(
             "the broker is not acknowledging orders; retry shortly",
         ));
     }
+    if !state.publisher.acks.has_room() {
+        return Err(reject(
+            &state,
+            "busy",
+            ErrorCode::Busy,
+            "acknowledgements are waiting on Redis; retry shortly",
+        ));
+    }
     let Ok(permit) = state.in_flight.clone().try_acquire_owned() else {
         return Err(reject(
             &state,

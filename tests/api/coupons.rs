@@ -438,3 +438,54 @@ async fn with_kafka_unreachable_a_claim_is_503_and_undone() {
     let (status, body) = claim_once(&app, 1, coupon, "c").await;
     assert_eq!((status, body["code"].as_str()), (503, Some("RETRY_LATER")));
 }
+
+#[tokio::test]
+async fn a_claim_cut_off_by_a_shutdown_out_of_time_is_still_undone() {
+    // The delivery fails for certain after three seconds; the server is
+    // stopped first and gives in-flight requests one second, then drops
+    // them. The claim must not stay taken with no event behind it.
+    let app = spawn_app_with(|s| {
+        s.kafka.brokers = "127.0.0.1:1".into();
+        s.kafka.timeout_ms = 1000;
+        s.kafka.message_timeout_ms = 3000;
+        s.app.shutdown_timeout_secs = 1;
+    })
+    .await;
+    let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
+    let cut_off = {
+        let (client, address, token) = (app.client.clone(), app.address.clone(), app.user_token(1));
+        tokio::spawn(async move {
+            client
+                .post(format!("{address}/api/v1/coupons/{coupon}/claim"))
+                .bearer_auth(token)
+                .json(&json!({"request_id": "cut-off"}))
+                .send()
+                .await
+        })
+    };
+    // The claim is taken in Redis; its delivery is under way.
+    let redis = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
+    let redis = redis.get_multiplexed_async_connection().await.unwrap();
+    let meta = format!("{}{{c:{coupon}}}:meta", app.settings.redis.key_prefix);
+    let remaining = |n: i64| {
+        let (mut redis, meta) = (redis.clone(), meta.clone());
+        async move {
+            let left: Option<i64> = redis::cmd("HGET")
+                .arg(meta)
+                .arg("remaining")
+                .query_async(&mut redis)
+                .await
+                .ok()
+                .flatten();
+            (left == Some(n)).then_some(())
+        }
+    };
+    crate::helpers::eventually("the claim taken", Duration::from_secs(10), || remaining(4)).await;
+    app.server.stop(true).await;
+    let answer = cut_off.await.unwrap();
+    assert!(
+        answer.as_ref().map_or(true, |r| r.status() != 202),
+        "{answer:?}"
+    );
+    crate::helpers::eventually("the claim undone", Duration::from_secs(30), || remaining(5)).await;
+}

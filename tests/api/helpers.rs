@@ -18,6 +18,8 @@ pub struct TestApp {
     pub client: reqwest::Client,
     /// This test's database, dropped with the `TestApp`.
     pub db_name: String,
+    /// Stops the server (a graceful shutdown, as on SIGTERM).
+    pub server: actix_web::dev::ServerHandle,
     keys: JwtKeys,
 }
 
@@ -70,9 +72,11 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         .await
         .expect("application builds");
     let address = format!("http://127.0.0.1:{}", app.port());
+    let server = app.server_handle();
     tokio::spawn(app.run_until_stopped());
     let app = TestApp {
         address,
+        server,
         keys: JwtKeys::new(&settings.auth.jwt_secret).expect("jwt keys"),
         settings,
         client: reqwest::Client::new(),
