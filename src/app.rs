@@ -67,6 +67,8 @@ pub struct AppState {
     pub lease: InstanceLease,
     /// PostgreSQL connections (use through [`store::run`]).
     pub db: PgPool,
+    /// The small pool of public reads, apart from `db`.
+    pub public_db: PgPool,
     /// The idempotent Kafka producer; cheap to clone.
     pub producer: Producer,
     /// Topic names under this instance's prefix.
@@ -139,6 +141,7 @@ impl AppState {
             ids: leased,
             lease,
             db: store::pool(&settings.postgres),
+            public_db: store::public_pool(&settings.postgres),
             producer,
             metrics,
             order_progress: Arc::new(GroupProgress::new(

@@ -204,6 +204,9 @@ pub struct PostgresSettings {
     pub url: SecretString,
     /// Largest number of pooled connections.
     pub pool_size: u32,
+    /// Connections of the separate pool of public reads (the activity
+    /// view, readiness), which therefore never take the consumers' ones.
+    pub public_pool_size: u32,
     /// Connection checkout timeout, in milliseconds.
     pub timeout_ms: u64,
 }

@@ -181,7 +181,13 @@ pub async fn show(
     path: web::Path<i64>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    let (activity, stock) = load(&state, id).await?;
+    // Anonymous and cheap to send in floods: its own pool.
+    let (activity, stock) = store::run(&state.public_db, move |conn| {
+        Ok(repo::find_with_stock(conn, id)?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?
+    .ok_or_else(|| ApiError::not_found("no such activity"))?;
     let remaining = if activity.warmed_at.is_some() {
         state
             .gate

@@ -25,9 +25,9 @@ pub async fn live() -> HttpResponse {
 /// consumers' progress as seen from the broker, wherever they run).
 pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
     let (redis, postgres, kafka) = tokio::join!(
-        probe(redis_ping(&state)),
-        probe(postgres_ping(&state)),
-        probe(kafka_ping(&state))
+        probe("redis", redis_ping(&state)),
+        probe("postgres", postgres_ping(&state)),
+        probe("kafka", kafka_ping(&state))
     );
     let checks = [
         ("redis", redis),
@@ -65,37 +65,76 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         .body(body))
 }
 
-async fn probe(check: impl Future<Output = anyhow::Result<()>>) -> Result<(), String> {
+/// Why a dependency is not ready: what the answer says (no host names, no
+/// driver errors: the probe is public), and the whole error for the log.
+struct Unready {
+    public: &'static str,
+    detail: anyhow::Error,
+}
+
+impl Unready {
+    fn because(public: &'static str) -> impl FnOnce(anyhow::Error) -> Self {
+        move |detail| Self { public, detail }
+    }
+}
+
+/// Runs one dependency's check within the probe timeout. A failure is
+/// logged in full and answered in general words.
+async fn probe(name: &str, check: impl Future<Output = Result<(), Unready>>) -> Result<(), String> {
     match tokio::time::timeout(PROBE_TIMEOUT, check).await {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(format!("{e:#}")),
+        Ok(Err(e)) => {
+            tracing::warn!(
+                dependency = name,
+                error = format!("{:#}", e.detail),
+                "readiness check failed"
+            );
+            Err(e.public.to_owned())
+        }
         Err(_) => Err(format!("no answer within {} ms", PROBE_TIMEOUT.as_millis())),
     }
 }
 
-async fn redis_ping(state: &AppState) -> anyhow::Result<()> {
-    let mut conn = state.redis.get().await?;
-    let pong: String = redis::cmd("PING").query_async(&mut conn).await?;
-    anyhow::ensure!(pong == "PONG", "unexpected PING answer {pong:?}");
+async fn redis_ping(state: &AppState) -> Result<(), Unready> {
+    let unreachable = Unready::because("unreachable");
+    let mut conn = state.redis.get().await.map_err(|e| unreachable(e.into()))?;
+    let pong: String = redis::cmd("PING")
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| Unready::because("unreachable")(e.into()))?;
+    if pong != "PONG" {
+        return Err(Unready::because("unexpected answer")(anyhow::anyhow!(
+            "PING answered {pong:?}"
+        )));
+    }
     Ok(())
 }
 
-async fn postgres_ping(state: &AppState) -> anyhow::Result<()> {
-    crate::store::run(&state.db, |conn| {
+async fn postgres_ping(state: &AppState) -> Result<(), Unready> {
+    crate::store::run(&state.public_db, |conn| {
         diesel::sql_query("SELECT 1").execute(conn)?;
         Ok(())
     })
     .await
+    .map_err(Unready::because("unreachable"))
 }
 
-async fn kafka_ping(state: &AppState) -> anyhow::Result<()> {
-    state.producer.ping(PROBE_TIMEOUT).await?;
-    anyhow::ensure!(
-        state
-            .topics_created
-            .load(std::sync::atomic::Ordering::Relaxed),
-        "the service's topics are not created yet"
-    );
+async fn kafka_ping(state: &AppState) -> Result<(), Unready> {
+    state
+        .producer
+        .ping(PROBE_TIMEOUT)
+        .await
+        .map_err(Unready::because("no broker answers"))?;
+    if !state
+        .topics_created
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        return Err(
+            Unready::because("the service's topics are not created yet")(anyhow::anyhow!(
+                "topics not created"
+            )),
+        );
+    }
     Ok(())
 }
 

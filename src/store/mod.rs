@@ -34,6 +34,26 @@ pub fn pool(settings: &PostgresSettings) -> PgPool {
         .build_unchecked(manager)
 }
 
+/// The small pool of public reads (the activity view, readiness), apart
+/// from the one the consumers and the order routes use, so a flood of
+/// anonymous reads cannot take the connections that create orders. Its
+/// connections say `application_name=seckill-public-reads`.
+pub fn public_pool(settings: &PostgresSettings) -> PgPool {
+    let url = settings.url.expose_secret();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let manager = ConnectionManager::<PgConnection>::new(format!(
+        "{url}{sep}application_name={PUBLIC_READS}"
+    ));
+    Pool::builder()
+        .max_size(settings.public_pool_size.max(1))
+        .min_idle(Some(0))
+        .connection_timeout(Duration::from_millis(settings.timeout_ms))
+        .build_unchecked(manager)
+}
+
+/// `application_name` of the public-reads pool's connections.
+pub const PUBLIC_READS: &str = "seckill-public-reads";
+
 /// No connection could be had from the pool: PostgreSQL is down or saturated.
 #[derive(Debug, thiserror::Error)]
 #[error("no PostgreSQL connection: {0}")]

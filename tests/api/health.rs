@@ -1,3 +1,5 @@
+use futures_util::StreamExt;
+
 use crate::helpers::{json, spawn_app, spawn_app_with};
 
 #[tokio::test]
@@ -58,6 +60,62 @@ async fn ready_is_503_naming_kafka_when_no_broker_answers() {
     );
     assert_eq!(body["checks"]["kafka"], "down");
     assert_eq!(body["checks"]["redis"], "up");
+}
+
+#[tokio::test]
+async fn readiness_names_the_failing_dependencies_without_host_names_or_driver_errors() {
+    let app = spawn_app_with(|s| {
+        s.redis.url = "redis://redis-secret-host.invalid:6379".into();
+        s.postgres.url = "postgres://seckill:hunter2@pg-secret-host.invalid:5432/seckill"
+            .to_owned()
+            .into();
+        s.kafka.brokers = "kafka-secret-host.invalid:9092".into();
+    })
+    .await;
+    let res = app.get("/health/ready", None).await;
+    assert_eq!(res.status(), 503);
+    let text = res.text().await.unwrap();
+    for name in ["redis", "postgres", "kafka"] {
+        assert!(text.contains(&format!("{name}: ")), "{text}");
+    }
+    for leak in [
+        "secret-host",
+        "invalid",
+        "hunter2",
+        "9092",
+        "5432",
+        "lookup",
+        "error",
+    ] {
+        assert!(!text.contains(leak), "{leak:?} in {text}");
+    }
+}
+
+#[tokio::test]
+async fn public_reads_use_a_small_pool_of_their_own() {
+    let app = spawn_app_with(|s| s.postgres.public_pool_size = 2).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let path = format!("/api/v1/activities/{activity}");
+    let answers: Vec<u16> = futures_util::stream::iter(0..100)
+        .map(|_| async { app.get(&path, None).await.status().as_u16() })
+        .buffer_unordered(50)
+        .collect()
+        .await;
+    assert!(answers.iter().all(|s| *s == 200), "{answers:?}");
+    assert_eq!(app.get("/health/ready", None).await.status(), 200);
+    // Every connection they took is the public pool's, and there are at
+    // most its two.
+    let public = app
+        .count(&format!(
+            "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() \
+             AND application_name = '{}'",
+            seckill::store::PUBLIC_READS
+        ))
+        .await;
+    assert!(
+        (1..=2).contains(&public),
+        "{public} public-read connections"
+    );
 }
 
 #[tokio::test]
