@@ -16,6 +16,8 @@ command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >
 if [ $# -eq 0 ]; then cargo test --benches; fi
 # Integration tests mostly wait on I/O: run more of them than there are cores.
 cargo test --lib --bins --tests "$@" -- --test-threads="${SECKILL_TEST_THREADS:-8}"
+# A short contract-fuzzing pass (scripts/fuzz.sh runs the full one).
+if [ $# -eq 0 ]; then SECKILL_FUZZ_EXAMPLES=${SECKILL_FUZZ_EXAMPLES:-20} scripts/fuzz.sh; fi
 # The fault tests, one at a time on services of their own (a filter given
 # to this script selects among the tests above only).
 if [ $# -eq 0 ]; then scripts/chaos.sh; fi

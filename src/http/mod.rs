@@ -64,7 +64,12 @@ pub fn extractor_configs(cfg: &mut web::ServiceConfig) {
             .limit(16 * 1024)
             .error_handler(|err, _| error::extractor_error(err)),
     )
-    .app_data(web::PathConfig::default().error_handler(|err, _| error::extractor_error(err)))
+    // A path whose id is not a number names no resource: 404, as an
+    // unknown one does (and as the contract documents for these routes).
+    .app_data(
+        web::PathConfig::default()
+            .error_handler(|_, _| error::ApiError::not_found("no such resource").into()),
+    )
     .app_data(web::QueryConfig::default().error_handler(|err, _| error::extractor_error(err)));
 }
 

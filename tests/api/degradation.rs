@@ -1,10 +1,9 @@
 //! Degradation: Redis down, rate limits, backpressure, and a consumer
 //! process killed with SIGKILL (SPEC "Reconciliation and degradation", I4).
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 
 use futures_util::{StreamExt, stream};
-use secrecy::ExposeSecret;
 use serde_json::json;
 
 use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
@@ -184,18 +183,7 @@ async fn while_the_order_consumers_lag_past_the_limit_purchases_get_503_busy_and
 
 /// `seckill consume` as a separate process on this test's namespace.
 fn consumer_process(app: &TestApp) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_seckill"))
-        .arg("consume")
-        .env("SECKILL_ENV", "test")
-        .env(
-            "SECKILL__POSTGRES__URL",
-            app.settings.postgres.url.expose_secret(),
-        )
-        .env("SECKILL__REDIS__KEY_PREFIX", &app.settings.redis.key_prefix)
-        .env(
-            "SECKILL__KAFKA__TOPIC_PREFIX",
-            &app.settings.kafka.topic_prefix,
-        )
+    app.seckill_command(&["consume"])
         .env("SECKILL__ORDERS__BATCH_SIZE", "5")
         .stdout(Stdio::null())
         .stderr(Stdio::null())

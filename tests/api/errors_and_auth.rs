@@ -141,3 +141,20 @@ async fn a_user_token_on_an_admin_route_is_403_and_an_admin_token_passes() {
     let me = json(app.get("/api/v1/me", Some(&user)).await).await;
     assert_eq!(me["user_id"], 9);
 }
+
+#[tokio::test]
+async fn a_path_id_that_is_not_a_number_names_no_resource() {
+    let app = spawn_app().await;
+    let admin = app.admin_token();
+    for (path, token) in [
+        ("/api/v1/activities/null,null", None),
+        ("/api/v1/activities/abc/token", Some(app.user_token(1))),
+        ("/api/v1/admin/activities/1e3/stats", Some(admin.clone())),
+        ("/api/v1/admin/coupons/-/stats", Some(admin)),
+    ] {
+        let res = app.get(path, token.as_deref()).await;
+        assert_eq!(res.status(), 404, "{path}");
+        let body = json(res).await;
+        assert_eq!(body["code"], "NOT_FOUND", "{path}: {body}");
+    }
+}

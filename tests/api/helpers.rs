@@ -525,11 +525,11 @@ impl TestApp {
         .unwrap()
     }
 
-    /// Runs the `seckill` binary with `args` against this test's database,
-    /// Redis prefix and topic prefix; its output (blocking, short commands).
-    pub fn seckill(&self, args: &[&str]) -> std::process::Output {
-        std::process::Command::new(env!("CARGO_BIN_EXE_seckill"))
-            .args(args)
+    /// The `seckill` binary with `args`, set to this test's database, Redis
+    /// prefix and topic prefix.
+    pub fn seckill_command(&self, args: &[&str]) -> std::process::Command {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_seckill"));
+        cmd.args(args)
             .env("SECKILL_ENV", "test")
             .env(
                 "SECKILL__POSTGRES__URL",
@@ -542,7 +542,14 @@ impl TestApp {
             .env(
                 "SECKILL__KAFKA__TOPIC_PREFIX",
                 &self.settings.kafka.topic_prefix,
-            )
+            );
+        cmd
+    }
+
+    /// Runs the `seckill` binary with `args` against this test's database,
+    /// Redis prefix and topic prefix; its output (blocking, short commands).
+    pub fn seckill(&self, args: &[&str]) -> std::process::Output {
+        self.seckill_command(args)
             .output()
             .expect("the seckill binary runs")
     }

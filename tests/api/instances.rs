@@ -232,19 +232,8 @@ struct Worker(std::process::Child);
 
 impl Worker {
     fn start(app: &TestApp, args: &[&str]) -> Self {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_seckill"))
-            .arg("consume")
-            .args(args)
-            .env("SECKILL_ENV", "test")
-            .env(
-                "SECKILL__POSTGRES__URL",
-                secrecy::ExposeSecret::expose_secret(&app.settings.postgres.url),
-            )
-            .env("SECKILL__REDIS__KEY_PREFIX", &app.settings.redis.key_prefix)
-            .env(
-                "SECKILL__KAFKA__TOPIC_PREFIX",
-                &app.settings.kafka.topic_prefix,
-            )
+        let child = app
+            .seckill_command(&[&["consume"], args].concat())
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("seckill consume starts");
