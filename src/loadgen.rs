@@ -20,9 +20,10 @@ use crate::http::auth::{JwtKeys, Role};
 /// What to run.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadgenArgs {
-    /// Base URL of the server.
-    #[arg(long, default_value = "http://127.0.0.1:8080")]
-    pub url: String,
+    /// Base URL of the server; repeat it to spread the buyers over several
+    /// instances (buyer N goes to URL N mod count; admin calls to the first).
+    #[arg(long = "url", default_values_t = [String::from("http://127.0.0.1:8080")])]
+    pub urls: Vec<String>,
     /// Distinct buyers (one purchase each).
     #[arg(long, default_value_t = 20_000)]
     pub users: i64,
@@ -78,7 +79,7 @@ pub struct Report {
 
 struct Client {
     http: reqwest::Client,
-    url: String,
+    urls: Vec<String>,
     keys: JwtKeys,
 }
 
@@ -87,6 +88,13 @@ impl Client {
         self.keys.mint(user, role, 3600)
     }
 
+    /// The instance buyer `user` talks to.
+    fn url_of(&self, user: i64) -> &str {
+        let n = self.urls.len().max(1) as i64;
+        &self.urls[user.rem_euclid(n) as usize]
+    }
+
+    /// An admin call, to the first instance.
     async fn send(
         &self,
         method: reqwest::Method,
@@ -94,9 +102,21 @@ impl Client {
         bearer: &str,
         body: Option<&Value>,
     ) -> anyhow::Result<(u16, Value)> {
+        self.send_to(&self.urls[0], method, path, bearer, body)
+            .await
+    }
+
+    async fn send_to(
+        &self,
+        url: &str,
+        method: reqwest::Method,
+        path: &str,
+        bearer: &str,
+        body: Option<&Value>,
+    ) -> anyhow::Result<(u16, Value)> {
         let mut req = self
             .http
-            .request(method, format!("{}{path}", self.url))
+            .request(method, format!("{url}{path}"))
             .bearer_auth(bearer);
         if let Some(b) = body {
             req = req.json(b);
@@ -113,12 +133,17 @@ impl Client {
 
 /// Runs the load and prints the report; errors when an invariant fails.
 pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Report> {
+    anyhow::ensure!(!args.urls.is_empty(), "at least one --url");
     let client = Arc::new(Client {
         http: reqwest::Client::builder()
             .pool_max_idle_per_host(args.concurrency)
             .timeout(Duration::from_secs(30))
             .build()?,
-        url: args.url.trim_end_matches('/').to_owned(),
+        urls: args
+            .urls
+            .iter()
+            .map(|u| u.trim_end_matches('/').to_owned())
+            .collect(),
         keys: JwtKeys::new(&settings.auth.jwt_secret)?,
     });
     if let Some(url) = &args.ceiling_url {
@@ -143,7 +168,10 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
             async move {
                 let jwt = client.token(user, Role::User)?;
                 let path = format!("/api/v1/activities/{activity_id}/token");
-                let (status, body) = client.send(reqwest::Method::GET, &path, &jwt, None).await?;
+                let url = client.url_of(user);
+                let (status, body) = client
+                    .send_to(url, reqwest::Method::GET, &path, &jwt, None)
+                    .await?;
                 progress.tick();
                 if status != 200 {
                     bail!("token for user {user}: {status} {body}");
@@ -174,7 +202,7 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
                 let path = format!("/api/v1/activities/{activity_id}/orders");
                 let body = json!({"request_id": format!("lg-{user}-{}", uuid::Uuid::new_v4().simple()), "token": token});
                 let t0 = Instant::now();
-                let result = purchase(&client, &path, &jwt, &body).await;
+                let result = purchase(&client, client.url_of(user), &path, &jwt, &body).await;
                 let elapsed = t0.elapsed();
                 progress.tick();
                 match result {
@@ -239,6 +267,7 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
 /// the purchase accepted (reported as 202), since that order exists.
 async fn purchase(
     client: &Client,
+    url: &str,
     path: &str,
     jwt: &str,
     body: &Value,
@@ -247,7 +276,7 @@ async fn purchase(
     let mut pending = false;
     loop {
         let (status, answer) = client
-            .send(reqwest::Method::POST, path, jwt, Some(body))
+            .send_to(url, reqwest::Method::POST, path, jwt, Some(body))
             .await?;
         if status == 503 && answer["order_no"].is_string() && Instant::now() < give_up {
             pending = true;

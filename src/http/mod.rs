@@ -64,12 +64,11 @@ pub fn extractor_configs(cfg: &mut web::ServiceConfig) {
             .limit(16 * 1024)
             .error_handler(|err, _| error::extractor_error(err)),
     )
-    // A path whose id is not a number names no resource: 404, as an
-    // unknown one does (and as the contract documents for these routes).
-    .app_data(
-        web::PathConfig::default()
-            .error_handler(|_, _| error::ApiError::not_found("no such resource").into()),
-    )
+    // A path id that is not a number: 400 in our words, not the
+    // extractor's.
+    .app_data(web::PathConfig::default().error_handler(|_, _| {
+        error::ApiError::bad_request("the id in the path must be a decimal integer").into()
+    }))
     .app_data(web::QueryConfig::default().error_handler(|err, _| error::extractor_error(err)));
 }
 

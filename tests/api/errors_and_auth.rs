@@ -143,7 +143,7 @@ async fn a_user_token_on_an_admin_route_is_403_and_an_admin_token_passes() {
 }
 
 #[tokio::test]
-async fn a_path_id_that_is_not_a_number_names_no_resource() {
+async fn a_path_id_that_is_not_a_number_is_400_in_our_words() {
     let app = spawn_app().await;
     let admin = app.admin_token();
     for (path, token) in [
@@ -153,8 +153,15 @@ async fn a_path_id_that_is_not_a_number_names_no_resource() {
         ("/api/v1/admin/coupons/-/stats", Some(admin)),
     ] {
         let res = app.get(path, token.as_deref()).await;
-        assert_eq!(res.status(), 404, "{path}");
+        assert_eq!(res.status(), 400, "{path}");
         let body = json(res).await;
-        assert_eq!(body["code"], "NOT_FOUND", "{path}: {body}");
+        assert_eq!(body["code"], "BAD_REQUEST", "{path}: {body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("decimal integer"),
+            "{path}: {body}"
+        );
     }
 }

@@ -247,6 +247,69 @@ impl Chaos {
             .sum()
     }
 
+    /// The server's base URL.
+    pub fn base_url(&self) -> String {
+        self.url("")
+    }
+
+    /// `seckill ARGS` as another process of this world (its environment,
+    /// with `env` on top), logging to `target/chaos/<name>.<label>.log`;
+    /// killed when the returned guard drops.
+    pub fn spawn(&self, label: &str, args: &[&str], env: &[(&str, String)]) -> Process {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = std::fs::File::create(dir.join(format!("{}.{label}.log", self.name))).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_seckill"))
+            .args(args)
+            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .expect("seckill starts");
+        Process(child)
+    }
+
+    /// Another `seckill serve` of this world on a port of its own, once it
+    /// is ready: (guard, base URL).
+    pub async fn spawn_server(&self, label: &str, args: &[&str]) -> (Process, String) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let process = self.spawn(
+            label,
+            &[&["serve"], args].concat(),
+            &[("SECKILL__APP__PORT", port.to_string())],
+        );
+        let base = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(res) = self.client.get(format!("{base}/health/ready")).send().await
+                && res.status() == 200
+            {
+                return (process, base);
+            }
+            assert!(Instant::now() < deadline, "{label} never ready");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// `seckill ARGS` in this world's environment, to its end: its output
+    /// (stderr goes to `target/chaos/<name>.<label>.log`).
+    pub async fn run(&self, label: &str, args: &[&str]) -> std::process::Output {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = std::fs::File::create(dir.join(format!("{}.{label}.log", self.name))).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_seckill"));
+        cmd.args(args)
+            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stderr(file);
+        tokio::task::spawn_blocking(move || cmd.output().expect("seckill runs"))
+            .await
+            .unwrap()
+    }
+
     /// SIGKILL to the server: no shutdown path runs.
     pub fn kill_server(&self) {
         if let Some(mut child) = self.server.lock().unwrap().take() {
@@ -404,7 +467,8 @@ impl Chaos {
         lost
     }
 
-    async fn count(&self, sql: &str) -> i64 {
+    /// One SQL count on this world's database.
+    pub async fn count(&self, sql: &str) -> i64 {
         crate::db::count(&self.settings.postgres.url, sql).await
     }
 
@@ -427,6 +491,16 @@ impl Chaos {
         })
         .await
         .unwrap()
+    }
+}
+
+/// A `seckill` process started by a test; killed when dropped.
+pub struct Process(pub Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 

@@ -107,3 +107,53 @@ async fn the_server_killed_mid_burst_and_restarted_loses_and_duplicates_nothing(
         .await;
     chaos.settle_and_check(&sale, &outcome).await;
 }
+
+#[tokio::test]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn two_api_instances_and_a_worker_sell_a_thousand_units_to_twenty_thousand_buyers() {
+    // API-only nodes (no consumer of any kind) with the default instance-id
+    // configuration, and one `seckill consume` worker.
+    let api_only = [
+        ("SECKILL__ORDERS__CONSUMER_ENABLED", "false".to_owned()),
+        ("SECKILL__WORKERS__RELEASER_ENABLED", "false".to_owned()),
+        ("SECKILL__WORKERS__CLAIMER_ENABLED", "false".to_owned()),
+    ];
+    let chaos = Chaos::start_with("two_instances", |env| env.extend(api_only.clone())).await;
+    let (_second, second_url) = chaos.spawn_server("api2", &["--no-consumer"]).await;
+    let _worker = chaos.spawn("worker", &["consume"], &[]);
+    let first_url = chaos.base_url();
+    let out = chaos
+        .run(
+            "loadgen",
+            &[
+                "loadgen",
+                "--url",
+                &first_url,
+                "--url",
+                &second_url,
+                "--users",
+                "20000",
+                "--stock",
+                "1000",
+                "--concurrency",
+                "64",
+                "--drain-timeout",
+                "300",
+                "--json",
+            ],
+        )
+        .await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("two_instances: {stdout}");
+    assert!(out.status.success(), "loadgen: invariants failed\n{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().unwrap_or_default()).expect("the JSON report");
+    assert_eq!(report["invariants_ok"], true);
+    assert_eq!(report["accepted"], 1000, "every unit sold, none twice");
+    // Both instances made order numbers, each under its own leased id.
+    let instances = chaos
+        .count("SELECT count(DISTINCT (order_no >> 12) & 1023) AS n FROM orders")
+        .await;
+    assert_eq!(instances, 2);
+    assert_eq!(chaos.count("SELECT count(*) AS n FROM orders").await, 1000);
+}
