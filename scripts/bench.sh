@@ -11,6 +11,7 @@
 #   3 ceiling: pgbench inserting order-shaped rows, one per transaction and 100 per transaction
 #   4 the naive baseline (examples/naive.rs) under the load generator
 #   5 our admission path under the load generator
+#   5b the same over 2 instances: two `serve --no-consumer` and one `consume`
 #   6 consumer drain rate, Kafka → PostgreSQL, batched
 # Everything runs on this machine (loopback), in a database, Redis key prefix
 # and Kafka topic prefix of its own; the services come from scripts/services.sh.
@@ -125,6 +126,15 @@ if [ "$PROFILE" = 1 ]; then
 fi
 stop_all
 
+say "5b/6 two API instances and a worker: $USERS buyers spread over both"
+start api1 18083 env SECKILL__APP__PORT=18083 $BIN serve --no-consumer
+start api2 18084 env SECKILL__APP__PORT=18084 $BIN serve --no-consumer
+$BIN consume >"$OUT/consume2.log" 2>&1 &
+PIDS+=($!)
+TWO=$(loadgen --url http://127.0.0.1:18083 --url http://127.0.0.1:18084 --users "$USERS" --stock "$STOCK" \
+  --concurrency "$CONC" --first-user 3000000)
+stop_all
+
 say "6/6 consumer drain: $DRAIN accepted orders queued, then a worker-only consumer"
 # The point is a queue: consumer backpressure (the lag limit, and the stall
 # check that would answer BUSY once nothing has consumed for
@@ -148,10 +158,10 @@ DRAIN_RATE=$(python3 -c "print(round($DRAIN / ($T1 - $T0)))")
 DRAIN_SECS=$(python3 -c "print(round($T1 - $T0, 2))")
 stop_all
 
-python3 - "$REDIS_RPS" "$PLAIN" "$PG_SINGLE" "$PG_BATCH" "$NAIVE" "$OURS" "$DRAIN_RATE" "$DRAIN_SECS" "$DRAIN" "$USERS" "$STOCK" "$CONC" <<'EOF'
+python3 - "$REDIS_RPS" "$PLAIN" "$PG_SINGLE" "$PG_BATCH" "$NAIVE" "$OURS" "$DRAIN_RATE" "$DRAIN_SECS" "$DRAIN" "$USERS" "$STOCK" "$CONC" "$TWO" <<'EOF'
 import json, sys
-redis, plain, pg1, pgb, naive, ours, drain, drain_s, drain_n, users, stock, conc = sys.argv[1:]
-plain, naive, ours = json.loads(plain), json.loads(naive), json.loads(ours)
+redis, plain, pg1, pgb, naive, ours, drain, drain_s, drain_n, users, stock, conc, two = sys.argv[1:]
+plain, naive, ours, two = json.loads(plain), json.loads(naive), json.loads(ours), json.loads(two)
 redis, pg1, pgb, drain = float(redis), int(pg1), int(pgb), int(drain)
 def lat(r): return f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"
 ok = lambda r: {True: "pass", False: "FAIL", None: "-"}[r.get('invariants_ok')]
@@ -162,6 +172,7 @@ rows = [
   ("3 ceiling: pgbench order inserts, 100 rows/txn", f"{pgb:,} rows/s", "-", "-"),
   ("4 naive baseline (sync DB transaction per purchase)", f"{naive['per_sec']:,.0f} purchases/s", lat(naive), ok(naive)),
   ("5 seckill admission (Redis Lua + Kafka)", f"{ours['per_sec']:,.0f} purchases/s", lat(ours), ok(ours)),
+  ("5b seckill admission, 2 instances (2 x serve --no-consumer + consume)", f"{two['per_sec']:,.0f} purchases/s", lat(two), ok(two)),
   (f"6 consumer drain, Kafka -> PostgreSQL ({drain_n} orders in {drain_s}s)", f"{drain:,} orders/s", "-", "-"),
 ]
 print(f"\nscenario: {users} buyers, {stock} units, concurrency {conc}\n")
@@ -174,6 +185,7 @@ print("|---|---|")
 print(f"| ours / redis-benchmark ceiling | {ours['per_sec']/redis:.0%} |")
 print(f"| ours / trivial HTTP handler ceiling | {ours['per_sec']/plain['per_sec']:.0%} |")
 print(f"| ours / naive baseline | {ours['per_sec']/naive['per_sec']:.1f}x |")
+print(f"| 2 instances / 1 instance | {two['per_sec']/ours['per_sec']:.2f}x |")
 print(f"| drain / pgbench batched insert ceiling | {drain/pgb:.0%} |")
 print(f"| drain / pgbench single-row insert ceiling | {drain/pg1:.1f}x |")
 EOF
