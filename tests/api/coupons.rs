@@ -423,12 +423,7 @@ async fn an_expired_batch_is_409_and_someone_elses_coupon_on_an_order_is_400() {
 
 #[tokio::test]
 async fn with_kafka_unreachable_a_claim_is_503_and_undone() {
-    let app = spawn_app_with(|s| {
-        s.kafka.brokers = "127.0.0.1:1".into();
-        s.kafka.timeout_ms = 1000;
-        s.kafka.message_timeout_ms = 1000;
-    })
-    .await;
+    let app = spawn_app_with(|s| crate::helpers::kafka_unreachable(s, 1000)).await;
     let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
     let (status, body) = claim_once(&app, 1, coupon, "c").await;
     assert_eq!((status, body["code"].as_str()), (503, Some("RETRY_LATER")));
@@ -445,9 +440,7 @@ async fn a_claim_cut_off_by_a_shutdown_out_of_time_is_still_undone() {
     // stopped first and gives in-flight requests one second, then drops
     // them. The claim must not stay taken with no event behind it.
     let app = spawn_app_with(|s| {
-        s.kafka.brokers = "127.0.0.1:1".into();
-        s.kafka.timeout_ms = 1000;
-        s.kafka.message_timeout_ms = 3000;
+        crate::helpers::kafka_unreachable(s, 3000);
         s.app.shutdown_timeout_secs = 1;
     })
     .await;

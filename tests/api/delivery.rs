@@ -151,12 +151,7 @@ async fn garbage_goes_to_the_dead_letter_topic_and_orders_behind_it_are_created(
 async fn with_kafka_unreachable_a_purchase_is_503_retry_later_and_keeps_nothing() {
     // Never reachable: every message times out in the queue, never sent,
     // within the budget. Definitely not delivered, so nothing is kept.
-    let app = spawn_app_with(|s| {
-        s.kafka.brokers = "127.0.0.1:1".into();
-        s.kafka.timeout_ms = 1000;
-        s.kafka.message_timeout_ms = 1000;
-    })
-    .await;
+    let app = spawn_app_with(|s| crate::helpers::kafka_unreachable(s, 1000)).await;
     let activity = app.live_activity(10, 1, 1).await;
     let token = app.purchase_token(1, activity).await;
     let res = app

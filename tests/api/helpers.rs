@@ -119,6 +119,14 @@ pub fn without_order_consumer(settings: &mut Settings) {
     settings.kafka.consumer_stall_secs = 0;
 }
 
+/// No broker at all (a closed port): every message times out in
+/// librdkafka's queue after `message_timeout_ms`, never sent.
+pub fn kafka_unreachable(settings: &mut Settings, message_timeout_ms: u64) {
+    settings.kafka.brokers = "127.0.0.1:1".into();
+    settings.kafka.timeout_ms = 1000;
+    settings.kafka.message_timeout_ms = message_timeout_ms;
+}
+
 /// The product's whole promise for the crash tests (I4): reconciliation
 /// runs often enough, with a short enough publish window, that an accepted
 /// purchase whose acknowledged event the broker lost is published again
