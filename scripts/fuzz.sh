@@ -22,6 +22,12 @@ say() { printf '\n== %s\n' "$*" >&2; }
 scripts/services.sh up >/dev/null
 if [ ! -x "$VENV/bin/schemathesis" ]; then
   say "installing schemathesis $SCHEMATHESIS_VERSION into $VENV"
+  if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+    # Debian's own python3 keeps venv in a package of its own.
+    [ "$(id -u)" = 0 ] || { echo "python3 cannot make a venv: install python3-venv" >&2; exit 1; }
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+  fi
+  rm -rf "$VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet "schemathesis==$SCHEMATHESIS_VERSION"
 fi
