@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use rdkafka::Message as _;
 use rdkafka::bindings::{rd_kafka_message_status, rd_kafka_msg_status_t};
 use rdkafka::client::ClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -117,7 +118,19 @@ impl ProducerContext for DeliveryContext {
 
     fn delivery(&self, result: &DeliveryResult<'_>, tx: Self::DeliveryOpaque) {
         let outcome = match result {
-            Ok(_) => Ok(()),
+            Ok(message) => {
+                // Where the broker says it put the message: what a missing
+                // event is checked against (`seckill::bus::delivery=debug`).
+                tracing::debug!(
+                    target: "seckill::bus::delivery",
+                    topic = message.topic(),
+                    key = %String::from_utf8_lossy(message.key().unwrap_or_default()),
+                    partition = message.partition(),
+                    offset = message.offset(),
+                    "delivered"
+                );
+                Ok(())
+            }
             Err((error, message)) => {
                 // SAFETY: the message is alive for the duration of this
                 // callback, and the status call only reads it.

@@ -164,7 +164,13 @@ impl Chaos {
                 "SECKILL__KAFKA__TOPIC_PREFIX",
                 settings.kafka.topic_prefix.clone(),
             ),
-            ("SECKILL__LOG__LEVEL", "info".to_owned()),
+            // Every delivery report with its partition and offset: an
+            // acknowledged event later missing from the topic can be
+            // looked up where the broker said it put it.
+            (
+                "SECKILL__LOG__LEVEL",
+                "info,seckill::bus::delivery=debug".to_owned(),
+            ),
             // Short enough that what a fault leaves over is decided within
             // the test: librdkafka retries a message 5 s, a purchase waits
             // 3 s for its report, reservations are voided (and a lost Redis
