@@ -96,12 +96,12 @@ async fn probe(name: &str, check: impl Future<Output = Result<(), Unready>>) -> 
 }
 
 async fn redis_ping(state: &AppState) -> Result<(), Unready> {
-    let unreachable = Unready::because("unreachable");
-    let mut conn = state.redis.get().await.map_err(|e| unreachable(e.into()))?;
-    let pong: String = redis::cmd("PING")
-        .query_async(&mut conn)
-        .await
-        .map_err(|e| Unready::because("unreachable")(e.into()))?;
+    let pong: String = async {
+        let mut conn = state.redis.get().await?;
+        anyhow::Ok(redis::cmd("PING").query_async(&mut conn).await?)
+    }
+    .await
+    .map_err(Unready::because("unreachable"))?;
     if pong != "PONG" {
         return Err(Unready::because("unexpected answer")(anyhow::anyhow!(
             "PING answered {pong:?}"

@@ -24,7 +24,7 @@ fn producer(app: &TestApp) -> FutureProducer {
         .expect("test producer")
 }
 
-async fn produce(app: &TestApp, partition: Option<i32>, key: &str, payload: &[u8]) {
+pub(crate) async fn produce(app: &TestApp, partition: Option<i32>, key: &str, payload: &[u8]) {
     let topic = Topics::new(&app.settings.kafka.topic_prefix).order_requested;
     let mut record = FutureRecord::to(&topic).key(key).payload(payload);
     if let Some(p) = partition {
@@ -36,7 +36,7 @@ async fn produce(app: &TestApp, partition: Option<i32>, key: &str, payload: &[u8
         .expect("produced");
 }
 
-fn event(activity_id: i64, user_id: i64, order_no: i64) -> OrderRequested {
+pub(crate) fn event(activity_id: i64, user_id: i64, order_no: i64) -> OrderRequested {
     OrderRequested {
         event_id: order_no.to_string(),
         order_no: OrderNo::new(order_no),

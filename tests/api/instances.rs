@@ -3,15 +3,12 @@
 
 use std::time::Duration;
 
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::util::Timeout;
 use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::app::Application;
-use seckill::bus::events::OrderRequested;
-use seckill::bus::{Topics, client_config};
-use seckill::ids::{OrderNo, instance_of};
+use seckill::bus::Topics;
+use seckill::ids::instance_of;
 
-use crate::helpers::{TestApp, eventually, json, spawn_app, spawn_app_with};
+use crate::helpers::{TestApp, eventually, spawn_app, spawn_app_with};
 
 /// A gauge or counter of `/metrics`, by its full name.
 async fn metric(app: &TestApp, name: &str) -> Option<i64> {
@@ -165,27 +162,10 @@ async fn an_event_reusing_an_applied_event_id_with_another_payload_is_dead_lette
     let number = order_no(&body);
 
     // Another purchase that was minted the same number.
-    let other = OrderRequested {
-        event_id: number.to_string(),
-        order_no: OrderNo::new(number),
-        activity_id: activity,
-        user_id: 2,
-        request_id: "another-buyer".into(),
-        quantity: 1,
-        coupon_id: None,
-        reserved_at_ms: chrono::Utc::now().timestamp_millis(),
-    };
+    let mut other = crate::delivery::event(activity, 2, number);
+    other.request_id = "another-buyer".into();
+    crate::delivery::produce(&app, None, &other.event_id, &other.encode()).await;
     let topics = Topics::new(&app.settings.kafka.topic_prefix);
-    let producer: FutureProducer = client_config(&app.settings.kafka).create().unwrap();
-    producer
-        .send(
-            FutureRecord::to(&topics.order_requested)
-                .key(&other.event_id)
-                .payload(&other.encode()),
-            Timeout::After(Duration::from_secs(10)),
-        )
-        .await
-        .expect("produced");
 
     let settings = app.settings.clone();
     let errors = eventually(
@@ -212,15 +192,10 @@ async fn an_event_reusing_an_applied_event_id_with_another_payload_is_dead_lette
     assert_eq!(metric(&app, "seckill_event_conflicts_total").await, Some(1));
     // The first order stands untouched.
     assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 1);
-    let order = json(
-        app.get(
-            &format!("/api/v1/orders/{number}"),
-            Some(&app.user_token(1)),
-        )
-        .await,
-    )
-    .await;
-    assert_eq!(order["status"], "WAITING_PAY");
+    assert_eq!(
+        app.order_status(1, &number.to_string()).await,
+        "WAITING_PAY"
+    );
     let stats = app.stats(activity).await;
     assert_eq!(stats["db_locked"], 1);
     assert_eq!(stats["redis_available"], 9);

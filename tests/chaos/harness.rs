@@ -8,7 +8,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
 use futures_util::future::join_all;
 use seckill::config::Settings;
 use seckill::http::auth::{JwtKeys, Role};
@@ -479,24 +478,7 @@ impl Chaos {
     }
 
     async fn strings(&self, sql: &str) -> HashSet<String> {
-        #[derive(QueryableByName)]
-        struct S {
-            #[diesel(sql_type = diesel::sql_types::Text)]
-            s: String,
-        }
-        let url = self.settings.postgres.url.expose_secret().to_owned();
-        let sql = sql.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let mut conn = PgConnection::establish(&url).expect("connect");
-            diesel::sql_query(sql)
-                .load::<S>(&mut conn)
-                .expect("query")
-                .into_iter()
-                .map(|r| r.s)
-                .collect()
-        })
-        .await
-        .unwrap()
+        crate::db::strings(&self.settings.postgres.url, sql).await
     }
 }
 

@@ -57,3 +57,27 @@ pub async fn count(url: &SecretString, sql: &str) -> i64 {
     .await
     .expect("count task")
 }
+
+/// The first column (TEXT, named `s`) of every row of `sql` on the
+/// database at `url`.
+#[allow(dead_code)] // the fault tests' only; this file is in both test binaries
+pub async fn strings(url: &SecretString, sql: &str) -> std::collections::HashSet<String> {
+    #[derive(QueryableByName)]
+    struct S {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        s: String,
+    }
+    let url = url.expose_secret().to_owned();
+    let sql = sql.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = PgConnection::establish(&url).expect("connect");
+        diesel::sql_query(sql)
+            .load::<S>(&mut conn)
+            .expect("query")
+            .into_iter()
+            .map(|r| r.s)
+            .collect()
+    })
+    .await
+    .expect("query task")
+}
