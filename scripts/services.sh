@@ -181,11 +181,14 @@ kafka_config() {
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT
+# FAULT is for the wire-fault tests only: a client that bootstraps through it
+# is told the broker is at the FAULT proxy port, so all its traffic goes
+# through the test's proxy (tests/common/wire.rs), which forwards to FAULT.
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT,FAULT://$KAFKA_HOST:$KAFKA_FAULT_PORT
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,FAULT://$KAFKA_HOST:$KAFKA_FAULT_PROXY_PORT
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,FAULT:PLAINTEXT
 log.dirs=$KAFKA_DIR/data
 num.partitions=4
 default.replication.factor=1
@@ -238,7 +241,15 @@ EOF
 
 kafka_up() {
   kafka_fetch
-  if pid_alive "$KAFKA_DIR/kafka.pid" && kafka_started; then log "kafka already runs"; return; fi
+  if pid_alive "$KAFKA_DIR/kafka.pid" && kafka_started; then
+    # A broker started with an older configuration of this script restarts
+    # with the current one (its data stays).
+    local running; running=$(cat "$KAFKA_DIR/server.properties" 2>/dev/null || true)
+    kafka_config
+    if [ "$running" = "$(cat "$KAFKA_DIR/server.properties")" ]; then log "kafka already runs"; return; fi
+    log "kafka's configuration changed; restarting it"
+    kafka_down
+  fi
   if kafka_port_open; then die "something else listens on $KAFKA_HOST:$KAFKA_PORT; change kafka.brokers"; fi
   kafka_config
   if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then

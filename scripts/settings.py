@@ -53,6 +53,10 @@ def main():
         "KAFKA_HOST": kafka_host,
         "KAFKA_PORT": kafka_port,
         "KAFKA_CONTROLLER_PORT": str(int(kafka_port) + 1),
+        # A third listener for fault tests, advertised one port higher, where
+        # a test's fault-injecting proxy listens (tests/common/wire.rs).
+        "KAFKA_FAULT_PORT": str(int(kafka_port) + 2),
+        "KAFKA_FAULT_PROXY_PORT": str(int(kafka_port) + 3),
     }
     for k, v in out.items():
         print(f"{k}={shlex.quote(v)}")

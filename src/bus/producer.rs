@@ -12,6 +12,8 @@
 //! - [`PublishError::Unknown`]: sent, but no answer came back (a timeout, a
 //!   connection lost mid-request). The broker may have it: nothing may be
 //!   undone; send the same event again or let reconciliation decide.
+//!   [`PublishError::Unconfirmed`] (a success librdkafka inferred, with no
+//!   offset from the broker) is handled the same way.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +43,10 @@ pub enum PublishError {
     /// transmission): the broker may have it.
     #[error("delivery unknown: {0}")]
     Unknown(KafkaError),
+    /// Reported delivered without an offset: librdkafka inferred it, the
+    /// broker never confirmed it. It may be missing; see [`outcome`].
+    #[error("delivery reported without an offset; unconfirmed")]
+    Unconfirmed,
 }
 
 impl PublishError {
@@ -49,17 +55,19 @@ impl PublishError {
     /// these as attempts: a broker outage never makes an event DEAD.
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::QueueFull | Self::Unknown(_) => true,
+            Self::QueueFull | Self::Unknown(_) | Self::Unconfirmed => true,
             Self::NotDelivered(e) => e.rdkafka_error_code().is_none_or(is_transport),
         }
     }
 
-    /// The metric label: `queue_full`, `not_delivered` or `unknown`.
+    /// The metric label: `queue_full`, `not_delivered`, `unknown` or
+    /// `unconfirmed`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::QueueFull => "queue_full",
             Self::NotDelivered(_) => "not_delivered",
             Self::Unknown(_) => "unknown",
+            Self::Unconfirmed => "unconfirmed",
         }
     }
 }
@@ -117,34 +125,62 @@ impl ProducerContext for DeliveryContext {
     type DeliveryOpaque = Box<oneshot::Sender<Outcome>>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, tx: Self::DeliveryOpaque) {
-        let outcome = match result {
-            Ok(message) => {
-                // Where the broker says it put the message: what a missing
-                // event is checked against (`seckill::bus::delivery=debug`).
-                tracing::debug!(
-                    target: "seckill::bus::delivery",
-                    topic = message.topic(),
-                    key = %String::from_utf8_lossy(message.key().unwrap_or_default()),
-                    partition = message.partition(),
-                    offset = message.offset(),
-                    "delivered"
-                );
-                Ok(())
-            }
-            Err((error, message)) => {
-                // SAFETY: the message is alive for the duration of this
-                // callback, and the status call only reads it.
-                let status = unsafe { rd_kafka_message_status(message.ptr()) };
-                Err(match status {
-                    rd_kafka_msg_status_t::RD_KAFKA_MSG_STATUS_NOT_PERSISTED => {
-                        PublishError::NotDelivered(error.clone())
-                    }
-                    _ => PublishError::Unknown(error.clone()),
-                })
-            }
-        };
         // The publisher may have stopped waiting (its request ended): fine.
-        let _ = tx.send(outcome);
+        let _ = tx.send(outcome(result));
+    }
+}
+
+/// What one delivery report says, in three values.
+///
+/// A positive report counts only if the broker gave the message an offset.
+/// librdkafka also reports success, with no offset, for messages it never
+/// saw acknowledged: when a later batch to the same partition succeeds
+/// while an earlier one waits to be retried, it assumes the earlier one
+/// was written ("implicitly acked by subsequent batch success"), since a
+/// broker refuses sequence gaps. A broker that has no state yet for this
+/// producer on the partition (a new producer, a new topic) accepts any
+/// first sequence, though: the earlier batch, refused or never written, is
+/// then lost while its report says delivered. Seen here on a topic made
+/// seconds before the sale: sequence 0 of a partition absent from the log,
+/// the partition starting at sequence 1, and its purchase acknowledged.
+/// Such a report is [`PublishError::Unconfirmed`], handled as unknown: the
+/// same event is sent again (the consumer deduplicates it) until the broker
+/// names an offset.
+fn outcome(result: &DeliveryResult<'_>) -> Outcome {
+    match result {
+        Ok(message) if message.offset() >= 0 => {
+            // Where the broker says it put the message: what a missing
+            // event is checked against (`seckill::bus::delivery=debug`).
+            tracing::debug!(
+                target: "seckill::bus::delivery",
+                topic = message.topic(),
+                key = %String::from_utf8_lossy(message.key().unwrap_or_default()),
+                partition = message.partition(),
+                offset = message.offset(),
+                "delivered"
+            );
+            Ok(())
+        }
+        Ok(message) => {
+            tracing::warn!(
+                topic = message.topic(),
+                key = %String::from_utf8_lossy(message.key().unwrap_or_default()),
+                partition = message.partition(),
+                "delivery reported without an offset (inferred by librdkafka, never acknowledged by the broker); sending it again"
+            );
+            Err(PublishError::Unconfirmed)
+        }
+        Err((error, message)) => {
+            // SAFETY: the message is alive for the duration of this
+            // callback, and the status call only reads it.
+            let status = unsafe { rd_kafka_message_status(message.ptr()) };
+            Err(match status {
+                rd_kafka_msg_status_t::RD_KAFKA_MSG_STATUS_NOT_PERSISTED => {
+                    PublishError::NotDelivered(error.clone())
+                }
+                _ => PublishError::Unknown(error.clone()),
+            })
+        }
     }
 }
 

@@ -144,7 +144,7 @@ impl Publisher {
                 }
                 let _ = answer.send(Published::NotDelivered(e));
             }
-            Err(e @ PublishError::Unknown(_)) => {
+            Err(e @ (PublishError::Unknown(_) | PublishError::Unconfirmed)) => {
                 let _ = answer.send(Published::Pending);
                 self.keep_sending(event, payload, Err(e)).await;
             }

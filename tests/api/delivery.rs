@@ -11,12 +11,14 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::bus::events::OrderRequested;
-use seckill::bus::{Topics, client_config};
+use seckill::bus::{Producer, PublishError, Topics, client_config};
+use seckill::config::Settings;
 use seckill::ids::OrderNo;
 use seckill::orders::consumer::{self, ConsumerDeps};
 use serde_json::json;
 
 use crate::helpers::{TestApp, eventually, heal_within_the_drain, json, spawn_app, spawn_app_with};
+use crate::wire::FaultProxy;
 
 fn producer(app: &TestApp) -> FutureProducer {
     client_config(&app.settings.kafka)
@@ -533,4 +535,129 @@ async fn a_consumer_group_wedged_with_messages_waiting_is_rebuilt_reported_and_b
     assert_eq!(app.buy(6, activity).await.0, 202);
     app.drained(activity, waiting + 1).await;
     consumer.stop().await;
+}
+
+/// The keys of every message on `topic` now, read from the broker itself.
+async fn keys_on(settings: &Settings, topic: &str) -> Vec<String> {
+    let (settings, topic) = (settings.clone(), topic.to_owned());
+    tokio::task::spawn_blocking(move || crate::forensics::keys_on(&settings, &topic))
+        .await
+        .expect("the scan ran")
+        .expect("the topic was read")
+}
+
+#[tokio::test]
+async fn a_write_the_broker_refused_is_never_reported_delivered_because_the_write_behind_it_was_accepted()
+ {
+    // A topic of one partition, and a producer new to it: the broker has no
+    // state for this producer there, so it takes any first sequence number.
+    let mut settings = Settings::load_env("test").expect("test settings");
+    settings.kafka.topic_prefix = format!(
+        "t{}{}.",
+        crate::cleanup::run_id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    settings.kafka.partitions = 1;
+    let topics = Topics::new(&settings.kafka.topic_prefix);
+    seckill::bus::ensure_topics(&settings.kafka, &topics)
+        .await
+        .expect("topics");
+    let topic = &topics.order_requested;
+    let proxy = FaultProxy::start(&settings.kafka.brokers, b"refused-first").await;
+    let mut through_the_proxy = settings.kafka.clone();
+    through_the_proxy.brokers = proxy.brokers.clone();
+    let producer = Producer::new(&through_the_proxy).expect("producer");
+
+    // The first write is held on the wire until the second is sent behind
+    // it; then the broker refuses the first (retriably) and takes the second.
+    let first = producer
+        .enqueue(topic, "first", b"refused-first", None)
+        .expect("enqueued");
+    assert!(
+        proxy.holding(Duration::from_secs(30)).await,
+        "the first write never reached the broker's listener"
+    );
+    let second = producer
+        .enqueue(topic, "second", b"accepted-second", None)
+        .expect("enqueued");
+    let (first, second) = (first.await, second.await);
+    assert!(
+        proxy.refused_before_the_next(),
+        "the fault did not happen as meant"
+    );
+    let on_topic = keys_on(&settings, topic).await;
+    assert!(second.is_ok(), "{second:?}");
+    assert!(on_topic.contains(&"second".to_owned()), "{on_topic:?}");
+
+    // Whatever librdkafka concludes, "delivered" must mean on the topic; a
+    // write that may or may not be there is unknown (sent again by the
+    // publisher), never "not delivered" (which would release its purchase).
+    match first {
+        Ok(()) => assert!(
+            on_topic.contains(&"first".to_owned()),
+            "reported delivered, but not on the topic: {on_topic:?}"
+        ),
+        Err(e) => assert!(
+            matches!(e, PublishError::Unconfirmed | PublishError::Unknown(_)),
+            "{e:?}"
+        ),
+    }
+    tokio::task::spawn_blocking(move || drop(producer));
+}
+
+#[tokio::test]
+async fn a_purchase_whose_event_the_broker_refused_is_accepted_only_once_its_event_is_on_the_topic()
+{
+    // The server talks to the broker through the proxy, on one partition:
+    // buyer 1's event is held on the wire until buyer 2's is sent behind
+    // it, then refused while buyer 2's is taken.
+    let direct = Settings::load_env("test").expect("test settings");
+    let proxy = FaultProxy::start(&direct.kafka.brokers, b"refused-first").await;
+    let brokers = proxy.brokers.clone();
+    let app = spawn_app_with(|s| {
+        s.kafka.brokers = brokers;
+        s.kafka.partitions = 1;
+    })
+    .await;
+    app.wait_until_ready().await;
+    let mut direct = Settings {
+        kafka: direct.kafka,
+        ..app.settings.clone()
+    };
+    direct.kafka.topic_prefix = app.settings.kafka.topic_prefix.clone();
+    let topic = Topics::new(&app.settings.kafka.topic_prefix).order_requested;
+    let activity = app.live_activity(2, 1, 1).await;
+    let first =
+        json!({"request_id": "refused-first", "token": app.purchase_token(1, activity).await});
+    let second =
+        json!({"request_id": "accepted-second", "token": app.purchase_token(2, activity).await});
+
+    let accepted_first = async {
+        let (status, answer) = app.order_retrying(1, activity, &first).await;
+        // Read at once, before anything (reconciliation) could repair it.
+        (status, answer, keys_on(&direct, &topic).await)
+    };
+    let accepted_second = async {
+        assert!(
+            proxy.holding(Duration::from_secs(30)).await,
+            "buyer 1's event never reached the broker's listener"
+        );
+        app.order_retrying(2, activity, &second).await
+    };
+    let ((status, answer, on_topic), (second_status, _)) =
+        tokio::join!(accepted_first, accepted_second);
+    assert!(
+        proxy.refused_before_the_next(),
+        "the fault did not happen as meant"
+    );
+    assert_eq!((status, second_status), (202, 202), "{answer}");
+    let order_no = answer["order_no"].as_str().expect("order_no").to_owned();
+    assert!(
+        on_topic.contains(&order_no),
+        "buyer 1 was told accepted while its event was not on the topic: {on_topic:?}"
+    );
+
+    let stats = app.drained(activity, 2).await;
+    app.assert_each_order_once(&stats, 2).await;
+    assert_eq!(app.order_status(1, &order_no).await, "WAITING_PAY");
 }

@@ -181,6 +181,11 @@ pub fn errors_on(settings: &Settings, topic: &str) -> Result<Vec<String>, String
     scan(settings, topic).map(|s| s.errors)
 }
 
+/// The key of every message on `topic` now (blocking).
+pub fn keys_on(settings: &Settings, topic: &str) -> Result<Vec<String>, String> {
+    scan(settings, topic).map(|s| s.by_key.into_keys().collect())
+}
+
 /// Reads `topic` from the beginning to its high watermarks, outside any group.
 fn scan(settings: &Settings, topic: &str) -> Result<Scan, String> {
     let (consumer, partitions) = client_for(settings, "forensics", topic)?;

@@ -19,3 +19,5 @@ mod outbox;
 mod payments;
 mod production;
 mod reconcile;
+#[path = "../common/wire.rs"]
+mod wire;
