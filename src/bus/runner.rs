@@ -126,10 +126,14 @@ async fn supervise<H: Handler>(
     // sampled from outside the client by a task of its own (a sample can
     // take seconds while the broker is away).
     let waiting = Arc::new(AtomicI64::new(0));
+    // Since when (unix ms) the sampler's queries have all been answered; 0
+    // while the broker does not answer them.
+    let answering_since = Arc::new(AtomicI64::new(0));
     let restarted = Arc::new(tokio::sync::Notify::new());
     let sampler = tokio::spawn(sample(
         progress.clone(),
         waiting.clone(),
+        answering_since.clone(),
         restarted.clone(),
         shutdown.clone(),
     ));
@@ -170,12 +174,9 @@ async fn supervise<H: Handler>(
                 0 => None,
                 since => Some(Duration::from_millis((now_ms() - since).max(0) as u64)),
             };
-            match verdict(
-                stall,
-                consumer.context().coordinator_down_for(),
-                waiting_for,
-                busy,
-            ) {
+            let answering_for = super::watchdog::elapsed(&answering_since);
+            let client = consumer.context().observed(answering_for);
+            match verdict(stall, client, waiting_for, busy) {
                 Verdict::Healthy => health.set(None),
                 Verdict::Stalled(why) => health.set(Some(why)),
                 Verdict::Rebuild(why) => {
@@ -214,16 +215,24 @@ async fn supervise<H: Handler>(
     let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
 }
 
-/// Every second: how long the group has been stalled, into `waiting` (s).
+/// Every second: how long the group has been stalled, into `waiting` (s),
+/// and whether the broker answered, into `answering_since`.
 async fn sample(
     progress: Arc<GroupProgress>,
     waiting: Arc<AtomicI64>,
+    answering_since: Arc<AtomicI64>,
     restarted: Arc<tokio::sync::Notify>,
     shutdown: CancellationToken,
 ) {
     let mut tracker = StallTracker::default();
     loop {
         let sample = progress.sample().await.ok();
+        if sample.is_some() {
+            let _ =
+                answering_since.compare_exchange(0, now_ms(), Ordering::Relaxed, Ordering::Relaxed);
+        } else {
+            answering_since.store(0, Ordering::Relaxed);
+        }
         let stalled = tracker.observe(sample, Instant::now());
         waiting.store(stalled.as_secs() as i64, Ordering::Relaxed);
         tokio::select! {

@@ -10,7 +10,18 @@
 //!   topic's end), while the consumer is not busy in a batch of its own
 //!   (a batch retrying a failed database is not the client's fault, and a
 //!   new client would not help), or
-//! - its group coordinator is unreachable (the client's own statistics).
+//! - its group coordinator is unreachable (the client's own statistics),
+//!
+//! and the broker has been answering for that whole window: its client
+//! connections are up and the watchdog's own offset queries come back. A
+//! client is blamed only for what it fails to do with a broker that works.
+//! Through an outage (a broker killed or stopped) the consumer is reported
+//! stalled, not rebuilt: a new client would meet the same outage, and
+//! tearing a consumer down in the middle of one is what crashes librdkafka
+//! 2.12.1 — its group termination, completing once the broker is back, can
+//! abort the process on `assert: !rd_kafka_assignment_in_progress` (seen in
+//! the broker-kill fault test; librdkafka issue #4027). After the outage the
+//! client gets a whole window to recover by itself.
 //!
 //! Each rebuild logs a WARN and counts `seckill_consumer_restarts_total`.
 //! While a consumer is stalled, `/health/ready` answers 503 and says why.
@@ -64,29 +75,72 @@ impl StallTracker {
     }
 }
 
-/// Follows the consumer group's coordinator state through librdkafka's
-/// statistics (`cgrp.state` is "up" while the coordinator is known and
-/// connected).
+/// Follows the consumer group's coordinator state and the client's broker
+/// connections through librdkafka's statistics (`cgrp.state` is "up" while
+/// the coordinator is known and connected; a broker's `state` is "UP" while
+/// its connection is).
 pub struct WatchedContext {
     /// Unix ms since which the coordinator has not been "up"; 0 while it is.
     coordinator_down_since: AtomicI64,
+    /// Unix ms since which no broker connection has been up; 0 while one is.
+    brokers_down_since: AtomicI64,
 }
 
 impl WatchedContext {
-    /// A context for a client created now (its coordinator is not up yet).
+    /// A context for a client created now (its coordinator is not up yet,
+    /// nor any broker connection).
     pub fn new() -> Self {
         Self {
             coordinator_down_since: AtomicI64::new(now_ms()),
+            brokers_down_since: AtomicI64::new(now_ms()),
         }
     }
 
-    /// How long the coordinator has been unreachable.
-    pub fn coordinator_down_for(&self) -> Duration {
-        match self.coordinator_down_since.load(Ordering::Relaxed) {
-            0 => Duration::ZERO,
-            since => Duration::from_millis(u64::try_from(now_ms() - since).unwrap_or(0)),
+    /// What the client's statistics say now; `answering_for` is how long
+    /// the watchdog's own queries to the broker have been answered.
+    pub fn observed(&self, answering_for: Duration) -> ClientState {
+        let brokers_down_for = elapsed(&self.brokers_down_since);
+        ClientState {
+            coordinator_down_for: elapsed(&self.coordinator_down_since),
+            answering_for: if brokers_down_for.is_zero() {
+                answering_for
+            } else {
+                Duration::ZERO
+            },
         }
     }
+
+    /// Records one statistics report.
+    fn observe(&self, coordinator_up: bool, broker_up: bool, now: i64) {
+        let mark = |at: &AtomicI64, on: bool| {
+            if on {
+                let _ = at.compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
+            } else {
+                at.store(0, Ordering::Relaxed);
+            }
+        };
+        mark(&self.coordinator_down_since, !coordinator_up);
+        mark(&self.brokers_down_since, !broker_up);
+    }
+}
+
+/// How long since `at` (unix ms; 0: not at all).
+pub fn elapsed(at: &AtomicI64) -> Duration {
+    match at.load(Ordering::Relaxed) {
+        0 => Duration::ZERO,
+        since => Duration::from_millis(u64::try_from(now_ms() - since).unwrap_or(0)),
+    }
+}
+
+/// One client's view of its group, and whether the broker works.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClientState {
+    /// How long the group coordinator has been unreachable.
+    pub coordinator_down_for: Duration,
+    /// How long the broker has been answering without a break (the
+    /// client's connections up, the watchdog's queries answered); zero
+    /// during an outage.
+    pub answering_for: Duration,
 }
 
 impl Default for WatchedContext {
@@ -97,28 +151,34 @@ impl Default for WatchedContext {
 
 impl ClientContext for WatchedContext {
     fn stats_raw(&self, statistics: &[u8]) {
-        // Only the group's state, not librdkafka's whole statistics tree.
+        // Only the group's state and the brokers' connection states, not
+        // librdkafka's whole statistics tree.
         #[derive(serde::Deserialize)]
         struct Stats {
             cgrp: Option<Cgrp>,
+            #[serde(default)]
+            brokers: std::collections::HashMap<String, Broker>,
         }
         #[derive(serde::Deserialize)]
         struct Cgrp {
             state: String,
         }
-        let Ok(Stats { cgrp: Some(cgrp) }) = serde_json::from_slice::<Stats>(statistics) else {
+        #[derive(serde::Deserialize)]
+        struct Broker {
+            state: String,
+            nodeid: i32,
+        }
+        let Ok(Stats {
+            cgrp: Some(cgrp),
+            brokers,
+        }) = serde_json::from_slice::<Stats>(statistics)
+        else {
             return;
         };
-        if cgrp.state == "up" {
-            self.coordinator_down_since.store(0, Ordering::Relaxed);
-        } else {
-            let _ = self.coordinator_down_since.compare_exchange(
-                0,
-                now_ms(),
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
-        }
+        // Real brokers only (the bootstrap and coordinator entries are
+        // logical, with no node id).
+        let broker_up = brokers.values().any(|b| b.nodeid >= 0 && b.state == "UP");
+        self.observe(cgrp.state == "up", broker_up, now_ms());
     }
 
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
@@ -185,20 +245,31 @@ impl Registry {
 }
 
 /// One check of a consumer: why it should be rebuilt now, if it should.
-/// `busy_for` is how long it has been inside one batch of its own.
+/// `waiting_for` is how long its group has had messages waiting with
+/// nothing committed; `busy_for` how long it has been inside one batch of
+/// its own.
 pub fn verdict(
     stall: Duration,
-    coordinator_down_for: Duration,
+    client: ClientState,
     waiting_for: Duration,
     busy_for: Option<Duration>,
 ) -> Verdict {
     if stall.is_zero() {
         return Verdict::Healthy;
     }
-    if coordinator_down_for >= stall {
-        return Verdict::Rebuild(format!(
+    // Only a client that had a whole window of a working broker is to blame.
+    let blame = client.answering_for >= stall;
+    let unless_blamed = |why: String| {
+        if blame {
+            Verdict::Rebuild(why)
+        } else {
+            Verdict::Stalled(format!("{why}; the broker has not been answering"))
+        }
+    };
+    if client.coordinator_down_for >= stall {
+        return unless_blamed(format!(
             "group coordinator unreachable for {}s",
-            coordinator_down_for.as_secs()
+            client.coordinator_down_for.as_secs()
         ));
     }
     if waiting_for >= stall {
@@ -213,7 +284,7 @@ pub fn verdict(
                 "{why}; a batch has been retrying for {}s",
                 busy.as_secs()
             )),
-            _ => Verdict::Rebuild(why),
+            _ => unless_blamed(why),
         };
     }
     Verdict::Healthy
@@ -273,23 +344,93 @@ mod tests {
     #[test]
     fn the_verdict_rebuilds_for_the_client_only() {
         let s = Duration::from_secs;
-        assert_eq!(verdict(s(0), s(99), s(99), None), Verdict::Healthy, "off");
-        assert_eq!(verdict(s(10), s(3), s(9), None), Verdict::Healthy);
+        let answering = |down: u64| ClientState {
+            coordinator_down_for: s(down),
+            answering_for: s(60),
+        };
+        assert_eq!(
+            verdict(s(0), answering(99), s(99), None),
+            Verdict::Healthy,
+            "off"
+        );
+        assert_eq!(verdict(s(10), answering(3), s(9), None), Verdict::Healthy);
         assert!(
-            matches!(verdict(s(10), s(10), s(0), None), Verdict::Rebuild(w) if w.contains("coordinator"))
+            matches!(verdict(s(10), answering(10), s(0), None), Verdict::Rebuild(w) if w.contains("coordinator"))
         );
         assert!(
-            matches!(verdict(s(10), s(0), s(12), None), Verdict::Rebuild(w) if w.contains("waiting"))
+            matches!(verdict(s(10), answering(0), s(12), None), Verdict::Rebuild(w) if w.contains("waiting"))
         );
         assert!(
-            matches!(verdict(s(10), s(0), s(12), Some(s(12))), Verdict::Stalled(w) if w.contains("retrying"))
+            matches!(verdict(s(10), answering(0), s(12), Some(s(12))), Verdict::Stalled(w) if w.contains("retrying"))
         );
         assert!(
             matches!(
-                verdict(s(10), s(11), s(12), Some(s(12))),
+                verdict(s(10), answering(11), s(12), Some(s(12))),
                 Verdict::Rebuild(_)
             ),
             "a lost coordinator is the client's"
         );
+    }
+
+    #[test]
+    fn nothing_is_rebuilt_before_the_broker_has_answered_a_whole_window() {
+        let s = Duration::from_secs;
+        // A broker killed or stopped: reported, not rebuilt, whatever waits.
+        let outage = ClientState {
+            coordinator_down_for: s(30),
+            answering_for: s(0),
+        };
+        assert!(
+            matches!(verdict(s(10), outage, s(0), None), Verdict::Stalled(w) if w.contains("not been answering"))
+        );
+        assert!(matches!(
+            verdict(
+                s(10),
+                ClientState {
+                    coordinator_down_for: s(0),
+                    ..outage
+                },
+                s(30),
+                None
+            ),
+            Verdict::Stalled(_)
+        ));
+        // Back for 9 s: the client still has time to recover by itself.
+        let back = ClientState {
+            coordinator_down_for: s(39),
+            answering_for: s(9),
+        };
+        assert!(matches!(
+            verdict(s(10), back, s(39), None),
+            Verdict::Stalled(_)
+        ));
+        let still = ClientState {
+            answering_for: s(10),
+            ..back
+        };
+        assert!(matches!(
+            verdict(s(10), still, s(0), None),
+            Verdict::Rebuild(_)
+        ));
+    }
+
+    #[test]
+    fn a_client_without_a_broker_connection_is_not_answered() {
+        let c = WatchedContext {
+            coordinator_down_since: AtomicI64::new(0),
+            brokers_down_since: AtomicI64::new(0),
+        };
+        let t = now_ms();
+        c.observe(false, false, t - 30_000);
+        let o = c.observed(Duration::from_secs(60));
+        assert_eq!(o.answering_for, Duration::ZERO, "no connection up");
+        assert!(o.coordinator_down_for >= Duration::from_secs(29));
+        c.observe(false, true, t);
+        assert_eq!(
+            c.observed(Duration::from_secs(5)).answering_for,
+            Duration::from_secs(5)
+        );
+        c.observe(true, true, t);
+        assert_eq!(c.observed(Duration::ZERO), ClientState::default());
     }
 }
