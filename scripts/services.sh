@@ -2,6 +2,9 @@
 # Redis, PostgreSQL and Apache Kafka (KRaft) for seckill, on loopback.
 #
 #   scripts/services.sh up           install what is missing, start, wait until each answers
+#   scripts/services.sh up --redis-cluster
+#                                    also a 3-master Redis Cluster (Redis port + 1000..1002);
+#                                    `scripts/services.sh cluster-url` prints its redis.url
 #   scripts/services.sh down         stop what this script started (nothing else)
 #   scripts/services.sh stop NAME    stop one of them: redis, postgres or kafka
 #   scripts/services.sh status       where each listens, where its log is
@@ -98,6 +101,58 @@ redis_down() {
   redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
   wait_for 10 bash -c "! kill -0 $pid 2>/dev/null" || true
   rm -f "$REDIS_DIR/redis.pid"
+}
+
+# -------------------------------------------------------- Redis Cluster ----
+# Three masters, no replicas, on loopback: enough to spread the slots (and so
+# the activities) over three processes, and to prove every script keeps its
+# keys in one slot. Same persistence choice as the single server.
+REDIS_CLUSTER_DIR=$STATE/redis-cluster
+cluster_ports() { echo "$REDIS_CLUSTER_PORT" $((REDIS_CLUSTER_PORT + 1)) $((REDIS_CLUSTER_PORT + 2)); }
+cluster_url() {
+  local urls=() port
+  for port in $(cluster_ports); do urls+=("redis://$REDIS_HOST:$port"); done
+  (IFS=,; echo "${urls[*]}")
+}
+node_ping() { [ "$(redis-cli -h "$REDIS_HOST" -p "$1" ping 2>/dev/null)" = PONG ]; }
+cluster_ok() { redis-cli -h "$REDIS_HOST" -p "$REDIS_CLUSTER_PORT" cluster info 2>/dev/null | grep -q '^cluster_state:ok'; }
+
+redis_cluster_up() {
+  local port nodes=()
+  for port in $(cluster_ports); do
+    nodes+=("$REDIS_HOST:$port")
+    node_ping "$port" && continue
+    mkdir -p "$REDIS_CLUSTER_DIR/$port"
+    redis-server --bind "$REDIS_HOST" --port "$port" --daemonize yes \
+      --cluster-enabled yes --cluster-config-file "$REDIS_CLUSTER_DIR/$port/nodes.conf" \
+      --cluster-node-timeout 5000 \
+      --dir "$REDIS_CLUSTER_DIR/$port" --pidfile "$REDIS_CLUSTER_DIR/$port/redis.pid" \
+      --logfile "$REDIS_CLUSTER_DIR/$port/redis.log" --save "" --appendonly no \
+      --maxclients 10000 >/dev/null
+  done
+  for port in $(cluster_ports); do
+    wait_for 20 node_ping "$port" || die "cluster node $port did not answer; see $REDIS_CLUSTER_DIR/$port/redis.log"
+  done
+  if ! cluster_ok; then
+    # Nodes without persistence come back empty: forget any earlier layout.
+    for port in $(cluster_ports); do
+      redis-cli -h "$REDIS_HOST" -p "$port" cluster reset hard >/dev/null 2>&1 || true
+    done
+    redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >"$REDIS_CLUSTER_DIR/create.log" 2>&1 \
+      || die "creating the Redis Cluster failed; see $REDIS_CLUSTER_DIR/create.log"
+    wait_for 30 cluster_ok || die "the Redis Cluster did not reach state ok"
+  fi
+}
+
+redis_cluster_down() {
+  local port pid
+  for port in $(cluster_ports); do
+    pid_alive "$REDIS_CLUSTER_DIR/$port/redis.pid" || continue
+    pid=$(cat "$REDIS_CLUSTER_DIR/$port/redis.pid")
+    redis-cli -h "$REDIS_HOST" -p "$port" shutdown nosave >/dev/null 2>&1 || true
+    wait_for 10 bash -c "! kill -0 $pid 2>/dev/null" || true
+    rm -f "$REDIS_CLUSTER_DIR/$port/redis.pid"
+  done
 }
 
 # ----------------------------------------------------------- PostgreSQL ----
@@ -286,6 +341,10 @@ status() {
   printf '%-10s %-5s %-22s %s\n' redis "$r" "$REDIS_HOST:$REDIS_PORT" "$REDIS_DIR/redis.log"
   printf '%-10s %-5s %-22s %s\n' postgres "$p" "$PG_HOST:$PG_PORT" "$PGLOG"
   printf '%-10s %-5s %-22s %s\n' kafka "$k" "$KAFKA_HOST:$KAFKA_PORT" "$KAFKA_DIR/kafka.log"
+  if [ -d "$REDIS_CLUSTER_DIR" ]; then
+    local c; cluster_ok && c=up || c=down
+    printf '%-10s %-5s %-22s %s\n' cluster "$c" "$REDIS_HOST:$REDIS_CLUSTER_PORT+2" "$REDIS_CLUSTER_DIR/*/redis.log"
+  fi
   [ "$r$p$k" = upupup ]
 }
 
@@ -295,14 +354,20 @@ case "${1:-}" in
     load_settings
     mkdir -p "$STATE"
     redis_up
+    if [ "${2:-}" = --redis-cluster ]; then redis_cluster_up; fi
     pg_up
     kafka_up
     status
+    ;;
+  cluster-url)
+    load_settings
+    cluster_url
     ;;
   down)
     load_settings
     kafka_down
     pg_down
+    redis_cluster_down
     redis_down
     log "stopped"
     ;;
@@ -310,6 +375,7 @@ case "${1:-}" in
     load_settings
     case "${2:-}" in
       redis) redis_down ;;
+      redis-cluster) redis_cluster_down ;;
       postgres) pg_down ;;
       kafka) kafka_down ;;
       *) echo "usage: $0 stop redis|postgres|kafka" >&2; exit 2 ;;
@@ -320,7 +386,7 @@ case "${1:-}" in
     status
     ;;
   *)
-    echo "usage: $0 up|down|stop NAME|status" >&2
+    echo "usage: $0 up [--redis-cluster]|down|stop NAME|status|cluster-url" >&2
     exit 2
     ;;
 esac

@@ -45,6 +45,8 @@ def main():
     out = {
         "REDIS_HOST": redis.hostname or "127.0.0.1",
         "REDIS_PORT": str(redis.port or 6379),
+        # `up --redis-cluster`: three masters from the Redis port + 1000 on.
+        "REDIS_CLUSTER_PORT": str((redis.port or 6379) + 1000),
         "PG_HOST": pg.hostname or "127.0.0.1",
         "PG_PORT": str(pg.port or 5432),
         "PG_USER": pg.username or "seckill",

@@ -40,8 +40,6 @@ use crate::worker::WorkerHandle;
 pub struct AppState {
     /// The settings this process was started with.
     pub settings: Arc<Settings>,
-    /// Pooled Redis connections, for everything off the hot path.
-    pub redis: deadpool_redis::Pool,
     /// The admission scripts over one multiplexed connection (hot path).
     pub gate: Arc<RedisGate>,
     /// Publishes purchases (SPEC step 2) with three-valued delivery.
@@ -98,8 +96,10 @@ impl AppState {
     /// called inside a Tokio runtime.
     pub fn connect(settings: Settings) -> anyhow::Result<Self> {
         let a = &settings.admission;
-        let redis = redis_pool(&settings.redis)?;
-        let gate_pool = (settings.redis.gate_connection == "pool").then(|| redis.clone());
+        let gate_pool = match settings.redis.gate_connection.as_str() {
+            "pool" => Some(redis_pool(&settings.redis)?),
+            _ => None,
+        };
         let gate = Arc::new(
             RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?,
         );
@@ -131,7 +131,6 @@ impl AppState {
             consumers: Arc::new(Registry::default()),
             topics_created: Arc::default(),
             gate,
-            redis,
             activities: ActivityCache::default(),
             limits: Limits {
                 activity: KeyedLimiter::new(a.activity_rate_per_sec, a.activity_burst),

@@ -183,11 +183,14 @@ pub struct AuthSettings {
 /// Redis connection settings.
 #[derive(Debug, Clone, Deserialize)]
 pub struct RedisSettings {
-    /// `redis://host:port[/db]`.
+    /// `standalone` (one server) or `cluster` (a Redis Cluster).
+    pub mode: String,
+    /// `redis://host:port[/db]`; in cluster mode, seed nodes separated by
+    /// commas (`redis://h1:7000,redis://h2:7001`).
     pub url: String,
     /// Prefix of every key this instance writes; tests use one per test.
     pub key_prefix: String,
-    /// Largest number of pooled connections.
+    /// Largest number of pooled connections (`gate_connection = "pool"`).
     pub pool_size: usize,
     /// Connect / checkout timeout, in milliseconds.
     pub timeout_ms: u64,
@@ -354,6 +357,16 @@ impl Settings {
         if !matches!(self.redis.gate_connection.as_str(), "multiplexed" | "pool") {
             bail!("redis.gate_connection must be \"multiplexed\" or \"pool\"");
         }
+        match self.redis.mode.as_str() {
+            crate::store::redis_conn::STANDALONE => {}
+            crate::store::redis_conn::CLUSTER if self.redis.gate_connection == "pool" => {
+                bail!(
+                    "redis.gate_connection = \"pool\" is for one server only, not redis.mode = \"cluster\""
+                )
+            }
+            crate::store::redis_conn::CLUSTER => {}
+            other => bail!("redis.mode must be \"standalone\" or \"cluster\", not {other:?}"),
+        }
         if self.reconcile.publish_window_secs.saturating_mul(1000) < self.in_flight_bound_ms() {
             bail!(
                 "reconcile.publish_window_secs must be at least \
@@ -441,6 +454,19 @@ mod tests {
         assert!(err.to_string().contains("publish_window_secs"), "{err}");
         s.reconcile.publish_window_secs = 35;
         assert!(s.validate().is_ok());
+    }
+
+    #[test]
+    fn an_unknown_redis_mode_and_a_pooled_gate_on_a_cluster_are_refused() {
+        let mut s = Settings::load_env("test").expect("test settings load");
+        s.redis.mode = "sentinel".into();
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("redis.mode"), "{e}");
+        s.redis.mode = "cluster".into();
+        assert!(s.validate().is_ok());
+        s.redis.gate_connection = "pool".into();
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("one server only"), "{e}");
     }
 
     #[test]

@@ -1,21 +1,19 @@
 //! The Redis gate: the admission, release, commit and warm-up scripts.
 //!
 //! The hot path uses one long-lived multiplexed connection
-//! ([`ConnectionManager`]), not the pool: every request is a single script
+//! ([`RedisConn`], to one server or a cluster), not the pool: every request is a single script
 //! call, pipelined on one socket, with no per-checkout PING (see
 //! BENCHMARKS.md for the measurement). Scripts go out as `EVALSHA`; on
 //! `NOSCRIPT` (Redis restarted or failed over) `redis::Script` loads the
 //! script and retries once.
 
-use std::time::Duration;
-
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisResult, Script};
 
 use crate::admission::keys::ActivityKeys;
 use crate::bus::events::OrderRequested;
 use crate::config::{AdmissionSettings, RedisSettings};
 use crate::ids::OrderNo;
+use crate::store::redis_conn::{RedisClient, RedisConn};
 
 /// What the admission script decided. Ordinary outcomes, not errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,9 +127,8 @@ impl Meta {
 #[derive(Clone)]
 pub struct RedisGate {
     /// Kept to open per-worker connections ([`RedisGate::on_own_connection`]).
-    client: redis::Client,
-    config: ConnectionManagerConfig,
-    conn: ConnectionManager,
+    client: RedisClient,
+    conn: RedisConn,
     /// When set (`redis.gate_connection = "pool"`), the admission script runs
     /// on a pooled connection instead: kept to measure the difference.
     pool: Option<deadpool_redis::Pool>,
@@ -155,16 +152,10 @@ impl RedisGate {
         admission: &AdmissionSettings,
         pool: Option<deadpool_redis::Pool>,
     ) -> RedisResult<Self> {
-        let timeout = Some(Duration::from_millis(redis.timeout_ms));
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(timeout)
-            .set_response_timeout(timeout)
-            .set_number_of_retries(1);
-        let client = redis::Client::open(redis.url.as_str())?;
+        let client = RedisClient::new(redis)?;
         Ok(Self {
-            conn: client.get_connection_manager_lazy(config.clone())?,
+            conn: client.connect_lazy()?,
             client,
-            config,
             pool,
             prefix: redis.key_prefix.clone(),
             reservation_ttl_secs: admission.reservation_ttl_secs,
@@ -184,9 +175,7 @@ impl RedisGate {
     /// never hops to another thread's runtime and back (see BENCHMARKS.md).
     pub fn on_own_connection(&self) -> RedisResult<Self> {
         let mut gate = self.clone();
-        gate.conn = self
-            .client
-            .get_connection_manager_lazy(self.config.clone())?;
+        gate.conn = self.client.connect_lazy()?;
         Ok(gate)
     }
 
@@ -196,7 +185,7 @@ impl RedisGate {
     }
 
     /// A clone of the multiplexed connection, for plain commands.
-    pub fn conn(&self) -> ConnectionManager {
+    pub fn conn(&self) -> RedisConn {
         self.conn.clone()
     }
 

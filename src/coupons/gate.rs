@@ -1,7 +1,8 @@
 //! The Redis side of coupons. Keys carry the hash tag `{c:<coupon_id>}`.
 
-use redis::aio::ConnectionManager;
 use redis::{RedisResult, Script};
+
+use crate::store::redis_conn::RedisConn;
 
 /// What the claim script decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,7 +52,7 @@ impl CouponKeys {
 
 /// Coupon scripts over the shared multiplexed connection.
 pub struct CouponGate {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
     claim: Script,
     unclaim: Script,
@@ -59,7 +60,7 @@ pub struct CouponGate {
 
 impl CouponGate {
     /// A gate on `conn` (the admission gate's connection).
-    pub fn new(conn: ConnectionManager, prefix: &str) -> Self {
+    pub fn new(conn: RedisConn, prefix: &str) -> Self {
         Self {
             conn,
             prefix: prefix.to_owned(),

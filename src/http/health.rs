@@ -97,8 +97,9 @@ async fn probe(name: &str, check: impl Future<Output = Result<(), Unready>>) -> 
 
 async fn redis_ping(state: &AppState) -> Result<(), Unready> {
     let pong: String = async {
-        let mut conn = state.redis.get().await?;
-        anyhow::Ok(redis::cmd("PING").query_async(&mut conn).await?)
+        // Through the gate's connection: a cluster answers from every master.
+        let mut conn = state.gate.conn();
+        anyhow::Ok(redis::cmd("PING").query_async::<String>(&mut conn).await?)
     }
     .await
     .map_err(Unready::because("unreachable"))?;

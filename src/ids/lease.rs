@@ -23,10 +23,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use prometheus::IntGauge;
-use redis::aio::ConnectionManager;
 use redis::{RedisResult, Script};
 
 use super::{IdGenerator, MAX_INSTANCE, Snowflake, epoch_ms_now};
+use crate::store::redis_conn::RedisConn;
 use crate::worker::WorkerHandle;
 
 /// Takes the lease if it is free (or already ours). Returns the floor (ms
@@ -127,7 +127,7 @@ impl From<redis::RedisError> for LeaseError {
 /// This process's claim on an instance id.
 #[derive(Clone)]
 pub struct InstanceLease {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
     owner: String,
     /// The configured id, or `None` for any free one.
@@ -141,7 +141,7 @@ impl InstanceLease {
     /// A lease (not yet taken) feeding `ids`; `gauge` shows the id held
     /// (-1: none).
     pub fn new(
-        conn: ConnectionManager,
+        conn: RedisConn,
         prefix: &str,
         wanted: Option<u16>,
         ttl: Duration,

@@ -76,20 +76,34 @@ fn is_test_topic(name: &str) -> bool {
 /// run still rebalance consumer groups on the same broker is churn the
 /// crash-and-restart tests do not need.
 pub fn remove_namespace(settings: &Settings) {
-    let Ok(client) = redis::Client::open(settings.redis.url.as_str()) else {
+    let Ok(mut conn) = redis_sync(settings) else {
         return;
     };
-    let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
-        return;
-    };
+    let conn = &mut *conn;
     let pattern = format!("{}*", settings.redis.key_prefix);
-    let keys: Vec<String> = match redis::cmd("KEYS").arg(&pattern).query(&mut conn) {
+    let keys: Vec<String> = match redis::cmd("KEYS").arg(&pattern).query(conn) {
         Ok(keys) => keys,
         Err(_) => return,
     };
     for chunk in keys.chunks(500) {
-        let _: redis::RedisResult<()> = redis::cmd("UNLINK").arg(chunk).query(&mut conn);
+        let _: redis::RedisResult<()> = redis::cmd("UNLINK").arg(chunk).query(conn);
     }
+}
+
+/// A blocking connection to the test Redis: the server, or the cluster
+/// (whose client sends KEYS to every master and splits UNLINK by slot).
+pub fn redis_sync(settings: &Settings) -> redis::RedisResult<Box<dyn redis::ConnectionLike>> {
+    let timeout = Duration::from_secs(2);
+    if settings.redis.mode == seckill::store::redis_conn::CLUSTER {
+        let nodes = settings.redis.url.split(',').map(str::trim);
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            .build()?;
+        return Ok(Box::new(client.get_connection()?));
+    }
+    let client = redis::Client::open(settings.redis.url.as_str())?;
+    Ok(Box::new(client.get_connection_with_timeout(timeout)?))
 }
 
 #[test]

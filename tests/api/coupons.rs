@@ -457,8 +457,7 @@ async fn a_claim_cut_off_by_a_shutdown_out_of_time_is_still_undone() {
         })
     };
     // The claim is taken in Redis; its delivery is under way.
-    let redis = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
-    let redis = redis.get_multiplexed_async_connection().await.unwrap();
+    let redis = app.redis();
     let meta = format!("{}{{c:{coupon}}}:meta", app.settings.redis.key_prefix);
     let remaining = |n: i64| {
         let (mut redis, meta) = (redis.clone(), meta.clone());

@@ -81,25 +81,23 @@ fn retried<T>(mut f: impl FnMut() -> Result<T, String>) -> Result<T, String> {
 }
 
 fn open_reservations(settings: &Settings, activity_id: i64) -> redis::RedisResult<Vec<i64>> {
-    let client = redis::Client::open(settings.redis.url.as_str())?;
-    let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+    let mut conn = crate::cleanup::redis_sync(settings)?;
     let keys = ActivityKeys::new(&settings.redis.key_prefix, activity_id);
     redis::cmd("ZRANGE")
         .arg(keys.open())
         .arg(0)
         .arg(-1)
-        .query(&mut conn)
+        .query(&mut *conn)
 }
 
 /// The reservation record as Redis holds it (status, acked, sent, ts…).
 fn reservation_fields(settings: &Settings, activity_id: i64, order_no: i64) -> String {
     let read = || -> redis::RedisResult<Vec<(String, String)>> {
-        let client = redis::Client::open(settings.redis.url.as_str())?;
-        let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        let mut conn = crate::cleanup::redis_sync(settings)?;
         let keys = ActivityKeys::new(&settings.redis.key_prefix, activity_id);
         redis::cmd("HGETALL")
             .arg(keys.reservation(order_no))
-            .query(&mut conn)
+            .query(&mut *conn)
     };
     match read() {
         Ok(fields) => format!("{fields:?}"),

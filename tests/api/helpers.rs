@@ -520,6 +520,14 @@ impl TestApp {
     }
 
     /// Runs one SQL statement on this test's database.
+    /// A connection to this test's Redis: the server, or the cluster when
+    /// `redis.mode = "cluster"` (`scripts/test.sh` runs a pass on one).
+    pub fn redis(&self) -> seckill::store::redis_conn::RedisConn {
+        seckill::store::redis_conn::RedisClient::new(&self.settings.redis)
+            .and_then(|client| client.connect_lazy())
+            .expect("a Redis connection")
+    }
+
     pub async fn execute(&self, sql: &str) {
         let url = self.settings.postgres.url.expose_secret().to_owned();
         let sql = sql.to_owned();

@@ -83,11 +83,7 @@ async fn an_instance_whose_lease_is_taken_stops_minting_then_leases_another_id()
     let held = metric(&a, "seckill_instance_id").await.unwrap();
     assert!(held >= 0);
     // Another process takes the id over (as if our lease had run out).
-    let mut redis = redis::Client::open(a.settings.redis.url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut redis = a.redis();
     let key = format!("{}{{instance:{held}}}", a.settings.redis.key_prefix);
     let _: () = redis::cmd("SET")
         .arg(&key)

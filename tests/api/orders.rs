@@ -514,8 +514,7 @@ async fn admission_survives_redis_forgetting_its_scripts() {
     let app = spawn_app().await;
     let activity = app.live_activity(10, 1, 1).await;
     assert_eq!(app.buy(1, activity).await.0, 202);
-    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = app.redis();
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
         .query_async(&mut conn)

@@ -340,8 +340,7 @@ async fn a_cancel_restores_redis_stock_once_even_when_redis_lost_the_reservation
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = &orders[0];
     // Redis forgets the reservation (its TTL passed, or a failover lost it).
-    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = app.redis();
     let key = format!(
         "{}{{a:{activity}}}:res:{order_no}",
         app.settings.redis.key_prefix

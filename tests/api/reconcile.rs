@@ -295,8 +295,7 @@ async fn redis_drift_is_reported_and_repaired_from_the_database_when_nothing_is_
     assert_eq!(report(&reconcile(&app).await, activity)["consistent"], true);
 
     // Redis loses three units (and, separately, gains too many).
-    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = app.redis();
     let bucket = format!("{}{{a:{activity}}}:stock:0", app.settings.redis.key_prefix);
     let _: () = redis::cmd("DECRBY")
         .arg(&bucket)
@@ -365,8 +364,7 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
             .contains("Redis keys removed"),
         "{pending}"
     );
-    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = app.redis();
     let meta = format!("{}{{a:{activity}}}:meta", app.settings.redis.key_prefix);
     let exists: i64 = redis::cmd("EXISTS")
         .arg(&meta)
@@ -482,8 +480,7 @@ async fn a_release_redis_has_not_seen_is_applied_by_reconciliation_and_the_relea
     let activity = app.live_activity(10, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 3).await;
     // The second one's reservation record is lost too (a failover).
-    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = app.redis();
     let lost = format!(
         "{}{{a:{activity}}}:res:{}",
         app.settings.redis.key_prefix, orders[1].1
@@ -578,8 +575,7 @@ async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_
         .await;
 
     // Redis loses everything of the activity.
-    let client = redis::Client::open(app.settings.redis.url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut conn = app.redis();
     let pattern = format!("{}{{a:{activity}}}:*", app.settings.redis.key_prefix);
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(&pattern)

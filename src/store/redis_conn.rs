@@ -1,0 +1,125 @@
+//! Redis connections, to one server or to a Redis Cluster (`redis.mode`).
+//!
+//! Both kinds are multiplexed, connect lazily (the service starts while
+//! Redis is down and reports it in readiness) and reconnect by themselves.
+//! Every script's keys share one hash tag (`{a:<activity>}`, `{c:<coupon>}`,
+//! `{instance:<id>}`), so each script runs on the one node that owns its
+//! slot; pipelines stay within one activity's slot too. Commands without
+//! keys (PING, SCRIPT LOAD, KEYS) are routed to every master by the cluster
+//! client.
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
+
+use crate::config::RedisSettings;
+
+/// `redis.mode = "standalone"`: `redis.url` names the server.
+pub const STANDALONE: &str = "standalone";
+/// `redis.mode = "cluster"`: `redis.url` lists seed nodes, comma-separated.
+pub const CLUSTER: &str = "cluster";
+
+/// Opens [`RedisConn`]s as `redis.mode` says.
+#[derive(Clone)]
+pub enum RedisClient {
+    /// One server.
+    Standalone {
+        /// The server.
+        client: redis::Client,
+        /// Timeouts and retries of each connection.
+        config: ConnectionManagerConfig,
+    },
+    /// A Redis Cluster, found through its seed nodes.
+    Cluster {
+        /// The seed nodes and timeouts.
+        client: ClusterClient,
+        /// Timeouts of each connection.
+        config: ClusterConfig,
+    },
+}
+
+impl RedisClient {
+    /// The client for `settings` (nothing connects yet).
+    pub fn new(settings: &RedisSettings) -> RedisResult<Self> {
+        let timeout = Duration::from_millis(settings.timeout_ms);
+        if settings.mode == CLUSTER {
+            let nodes: Vec<&str> = settings
+                .url
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .collect();
+            let client = ClusterClient::builder(nodes)
+                .connection_timeout(timeout)
+                .response_timeout(timeout)
+                .retries(2)
+                .build()?;
+            let config = ClusterConfig::new()
+                .set_connection_timeout(timeout)
+                .set_response_timeout(timeout);
+            return Ok(Self::Cluster { client, config });
+        }
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1);
+        Ok(Self::Standalone {
+            client: redis::Client::open(settings.url.as_str())?,
+            config,
+        })
+    }
+
+    /// A new multiplexed connection; it connects on first use. Must be
+    /// called inside a Tokio runtime (the one that will drive it).
+    pub fn connect_lazy(&self) -> RedisResult<RedisConn> {
+        Ok(match self {
+            Self::Standalone { client, config } => {
+                RedisConn::Standalone(client.get_connection_manager_lazy(config.clone())?)
+            }
+            Self::Cluster { client, config } => {
+                RedisConn::Cluster(client.get_pending_async_connection_with_config(config.clone()))
+            }
+        })
+    }
+}
+
+/// A multiplexed connection to one server or to a cluster. Cheap to clone;
+/// clones share the connection.
+#[derive(Clone)]
+pub enum RedisConn {
+    /// One server.
+    Standalone(ConnectionManager),
+    /// A Redis Cluster (commands routed by their keys' slot).
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Standalone(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Standalone(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Standalone(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
