@@ -137,6 +137,9 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
     let client = Arc::new(Client {
         http: reqwest::Client::builder()
             .pool_max_idle_per_host(args.concurrency)
+            // Below the server's keep-alive (actix's 5 s): a connection the
+            // server is closing is not picked for the next request.
+            .pool_idle_timeout(Duration::from_secs(2))
             .timeout(Duration::from_secs(30))
             .build()?,
         urls: args
@@ -169,9 +172,21 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
                 let jwt = client.token(user, Role::User)?;
                 let path = format!("/api/v1/activities/{activity_id}/token");
                 let url = client.url_of(user);
-                let (status, body) = client
-                    .send_to(url, reqwest::Method::GET, &path, &jwt, None)
-                    .await?;
+                // A token is harmless to ask for twice: a connection lost
+                // on the way is retried, as a client would.
+                let mut attempt = 0;
+                let (status, body) = loop {
+                    attempt += 1;
+                    match client
+                        .send_to(url, reqwest::Method::GET, &path, &jwt, None)
+                        .await
+                    {
+                        Err(_) if attempt < 5 => {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        answer => break answer?,
+                    }
+                };
                 progress.tick();
                 if status != 200 {
                     bail!("token for user {user}: {status} {body}");
@@ -275,9 +290,21 @@ async fn purchase(
     let give_up = Instant::now() + Duration::from_secs(60);
     let mut pending = false;
     loop {
-        let (status, answer) = client
+        let sent = client
             .send_to(url, reqwest::Method::POST, path, jwt, Some(body))
-            .await?;
+            .await;
+        let (status, answer) = match sent {
+            Ok(answer) => answer,
+            // Lost on the way, in either direction: the same request_id
+            // again is safe (the server answers a replay with the order it
+            // made, if it made one), as a well-behaved client does.
+            Err(_) if Instant::now() < give_up => {
+                pending = true;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if status == 503 && answer["order_no"].is_string() && Instant::now() < give_up {
             pending = true;
             tokio::time::sleep(Duration::from_millis(50)).await;
