@@ -354,7 +354,8 @@ case "${1:-}" in
     load_settings
     mkdir -p "$STATE"
     redis_up
-    if [ "${2:-}" = --redis-cluster ]; then redis_cluster_up; fi
+    # The cluster too when asked, or when the configuration uses one.
+    if [ "${2:-}" = --redis-cluster ] || [ "$REDIS_MODE" = cluster ]; then redis_cluster_up; fi
     pg_up
     kafka_up
     status

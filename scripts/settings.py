@@ -38,15 +38,20 @@ def merged():
 
 def main():
     cfg = merged()
-    redis = urlsplit(cfg["redis"]["url"])
+    # In cluster mode redis.url lists the seed nodes: the first one is the
+    # cluster's base port, and the single server sits 1000 below it.
+    redis = urlsplit(cfg["redis"]["url"].split(",")[0].strip())
+    cluster = cfg["redis"].get("mode") == "cluster"
+    redis_port = (redis.port or 6379) - (1000 if cluster else 0)
     pg = urlsplit(cfg["postgres"]["url"])
     broker = cfg["kafka"]["brokers"].split(",")[0].strip()
     kafka_host, kafka_port = broker.rsplit(":", 1)
     out = {
         "REDIS_HOST": redis.hostname or "127.0.0.1",
-        "REDIS_PORT": str(redis.port or 6379),
+        "REDIS_PORT": str(redis_port),
+        "REDIS_MODE": "cluster" if cluster else "standalone",
         # `up --redis-cluster`: three masters from the Redis port + 1000 on.
-        "REDIS_CLUSTER_PORT": str((redis.port or 6379) + 1000),
+        "REDIS_CLUSTER_PORT": str(redis_port + 1000),
         "PG_HOST": pg.hostname or "127.0.0.1",
         "PG_PORT": str(pg.port or 5432),
         "PG_USER": pg.username or "seckill",

@@ -20,7 +20,8 @@ cargo test --lib --bins --tests "$@" -- --test-threads="${SECKILL_TEST_THREADS:-
 # The order path, payments, coupons and reconciliation once more, on the
 # Redis Cluster: every script and pipeline must keep its keys in one slot.
 if [ $# -eq 0 ]; then
-  SECKILL__REDIS__MODE=cluster SECKILL__REDIS__URL=$(scripts/services.sh cluster-url) \
+  cluster_url=$(scripts/services.sh cluster-url)
+  SECKILL__REDIS__MODE=cluster SECKILL__REDIS__URL=$cluster_url \
     cargo test --test api -- --test-threads="${SECKILL_TEST_THREADS:-8}" \
     orders:: payments:: coupons:: reconcile::
 fi
