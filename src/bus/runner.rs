@@ -227,12 +227,7 @@ async fn sample(
     let mut tracker = StallTracker::default();
     loop {
         let sample = progress.sample().await.ok();
-        if sample.is_some() {
-            let _ =
-                answering_since.compare_exchange(0, now_ms(), Ordering::Relaxed, Ordering::Relaxed);
-        } else {
-            answering_since.store(0, Ordering::Relaxed);
-        }
+        super::watchdog::holds_since(&answering_since, sample.is_some(), now_ms());
         let stalled = tracker.observe(sample, Instant::now());
         waiting.store(stalled.as_secs() as i64, Ordering::Relaxed);
         tokio::select! {

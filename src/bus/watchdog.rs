@@ -112,15 +112,19 @@ impl WatchedContext {
 
     /// Records one statistics report.
     fn observe(&self, coordinator_up: bool, broker_up: bool, now: i64) {
-        let mark = |at: &AtomicI64, on: bool| {
-            if on {
-                let _ = at.compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
-            } else {
-                at.store(0, Ordering::Relaxed);
-            }
-        };
-        mark(&self.coordinator_down_since, !coordinator_up);
-        mark(&self.brokers_down_since, !broker_up);
+        holds_since(&self.coordinator_down_since, !coordinator_up, now);
+        holds_since(&self.brokers_down_since, !broker_up, now);
+    }
+}
+
+/// Keeps `at` (unix ms) at the first moment a condition held without a
+/// break: set to `now` when it starts holding, kept while it holds, 0 when
+/// it does not.
+pub fn holds_since(at: &AtomicI64, holds: bool, now: i64) {
+    if holds {
+        let _ = at.compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
+    } else {
+        at.store(0, Ordering::Relaxed);
     }
 }
 

@@ -46,13 +46,7 @@ impl RedisClient {
     pub fn new(settings: &RedisSettings) -> RedisResult<Self> {
         let timeout = Duration::from_millis(settings.timeout_ms);
         if settings.mode == CLUSTER {
-            let nodes: Vec<&str> = settings
-                .url
-                .split(',')
-                .map(str::trim)
-                .filter(|n| !n.is_empty())
-                .collect();
-            let client = ClusterClient::builder(nodes)
+            let client = ClusterClient::builder(seed_nodes(&settings.url))
                 .connection_timeout(timeout)
                 .response_timeout(timeout)
                 .retries(2)
@@ -84,6 +78,14 @@ impl RedisClient {
             }
         })
     }
+}
+
+/// The seed nodes of a cluster's `redis.url` (comma-separated URLs).
+pub fn seed_nodes(url: &str) -> Vec<&str> {
+    url.split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .collect()
 }
 
 /// A multiplexed connection to one server or to a cluster. Cheap to clone;

@@ -95,7 +95,7 @@ pub fn remove_namespace(settings: &Settings) {
 pub fn redis_sync(settings: &Settings) -> redis::RedisResult<Box<dyn redis::ConnectionLike>> {
     let timeout = Duration::from_secs(2);
     if settings.redis.mode == seckill::store::redis_conn::CLUSTER {
-        let nodes = settings.redis.url.split(',').map(str::trim);
+        let nodes = seckill::store::redis_conn::seed_nodes(&settings.redis.url);
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(timeout)
             .response_timeout(timeout)

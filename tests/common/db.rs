@@ -38,6 +38,18 @@ pub fn database_url(base: &str, name: &str) -> String {
     format!("{server}/{name}")
 }
 
+/// Runs `query` with a connection of its own to the database at `url`, on
+/// the blocking pool.
+async fn on_database<T: Send + 'static>(
+    url: &SecretString,
+    query: impl FnOnce(&mut PgConnection) -> T + Send + 'static,
+) -> T {
+    let url = url.expose_secret().to_owned();
+    tokio::task::spawn_blocking(move || query(&mut PgConnection::establish(&url).expect("connect")))
+        .await
+        .expect("database task")
+}
+
 /// One `SELECT … AS n` (a BIGINT) on the database at `url`.
 pub async fn count(url: &SecretString, sql: &str) -> i64 {
     #[derive(QueryableByName)]
@@ -45,17 +57,14 @@ pub async fn count(url: &SecretString, sql: &str) -> i64 {
         #[diesel(sql_type = diesel::sql_types::BigInt)]
         n: i64,
     }
-    let url = url.expose_secret().to_owned();
     let sql = sql.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut conn = PgConnection::establish(&url).expect("connect");
+    on_database(url, move |conn| {
         diesel::sql_query(sql)
-            .get_result::<N>(&mut conn)
+            .get_result::<N>(conn)
             .expect("count query")
             .n
     })
     .await
-    .expect("count task")
 }
 
 /// The first column (TEXT, named `s`) of every row of `sql` on the
@@ -67,17 +76,14 @@ pub async fn strings(url: &SecretString, sql: &str) -> std::collections::HashSet
         #[diesel(sql_type = diesel::sql_types::Text)]
         s: String,
     }
-    let url = url.expose_secret().to_owned();
     let sql = sql.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut conn = PgConnection::establish(&url).expect("connect");
+    on_database(url, move |conn| {
         diesel::sql_query(sql)
-            .load::<S>(&mut conn)
+            .load::<S>(conn)
             .expect("query")
             .into_iter()
             .map(|r| r.s)
             .collect()
     })
     .await
-    .expect("query task")
 }
