@@ -79,7 +79,7 @@ fn batch(c: &mut Criterion) {
         ActivityTerms {
             price_cents: 100,
             pay_timeout_secs: 900,
-            buckets: 1,
+            layout: seckill::admission::Layout::single(1),
         },
     )]);
     let ids = Snowflake::new(9);

@@ -28,13 +28,13 @@ fn setup(rt: &tokio::runtime::Runtime) -> Option<(Arc<RedisGate>, i64, i64)> {
             per_user_limit: 1,
             units,
             price_cents: 100,
-            buckets: 1,
+            layout: seckill::admission::Layout::single(1),
         };
         // Activity 1: sold out (the common answer in a flash sale).
         gate.warmup(&spec(1, 0)).await.ok()?;
         // Activity 2: effectively unlimited stock (the accept path).
         gate.warmup(&spec(2, i32::MAX)).await.ok()?;
-        gate.issue_token(1, 42, "bench", 3600).await.ok()?;
+        gate.issue_token(1, seckill::admission::Layout::single(1), 42, "bench", 3600).await.ok()?;
         Some((Arc::new(gate), 1, 2))
     })
 }
@@ -54,7 +54,7 @@ fn request<'a>(
         token,
         quantity: 1,
         order_no,
-        buckets: 1,
+        layout: seckill::admission::Layout::single(1),
         now_ms: chrono::Utc::now().timestamp_millis(),
     }
 }
@@ -88,7 +88,9 @@ fn gate(c: &mut Criterion) {
             b.to_async(&rt).iter(|| async {
                 let n = counter.fetch_add(1, Ordering::Relaxed);
                 let token = format!("t{n}");
-                gate.issue_token(open, n, &token, 60).await.unwrap();
+                gate.issue_token(open, seckill::admission::Layout::single(1), n, &token, 60)
+                    .await
+                    .unwrap();
                 let r = gate
                     .reserve(&request(open, n, &token, &token, n))
                     .await

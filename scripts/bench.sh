@@ -4,6 +4,7 @@
 #
 #   scripts/bench.sh [--users N] [--stock S] [--concurrency C] [--drain N]
 #                    [--pg-seconds S] [--profile]
+#   scripts/bench.sh --hot-only N   # rows 7a-7d only, N times, alternating
 #
 # Rows (see BENCHMARKS.md):
 #   1 ceiling: redis-benchmark running our reserve script (EVALSHA)
@@ -13,13 +14,16 @@
 #   5 our admission path under the load generator
 #   5b the same over 2 instances: two `serve --no-consumer` and one `consume`
 #   6 consumer drain rate, Kafka → PostgreSQL, batched
+#   7 one hot activity on the 3-master Redis Cluster: its keys in one slot
+#     (1 shard, one master) against 3 shards (one per master); the same
+#     sale, and a sale where every buyer gets a unit
 # Everything runs on this machine (loopback), in a database, Redis key prefix
 # and Kafka topic prefix of its own; the services come from scripts/services.sh.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-USERS=20000 STOCK=1000 CONC=256 DRAIN=50000 PG_SECONDS=10 PROFILE=0
+USERS=20000 STOCK=1000 CONC=256 DRAIN=50000 PG_SECONDS=10 PROFILE=0 HOT_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --users) USERS=$2; shift 2 ;;
@@ -28,6 +32,7 @@ while [ $# -gt 0 ]; do
     --drain) DRAIN=$2; shift 2 ;;
     --pg-seconds) PG_SECONDS=$2; shift 2 ;;
     --profile) PROFILE=1; shift ;;
+    --hot-only) HOT_ONLY=$2; shift 2 ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
 done
@@ -71,7 +76,53 @@ stop_all() { cleanup; PIDS=(); }
 loadgen() { $BIN loadgen --json "$@" 2>/dev/null | tee -a "$OUT/loadgen.txt" | tail -n 1; }
 field() { python3 -c "import json,sys; print(json.loads(sys.argv[1])$2)" "$1"; }
 
-say "1/6 redis-benchmark: reserve.lua (sold-out path) at -c $CONC"
+# Row 7: one hot activity on the 3-master cluster, SHARDS STOCK FIRST_USER.
+# Its report gets `master_cpu`: each master's CPU seconds over the run's wall
+# seconds (sale and drain), busiest first: how close a Redis thread came to
+# being the limit.
+hot() {
+  scripts/services.sh up --redis-cluster >/dev/null
+  local cluster; cluster=$(scripts/services.sh cluster-url)
+  start hot 18085 env SECKILL__APP__PORT=18085 SECKILL__REDIS__MODE=cluster SECKILL__REDIS__URL="$cluster" $BIN serve
+  local c0 c1 t0 t1 out
+  c0=$(masters_cpu "$cluster"); t0=$(date +%s.%N)
+  out=$(loadgen --url http://127.0.0.1:18085 --users "$USERS" --stock "$2" --concurrency "$CONC" --shards "$1" --first-user "$3")
+  t1=$(date +%s.%N); c1=$(masters_cpu "$cluster")
+  stop_all
+  python3 -c '
+import json, sys
+r = json.loads(sys.argv[1]); c0, c1 = sys.argv[2].split(), sys.argv[3].split()
+wall = float(sys.argv[5]) - float(sys.argv[4])
+r["master_cpu"] = sorted((round((float(b) - float(a)) / wall, 2) for a, b in zip(c0, c1)), reverse=True)
+print(json.dumps(r))' "$out" "$c0" "$c1" "$t0" "$t1"
+}
+# CPU seconds (user + sys) each master of the cluster URL has used so far.
+masters_cpu() {
+  for port in $(echo "$1" | grep -o ':[0-9]*' | tr -d ':'); do
+    redis-cli -h 127.0.0.1 -p "$port" INFO cpu | awk -F: '/^used_cpu_(sys|user):/ {s += $2} END {printf "%.3f ", s}'
+  done
+}
+if [ "$HOT_ONLY" != 0 ]; then
+  say "rows 7a-7d, $HOT_ONLY times, alternating 1 and 3 shards"
+  echo "| run | 7a 1 shard | 7b 3 shards | 7b/7a | 7c 1 shard, all served | 7d 3 shards, all served | 7d/7c |"
+  echo "|---|---|---|---|---|---|---|"
+  for i in $(seq 1 "$HOT_ONLY"); do
+    base=$((8000000 + i * 400000))
+    a=$(hot 1 "$STOCK" $base); b=$(hot 3 "$STOCK" $((base + 100000)))
+    c=$(hot 1 "$USERS" $((base + 200000))); d=$(hot 3 "$USERS" $((base + 300000)))
+    python3 - "$i" "$a" "$b" "$c" "$d" <<'EOF'
+import json, sys
+i, *r = sys.argv[1:]
+a, b, c, d = (json.loads(x) for x in r)
+bad = [x for x in (a, b, c, d) if x.get('invariants_ok') is not True]
+f = lambda x: f"{x['per_sec']:,.0f}/s (masters {'/'.join(str(c) for c in x['master_cpu'])})"
+print(f"| {i} | {f(a)} | {f(b)} | {b['per_sec']/a['per_sec']:.2f}x | {f(c)} | {f(d)} | {d['per_sec']/c['per_sec']:.2f}x |" + (" INVARIANTS FAILED" if bad else ""))
+EOF
+  done
+  exit 0
+fi
+
+say "1/7 redis-benchmark: reserve.lua (sold-out path) at -c $CONC"
 R="redis-cli -h $REDIS_HOST -p $REDIS_PORT"
 SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/reserve.lua)")
 K="$RUN:{a:0}:"
@@ -79,15 +130,15 @@ $R HSET "${K}meta" start_ms 0 end_ms 99999999999999 limit 1 buckets 1 >/dev/null
 $R SET "${K}stock:0" 0 >/dev/null
 $R SET "${K}token:t" 42 >/dev/null
 REDIS_RPS=$(redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" -c "$CONC" -n 300000 -r 1000000000 --threads 1 -q \
-  EVALSHA "$SHA" 7 "${K}meta" "${K}reqs" "${K}users" "${K}token:t" "${K}res:1" "${K}open" "${K}stock:0" \
+  EVALSHA "$SHA" 8 "${K}meta" "${K}reqs" "${K}users" "${K}token:t" "${K}res:1" "${K}open" "${K}dry" "${K}stock:0" \
   42 req__rand_int__ 1 1 1700000000000 0 600 | tr '\r' '\n' | grep -o '[0-9.]* requests per second' | tail -n 1 | cut -d' ' -f1)
 
-say "2/6 trivial actix-web handler under the load generator"
+say "2/7 trivial actix-web handler under the load generator"
 start plain 18082 target/release/examples/plain 127.0.0.1:18082
 PLAIN=$(loadgen --ceiling-url http://127.0.0.1:18082/api/v1/activities/1/orders --users "$USERS" --concurrency "$CONC")
 stop_all
 
-say "3/6 pgbench: order-shaped inserts for ${PG_SECONDS}s each"
+say "3/7 pgbench: order-shaped inserts for ${PG_SECONDS}s each"
 psql_bench -c "insert into activities (sku_id, name, price_cents, start_at, end_at, per_user_limit, pay_timeout_secs, buckets)
   values (1, 'pgbench', 100, now(), now() + interval '1 day', 1, 900, 1)"
 AID=$(psql_bench -c "select max(id) from activities")
@@ -108,12 +159,12 @@ PG_BATCH_TPS=$(pgb "$OUT/batch.sql")
 PG_SINGLE=$(python3 -c "print(round($PG_SINGLE_TPS))")
 PG_BATCH=$(python3 -c "print(round($PG_BATCH_TPS * 100))")
 
-say "4/6 naive baseline: $USERS buyers, $STOCK units, concurrency $CONC"
+say "4/7 naive baseline: $USERS buyers, $STOCK units, concurrency $CONC"
 start naive 18081 env SECKILL__APP__PORT=18081 target/release/examples/naive
 NAIVE=$(loadgen --url http://127.0.0.1:18081 --users "$USERS" --stock "$STOCK" --concurrency "$CONC" --db-only)
 stop_all
 
-say "5/6 seckill admission: $USERS buyers, $STOCK units, concurrency $CONC"
+say "5/7 seckill admission: $USERS buyers, $STOCK units, concurrency $CONC"
 start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
 if [ "$PROFILE" = 1 ]; then
   perf record -e cpu-clock -F 499 -g -p "${PIDS[-1]}" -o "$OUT/perf.data" >/dev/null 2>&1 &
@@ -126,7 +177,7 @@ if [ "$PROFILE" = 1 ]; then
 fi
 stop_all
 
-say "5b/6 two API instances and a worker: $USERS buyers spread over both"
+say "5b/7 two API instances and a worker: $USERS buyers spread over both"
 start api1 18083 env SECKILL__APP__PORT=18083 $BIN serve --no-consumer
 start api2 18084 env SECKILL__APP__PORT=18084 $BIN serve --no-consumer
 $BIN consume >"$OUT/consume2.log" 2>&1 &
@@ -135,7 +186,7 @@ TWO=$(loadgen --url http://127.0.0.1:18083 --url http://127.0.0.1:18084 --users 
   --concurrency "$CONC" --first-user 3000000)
 stop_all
 
-say "6/6 consumer drain: $DRAIN accepted orders queued, then a worker-only consumer"
+say "6/7 consumer drain: $DRAIN accepted orders queued, then a worker-only consumer"
 # The point is a queue: consumer backpressure (the lag limit, and the stall
 # check that would answer BUSY once nothing has consumed for
 # kafka.consumer_stall_secs) off.
@@ -158,12 +209,21 @@ DRAIN_RATE=$(python3 -c "print(round($DRAIN / ($T1 - $T0)))")
 DRAIN_SECS=$(python3 -c "print(round($T1 - $T0, 2))")
 stop_all
 
-python3 - "$REDIS_RPS" "$PLAIN" "$PG_SINGLE" "$PG_BATCH" "$NAIVE" "$OURS" "$DRAIN_RATE" "$DRAIN_SECS" "$DRAIN" "$USERS" "$STOCK" "$CONC" "$TWO" <<'EOF'
+say "7/7 one hot activity on the 3-master Redis Cluster: 1 shard against 3"
+HOT1=$(hot 1 "$STOCK" 7000000)
+HOT3=$(hot 3 "$STOCK" 7100000)
+HOT1F=$(hot 1 "$USERS" 7200000)
+HOT3F=$(hot 3 "$USERS" 7300000)
+
+python3 - "$REDIS_RPS" "$PLAIN" "$PG_SINGLE" "$PG_BATCH" "$NAIVE" "$OURS" "$DRAIN_RATE" "$DRAIN_SECS" "$DRAIN" "$USERS" "$STOCK" "$CONC" "$TWO" \
+  "$HOT1" "$HOT3" "$HOT1F" "$HOT3F" <<'EOF'
 import json, sys
-redis, plain, pg1, pgb, naive, ours, drain, drain_s, drain_n, users, stock, conc, two = sys.argv[1:]
+redis, plain, pg1, pgb, naive, ours, drain, drain_s, drain_n, users, stock, conc, two = sys.argv[1:14]
 plain, naive, ours, two = json.loads(plain), json.loads(naive), json.loads(ours), json.loads(two)
+hot1, hot3, hot1f, hot3f = (json.loads(a) for a in sys.argv[14:18])
 redis, pg1, pgb, drain = float(redis), int(pg1), int(pgb), int(drain)
 def lat(r): return f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"
+def hotput(r): return f"{r['per_sec']:,.0f} purchases/s; masters' CPU {'/'.join(str(c) for c in r['master_cpu'])} of a core"
 ok = lambda r: {True: "pass", False: "FAIL", None: "-"}[r.get('invariants_ok')]
 rows = [
   ("1 ceiling: redis-benchmark, reserve.lua EVALSHA (sold-out path)", f"{redis:,.0f} calls/s", "-", "-"),
@@ -174,6 +234,10 @@ rows = [
   ("5 seckill admission (Redis Lua + Kafka)", f"{ours['per_sec']:,.0f} purchases/s", lat(ours), ok(ours)),
   ("5b seckill admission, 2 instances (2 x serve --no-consumer + consume)", f"{two['per_sec']:,.0f} purchases/s", lat(two), ok(two)),
   (f"6 consumer drain, Kafka -> PostgreSQL ({drain_n} orders in {drain_s}s)", f"{drain:,} orders/s", "-", "-"),
+  ("7a one hot activity, Redis Cluster, 1 shard (one master)", hotput(hot1), lat(hot1), ok(hot1)),
+  ("7b one hot activity, Redis Cluster, 3 shards (one per master)", hotput(hot3), lat(hot3), ok(hot3)),
+  (f"7c as 7a, {users} units (every buyer served)", hotput(hot1f), lat(hot1f), ok(hot1f)),
+  (f"7d as 7b, {users} units (every buyer served)", hotput(hot3f), lat(hot3f), ok(hot3f)),
 ]
 print(f"\nscenario: {users} buyers, {stock} units, concurrency {conc}\n")
 print("| row | throughput | p50 / p99 ms | invariants |")
@@ -186,6 +250,8 @@ print(f"| ours / redis-benchmark ceiling | {ours['per_sec']/redis:.0%} |")
 print(f"| ours / trivial HTTP handler ceiling | {ours['per_sec']/plain['per_sec']:.0%} |")
 print(f"| ours / naive baseline | {ours['per_sec']/naive['per_sec']:.1f}x |")
 print(f"| 2 instances / 1 instance | {two['per_sec']/ours['per_sec']:.2f}x |")
+print(f"| hot activity, 3 shards / 1 shard | {hot3['per_sec']/hot1['per_sec']:.2f}x |")
+print(f"| hot activity, every buyer served, 3 shards / 1 shard | {hot3f['per_sec']/hot1f['per_sec']:.2f}x |")
 print(f"| drain / pgbench batched insert ceiling | {drain/pgb:.0%} |")
 print(f"| drain / pgbench single-row insert ceiling | {drain/pg1:.1f}x |")
 EOF

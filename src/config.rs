@@ -236,6 +236,14 @@ pub struct KafkaSettings {
     /// single local broker; 3 on a real cluster, with `min.insync.replicas`
     /// 2 there so `acks=all` means something).
     pub replication_factor: i32,
+    /// How long the producer waits to fill a batch (`linger.ms`), in
+    /// milliseconds.
+    #[serde(default = "default_linger_ms")]
+    pub linger_ms: u64,
+}
+
+fn default_linger_ms() -> u64 {
+    2
 }
 
 /// Log output settings.

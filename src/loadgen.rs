@@ -36,6 +36,10 @@ pub struct LoadgenArgs {
     /// Stock buckets of the created activity.
     #[arg(long, default_value_t = 1)]
     pub buckets: i32,
+    /// Redis shards of the created activity (a hot activity spread over
+    /// a cluster's masters).
+    #[arg(long, default_value_t = 1)]
+    pub shards: i32,
     /// Use this existing, warmed activity instead of creating one.
     #[arg(long)]
     pub activity: Option<i64>,
@@ -362,6 +366,7 @@ async fn create_activity(client: &Client, admin: &str, args: &LoadgenArgs) -> an
         "start_at": now - chrono::Duration::seconds(5),
         "end_at": now + chrono::Duration::hours(1),
         "per_user_limit": 1, "pay_timeout_secs": 3600, "buckets": args.buckets,
+        "shards": args.shards,
     });
     let (status, created) = client
         .send(

@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use serde::Serialize;
 
-use crate::admission::WarmSpec;
+use crate::admission::{Layout, WarmSpec};
 use crate::store::schema::activities;
 
 /// An activity row.
@@ -28,6 +28,7 @@ pub struct Activity {
     pub buckets: i32,
     pub status: String,
     pub warmed_at: Option<DateTime<Utc>>,
+    pub shards: i32,
 }
 
 /// The lifecycle state shown to clients.
@@ -50,9 +51,10 @@ impl Activity {
         lifecycle(self.warmed_at.is_some(), self.start_at, self.end_at, now)
     }
 
-    /// Number of Redis stock buckets (validated ≥ 1 on creation).
-    pub fn bucket_count(&self) -> usize {
-        usize::try_from(self.buckets).unwrap_or(1).max(1)
+    /// Its Redis layout: buckets per shard and shards (validated on
+    /// creation).
+    pub fn layout(&self) -> Layout {
+        layout(self.buckets, self.shards)
     }
 
     /// What Redis is loaded with: its window, limit, price and buckets, and
@@ -65,9 +67,17 @@ impl Activity {
             per_user_limit: self.per_user_limit,
             units,
             price_cents: self.price_cents,
-            buckets: self.bucket_count(),
+            layout: self.layout(),
         }
     }
+}
+
+/// A stored `(buckets, shards)` pair as a [`Layout`].
+pub fn layout(buckets: i32, shards: i32) -> Layout {
+    Layout::new(
+        usize::try_from(buckets).unwrap_or(1),
+        usize::try_from(shards).unwrap_or(1),
+    )
 }
 
 /// Lifecycle rule, kept apart from the row so it is testable on its own.

@@ -5,6 +5,7 @@ use diesel::prelude::*;
 use diesel::sql_types::BigInt;
 
 use super::Activity;
+use crate::admission::Layout;
 use crate::store::schema::{activities, stock};
 use crate::store::{PgConn, StatusCount};
 
@@ -20,6 +21,7 @@ pub struct NewActivity {
     pub per_user_limit: i32,
     pub pay_timeout_secs: i32,
     pub buckets: i32,
+    pub shards: i32,
 }
 
 /// The stock row of an activity, in units.
@@ -96,13 +98,22 @@ pub fn order_counts(conn: &mut PgConn, id: i64) -> QueryResult<Vec<(String, i64)
 }
 
 /// Warmed activities still to reconcile: not yet ENDED (their Redis keys
-/// not yet removed). `(id, buckets, end_at)`.
-pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<(i64, i32, DateTime<Utc>)>> {
-    activities::table
+/// not yet removed). `(id, layout, end_at)`.
+pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<(i64, Layout, DateTime<Utc>)>> {
+    let rows: Vec<(i64, i32, i32, DateTime<Utc>)> = activities::table
         .filter(activities::warmed_at.is_not_null())
         .filter(activities::status.ne("ENDED"))
-        .select((activities::id, activities::buckets, activities::end_at))
-        .load(conn)
+        .select((
+            activities::id,
+            activities::buckets,
+            activities::shards,
+            activities::end_at,
+        ))
+        .load(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, buckets, shards, end_at)| (id, super::layout(buckets, shards), end_at))
+        .collect())
 }
 
 /// Records that an ended activity's Redis keys are gone.
@@ -118,10 +129,14 @@ pub fn mark_ended(conn: &mut PgConn, id: i64) -> QueryResult<()> {
 
 /// Activities whose sale window is not long past (status lookups search
 /// their reservations).
-pub fn recent_ids(conn: &mut PgConn, since: DateTime<Utc>) -> QueryResult<Vec<(i64, i32)>> {
-    activities::table
+pub fn recent_ids(conn: &mut PgConn, since: DateTime<Utc>) -> QueryResult<Vec<(i64, Layout)>> {
+    let rows: Vec<(i64, i32, i32)> = activities::table
         .filter(activities::end_at.gt(since))
         .filter(activities::warmed_at.is_not_null())
-        .select((activities::id, activities::buckets))
-        .load(conn)
+        .select((activities::id, activities::buckets, activities::shards))
+        .load(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, buckets, shards)| (id, super::layout(buckets, shards)))
+        .collect())
 }

@@ -8,6 +8,7 @@ use serde_json::json;
 use super::cache::Lookup;
 use super::repo::{self, NewActivity};
 use super::{Activity, Lifecycle};
+use crate::admission::Layout;
 use crate::app::AppState;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode};
@@ -15,6 +16,9 @@ use crate::store;
 
 /// More buckets than this only adds keys to every admission call.
 const MAX_BUCKETS: i32 = 64;
+
+/// An order's shard is the 4-bit gene in its number.
+const MAX_SHARDS: i32 = Layout::MAX_SHARDS as i32;
 
 /// `POST /api/v1/admin/activities` body.
 #[derive(Debug, Deserialize)]
@@ -32,6 +36,8 @@ pub struct CreateActivity {
     pay_timeout_secs: i32,
     #[serde(default = "one")]
     buckets: i32,
+    #[serde(default = "one")]
+    shards: i32,
 }
 
 fn one() -> i32 {
@@ -70,6 +76,9 @@ impl CreateActivity {
         if self.buckets < 1 || self.buckets > self.stock || self.buckets > MAX_BUCKETS {
             return bad("buckets must be between 1 and min(stock, 64)");
         }
+        if self.shards < 1 || self.shards > self.stock || self.shards > MAX_SHARDS {
+            return bad("shards must be between 1 and min(stock, 16)");
+        }
         if self
             .price_cents
             .checked_mul(i64::from(self.per_user_limit))
@@ -86,6 +95,7 @@ impl CreateActivity {
             per_user_limit: self.per_user_limit,
             pay_timeout_secs: self.pay_timeout_secs,
             buckets: self.buckets,
+            shards: self.shards,
         };
         Ok((new, self.stock))
     }
@@ -103,6 +113,7 @@ fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> serde_json::Value
         "per_user_limit": a.per_user_limit,
         "pay_timeout_secs": a.pay_timeout_secs,
         "buckets": a.buckets,
+        "shards": a.shards,
         "status": a.lifecycle(now),
     })
 }
@@ -191,7 +202,7 @@ pub async fn show(
     let remaining = if activity.warmed_at.is_some() {
         state
             .gate
-            .available(id, activity.bucket_count())
+            .available(id, activity.layout())
             .await
             .map_err(|e| ApiError::unavailable(e.into()))?
     } else {
@@ -231,10 +242,14 @@ pub async fn stats(
     let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
     let redis_available = state
         .gate
-        .available(id, activity.bucket_count())
+        .available(id, activity.layout())
         .await
         .map_err(redis_err)?;
-    let open = state.gate.open_reservations(id).await.map_err(redis_err)?;
+    let open = state
+        .gate
+        .open_reservations(id, activity.layout())
+        .await
+        .map_err(redis_err)?;
     let mut orders = json!({
         "PROCESSING": open, "WAITING_PAY": 0, "PAID": 0,
         "CANCELLED": 0, "CLOSED": 0, "FAILED": 0,
@@ -263,13 +278,13 @@ pub async fn token(
     path: web::Path<i64>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    let open = match state
+    let meta = match state
         .activities
         .lookup(&state.gate, &state.db, id)
         .await
         .map_err(ApiError::unavailable)?
     {
-        Lookup::Warm(meta) => meta.is_open(Utc::now().timestamp_millis()),
+        Lookup::Warm(meta) => Some(meta),
         Lookup::Restoring => {
             state.restore_wanted.notify_one();
             return Err(ApiError::new(
@@ -277,16 +292,16 @@ pub async fn token(
                 "the sale is being restored; retry shortly",
             ));
         }
-        Lookup::NotActive => false,
+        Lookup::NotActive => None,
     };
-    if !open {
+    let Some(meta) = meta.filter(|m| m.is_open(Utc::now().timestamp_millis())) else {
         return Err(ApiError::new(ErrorCode::NotActive, "the sale is not open"));
-    }
+    };
     let token = uuid::Uuid::new_v4().simple().to_string();
     let ttl = state.settings.admission.token_ttl_secs;
     state
         .gate
-        .issue_token(id, user.user_id.get(), &token, ttl)
+        .issue_token(id, meta.layout, user.user_id.get(), &token, ttl)
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
     Ok(HttpResponse::Ok().json(json!({"token": token, "expires_in": ttl})))

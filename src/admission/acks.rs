@@ -9,10 +9,10 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use super::RedisGate;
+use super::{Layout, RedisGate};
 
-/// `(activity_id, order_no)`.
-type Ack = (i64, i64);
+/// `(activity_id, its layout, order_no)`.
+type Ack = (i64, Layout, i64);
 
 /// Most acknowledgements taken off the queue at once.
 const MAX_BATCH: usize = 512;
@@ -34,17 +34,20 @@ impl Acks {
         let (tx, mut rx) = mpsc::channel::<Ack>(capacity.max(1));
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(MAX_BATCH);
-            let mut by_activity: HashMap<i64, Vec<i64>> = HashMap::new();
+            let mut by_activity: HashMap<(i64, Layout), Vec<i64>> = HashMap::new();
             while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
-                for (activity_id, order_no) in batch.drain(..) {
-                    by_activity.entry(activity_id).or_default().push(order_no);
+                for (activity_id, layout, order_no) in batch.drain(..) {
+                    by_activity
+                        .entry((activity_id, layout))
+                        .or_default()
+                        .push(order_no);
                 }
                 let now = chrono::Utc::now().timestamp_millis();
-                for (activity_id, order_nos) in by_activity.drain() {
+                for ((activity_id, layout), order_nos) in by_activity.drain() {
                     // Best effort: an acknowledgement not recorded leaves the
                     // reservation voidable once provably unapplied, the case
                     // a broker that lost an acknowledged write creates.
-                    if let Err(e) = gate.ack(activity_id, &order_nos, now).await {
+                    if let Err(e) = gate.ack(activity_id, layout, &order_nos, now).await {
                         tracing::warn!(
                             error = %e,
                             activity_id,
@@ -59,9 +62,9 @@ impl Acks {
     }
 
     /// Queues the acknowledgement of one purchase, waiting for room.
-    pub async fn ack(&self, activity_id: i64, order_no: i64) {
+    pub async fn ack(&self, activity_id: i64, layout: Layout, order_no: i64) {
         // The writer only stops when the process does.
-        let _ = self.tx.send((activity_id, order_no)).await;
+        let _ = self.tx.send((activity_id, layout, order_no)).await;
     }
 
     /// Whether the queue has room: a new purchase is refused (503 BUSY)
@@ -96,7 +99,7 @@ mod tests {
         // fills the queue, whatever the scheduling.
         let mut queued = 0;
         while acks.has_room() && queued < 10 {
-            acks.ack(1, queued).await;
+            acks.ack(1, Layout::single(1), queued).await;
             queued += 1;
             tokio::task::yield_now().await;
         }

@@ -9,7 +9,7 @@
 
 use redis::{RedisResult, Script};
 
-use crate::admission::keys::ActivityKeys;
+use crate::admission::keys::{ActivityKeys, Layout};
 use crate::bus::events::OrderRequested;
 use crate::config::{AdmissionSettings, RedisSettings};
 use crate::ids::OrderNo;
@@ -53,8 +53,8 @@ pub struct ReserveRequest<'a> {
     pub quantity: i32,
     /// The snowflake made for this attempt.
     pub order_no: i64,
-    /// Number of stock buckets of the activity.
-    pub buckets: usize,
+    /// The activity's buckets and shards.
+    pub layout: Layout,
     /// Now, in unix milliseconds.
     pub now_ms: i64,
     /// The coupon the buyer wants to use, kept on the reservation so the
@@ -99,8 +99,8 @@ pub struct WarmSpec {
     pub units: i32,
     /// Unit price, cents.
     pub price_cents: i64,
-    /// Number of buckets to split the units over.
-    pub buckets: usize,
+    /// Buckets and shards to split the units over.
+    pub layout: Layout,
 }
 
 /// An activity's sale window and limits, as warm in Redis.
@@ -112,8 +112,8 @@ pub struct Meta {
     pub end_ms: i64,
     /// Per-user limit.
     pub per_user_limit: i32,
-    /// Stock buckets (≥ 1).
-    pub buckets: usize,
+    /// Buckets and shards.
+    pub layout: Layout,
 }
 
 impl Meta {
@@ -142,6 +142,8 @@ pub struct RedisGate {
     ack: Script,
     sending: Script,
     void: Script,
+    lend: Script,
+    borrow: Script,
 }
 
 impl RedisGate {
@@ -167,6 +169,8 @@ impl RedisGate {
             ack: Script::new(include_str!("lua/ack.lua")),
             sending: Script::new(include_str!("lua/sending.lua")),
             void: Script::new(include_str!("lua/void.lua")),
+            lend: Script::new(include_str!("lua/lend.lua")),
+            borrow: Script::new(include_str!("lua/borrow.lua")),
         })
     }
 
@@ -179,9 +183,20 @@ impl RedisGate {
         Ok(gate)
     }
 
-    /// The keys of one activity.
+    /// The base keys of an activity: its meta and `restoring` marker (and,
+    /// unsharded, all of its keys).
     pub fn keys(&self, activity_id: i64) -> ActivityKeys {
         ActivityKeys::new(&self.prefix, activity_id)
+    }
+
+    /// The keys of one shard of an activity.
+    pub fn shard_keys(&self, activity_id: i64, layout: Layout, shard: usize) -> ActivityKeys {
+        ActivityKeys::shard(&self.prefix, activity_id, layout, shard)
+    }
+
+    /// The keys of the shard holding `order_no`'s reservation.
+    fn order_keys(&self, activity_id: i64, layout: Layout, order_no: i64) -> ActivityKeys {
+        self.shard_keys(activity_id, layout, layout.shard_of_order(order_no))
     }
 
     /// A clone of the multiplexed connection, for plain commands.
@@ -189,21 +204,80 @@ impl RedisGate {
         self.conn.clone()
     }
 
-    /// Runs the admission script (one `EVALSHA`).
+    /// Runs the admission script (one `EVALSHA`) in the buyer's shard. In
+    /// a sharded activity whose buyer's shard lacks the units, borrows a
+    /// batch from another shard and runs it again; SOLD_OUT only once
+    /// every other shard had none to lend and none on its way, and the
+    /// buyer's shard, looked at after them, had none either.
     pub async fn reserve(&self, r: &ReserveRequest<'_>) -> RedisResult<Admission> {
-        let k = self.keys(r.activity_id);
+        let home = r.layout.shard_of_user(r.user_id);
+        for _ in 0..BORROW_ROUNDS {
+            if let Some(found) = self.reserve_in(r, home).await? {
+                return Ok(found);
+            }
+            match self.borrow_round(r, home).await? {
+                Lend::Lent => continue,
+                Lend::InFlight => tokio::time::sleep(IN_FLIGHT_PAUSE).await,
+                Lend::Nothing => {
+                    // A transfer into this shard that finished before the
+                    // donors were asked is in its buckets now.
+                    if let Some(found) = self.reserve_in(r, home).await? {
+                        return Ok(found);
+                    }
+                    // Sold out everywhere; said so from this shard for a
+                    // moment without asking the others again.
+                    let _: () = redis::cmd("SET")
+                        .arg(self.shard_keys(r.activity_id, r.layout, home).dry())
+                        .arg(1)
+                        .arg("PX")
+                        .arg(DRY_MS)
+                        .query_async(&mut self.conn.clone())
+                        .await?;
+                    return Ok(Admission::SoldOut);
+                }
+            }
+        }
+        // Units kept moving between shards faster than this buyer could
+        // take one: refused without the dry marker.
+        Ok(Admission::SoldOut)
+    }
+
+    /// Asks the other shards in turn to lend to `home`, until one does.
+    async fn borrow_round(&self, r: &ReserveRequest<'_>, home: usize) -> RedisResult<Lend> {
+        let mut verdict = Lend::Nothing;
+        for step in 1..r.layout.shards {
+            let donor = (home + step) % r.layout.shards;
+            match self.transfer(r, home, donor).await? {
+                Lend::Lent => return Ok(Lend::Lent),
+                Lend::InFlight => verdict = Lend::InFlight,
+                Lend::Nothing => {}
+            }
+        }
+        Ok(verdict)
+    }
+
+    /// The admission script in one shard; `None` when the shard lacks the
+    /// units and others may not (sharded activities only).
+    async fn reserve_in(
+        &self,
+        r: &ReserveRequest<'_>,
+        shard: usize,
+    ) -> RedisResult<Option<Admission>> {
+        let buckets = r.layout.buckets;
+        let k = self.shard_keys(r.activity_id, r.layout, shard);
         let mut call = self.reserve.prepare_invoke();
         call.key(k.meta())
             .key(k.requests())
             .key(k.holdings())
             .key(k.token(r.token))
             .key(k.reservation(r.order_no))
-            .key(k.open());
-        for b in 0..r.buckets {
+            .key(k.open())
+            .key(k.dry());
+        for b in 0..buckets {
             call.key(k.bucket(b));
         }
-        let first_bucket = if r.buckets > 1 {
-            fastrand::usize(..r.buckets)
+        let first_bucket = if buckets > 1 {
+            fastrand::usize(..buckets)
         } else {
             0
         };
@@ -214,7 +288,8 @@ impl RedisGate {
             .arg(r.now_ms)
             .arg(first_bucket)
             .arg(self.reservation_ttl_secs)
-            .arg(r.coupon_id.map(|c| c.to_string()).unwrap_or_default());
+            .arg(r.coupon_id.map(|c| c.to_string()).unwrap_or_default())
+            .arg(if r.layout.is_sharded() { "1" } else { "0" });
         let (code, order_no): (i64, String) = match &self.pool {
             None => call.invoke_async(&mut self.conn.clone()).await?,
             Some(pool) => {
@@ -229,7 +304,7 @@ impl RedisGate {
             }
         };
         let order_no = || order_no.parse::<i64>().unwrap_or(0);
-        Ok(match code {
+        Ok(Some(match code {
             0 => Admission::Accepted(order_no()),
             1 => Admission::Duplicate(order_no()),
             2 => Admission::SoldOut,
@@ -237,8 +312,138 @@ impl RedisGate {
             4 => Admission::InvalidToken,
             5 => Admission::NotActive,
             7 => Admission::NumberTaken,
+            8 => return Ok(None),
             _ => Admission::NotWarm,
-        })
+        }))
+    }
+
+    /// Moves a batch of units from shard `donor` to shard `home` (lend,
+    /// borrow, settle: docs/HOT_ACTIVITY.md). A failure part way leaves a
+    /// transfer record in the donor, which [`RedisGate::settle_transfers`]
+    /// completes.
+    async fn transfer(
+        &self,
+        r: &ReserveRequest<'_>,
+        home: usize,
+        donor: usize,
+    ) -> RedisResult<Lend> {
+        let layout = r.layout;
+        // Unique per transfer: one purchase may borrow from the same donor
+        // twice, and a repeated id would find its credit already given.
+        let id = format!("{}.{donor}.{:x}", r.order_no, fastrand::u64(..));
+        let from = self.shard_keys(r.activity_id, layout, donor);
+        let mut call = self.lend.prepare_invoke();
+        call.key(from.lent());
+        for b in 0..layout.buckets {
+            call.key(from.bucket(b));
+        }
+        let lent: i64 = call
+            .arg(&id)
+            .arg(r.quantity)
+            .arg(home)
+            .arg(r.now_ms)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if lent < 0 {
+            return Ok(Lend::InFlight);
+        }
+        if lent == 0 {
+            return Ok(Lend::Nothing);
+        }
+        self.credit(r.activity_id, layout, home, &id, lent).await?;
+        let _: i64 = redis::cmd("HDEL")
+            .arg(from.lent())
+            .arg(&id)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        tracing::debug!(
+            activity_id = r.activity_id,
+            home,
+            donor,
+            lent,
+            "units moved between shards"
+        );
+        Ok(Lend::Lent)
+    }
+
+    /// Credits shard `home` with transfer `id`'s units, once (`borrow.lua`).
+    async fn credit(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        home: usize,
+        id: &str,
+        units: i64,
+    ) -> RedisResult<bool> {
+        let to = self.shard_keys(activity_id, layout, home);
+        let mut call = self.borrow.prepare_invoke();
+        call.key(to.credited(id)).key(to.dry());
+        for b in 0..layout.buckets {
+            call.key(to.bucket(b));
+        }
+        let credited: i64 = call
+            .arg(units)
+            .arg(fastrand::usize(..layout.buckets))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(credited == 1)
+    }
+
+    /// The transfers each shard has lent and not yet settled:
+    /// `(donor, id, home, units, lent at ms)`.
+    async fn transfers(&self, activity_id: i64, layout: Layout) -> RedisResult<Vec<Transfer>> {
+        let mut found = Vec::new();
+        if !layout.is_sharded() {
+            return Ok(found);
+        }
+        for donor in 0..layout.shards {
+            let lent: Vec<(String, String)> = redis::cmd("HGETALL")
+                .arg(self.shard_keys(activity_id, layout, donor).lent())
+                .query_async(&mut self.conn.clone())
+                .await?;
+            for (id, record) in lent {
+                let mut parts = record.split(':').map(str::parse::<i64>);
+                if let (Some(Ok(home)), Some(Ok(units)), Some(Ok(at_ms))) =
+                    (parts.next(), parts.next(), parts.next())
+                {
+                    found.push(Transfer {
+                        donor,
+                        id,
+                        home: usize::try_from(home).unwrap_or(0) % layout.shards,
+                        units,
+                        at_ms,
+                    });
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Completes transfers lent before `before_ms` and never settled (the
+    /// lending process died part way): credits the home shard unless it
+    /// was credited, then drops the record. Returns how many it completed.
+    /// Reconciliation only.
+    pub async fn settle_transfers(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        before_ms: i64,
+    ) -> RedisResult<usize> {
+        let mut settled = 0;
+        for t in self.transfers(activity_id, layout).await? {
+            if t.at_ms >= before_ms {
+                continue;
+            }
+            self.credit(activity_id, layout, t.home, &t.id, t.units)
+                .await?;
+            let _: i64 = redis::cmd("HDEL")
+                .arg(self.shard_keys(activity_id, layout, t.donor).lent())
+                .arg(&t.id)
+                .query_async(&mut self.conn.clone())
+                .await?;
+            settled += 1;
+        }
+        Ok(settled)
     }
 
     /// Gives a reservation's stock back; idempotent per order. Returns
@@ -247,16 +452,16 @@ impl RedisGate {
         &self,
         activity_id: i64,
         order_no: i64,
-        buckets: usize,
+        layout: Layout,
         reason: ReleaseReason,
     ) -> RedisResult<bool> {
-        let k = self.keys(activity_id);
+        let k = self.order_keys(activity_id, layout, order_no);
         let mut call = self.release.prepare_invoke();
         call.key(k.reservation(order_no))
             .key(k.open())
             .key(k.holdings())
             .key(k.requests());
-        for b in 0..buckets {
+        for b in 0..layout.buckets {
             call.key(k.bucket(b));
         }
         let forget = matches!(reason, ReleaseReason::PublishFailed);
@@ -282,22 +487,26 @@ impl RedisGate {
     pub async fn ack(
         &self,
         activity_id: i64,
+        layout: Layout,
         order_nos: &[i64],
         now_ms: i64,
     ) -> RedisResult<Vec<Option<Status>>> {
-        if order_nos.is_empty() {
-            return Ok(Vec::new());
+        let mut found = vec![None; order_nos.len()];
+        for (shard, group) in by_shard(layout, order_nos) {
+            let k = self.shard_keys(activity_id, layout, shard);
+            let mut call = self.ack.prepare_invoke();
+            for &(_, o) in &group {
+                call.key(k.reservation(o));
+            }
+            let statuses: Vec<String> = call
+                .arg(now_ms)
+                .invoke_async(&mut self.conn.clone())
+                .await?;
+            for ((i, _), s) in group.iter().zip(statuses) {
+                found[*i] = Status::parse(&s);
+            }
         }
-        let k = self.keys(activity_id);
-        let mut call = self.ack.prepare_invoke();
-        for &o in order_nos {
-            call.key(k.reservation(o));
-        }
-        let found: Vec<String> = call
-            .arg(now_ms)
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(found.iter().map(|s| Status::parse(s)).collect())
+        Ok(found)
     }
 
     /// Reads a reservation before its event is sent again; an open,
@@ -306,12 +515,16 @@ impl RedisGate {
     pub async fn sending(
         &self,
         activity_id: i64,
+        layout: Layout,
         order_no: i64,
         now_ms: i64,
     ) -> RedisResult<Option<Reservation>> {
         let fields: Vec<String> = self
             .sending
-            .key(self.keys(activity_id).reservation(order_no))
+            .key(
+                self.order_keys(activity_id, layout, order_no)
+                    .reservation(order_no),
+            )
             .arg(now_ms)
             .invoke_async(&mut self.conn.clone())
             .await?;
@@ -323,12 +536,16 @@ impl RedisGate {
     pub async fn claim_void(
         &self,
         activity_id: i64,
+        layout: Layout,
         order_no: i64,
         cutoff_ms: i64,
     ) -> RedisResult<VoidClaim> {
         let code: i64 = self
             .void
-            .key(self.keys(activity_id).reservation(order_no))
+            .key(
+                self.order_keys(activity_id, layout, order_no)
+                    .reservation(order_no),
+            )
             .arg(cutoff_ms)
             .invoke_async(&mut self.conn.clone())
             .await?;
@@ -340,65 +557,122 @@ impl RedisGate {
     }
 
     /// The status of each of `order_nos`' reservations (one activity), in
-    /// one round trip; `None` where the record is gone.
+    /// one round trip per shard; `None` where the record is gone.
     pub async fn statuses(
         &self,
         activity_id: i64,
+        layout: Layout,
         order_nos: &[i64],
     ) -> RedisResult<Vec<Option<Status>>> {
-        if order_nos.is_empty() {
-            return Ok(Vec::new());
+        let mut found = vec![None; order_nos.len()];
+        for (shard, group) in by_shard(layout, order_nos) {
+            let k = self.shard_keys(activity_id, layout, shard);
+            let mut pipe = redis::pipe();
+            for &(_, o) in &group {
+                pipe.hget(k.reservation(o), "status");
+            }
+            let statuses: Vec<Option<String>> = pipe.query_async(&mut self.conn.clone()).await?;
+            for ((i, _), s) in group.iter().zip(statuses) {
+                found[*i] = s.as_deref().and_then(Status::parse);
+            }
         }
-        let k = self.keys(activity_id);
-        let mut pipe = redis::pipe();
-        for &o in order_nos {
-            pipe.hget(k.reservation(o), "status");
-        }
-        let found: Vec<Option<String>> = pipe.query_async(&mut self.conn.clone()).await?;
-        Ok(found
-            .iter()
-            .map(|s| s.as_deref().and_then(Status::parse))
-            .collect())
+        Ok(found)
     }
 
     /// Marks reservations of orders now in the database as committed;
     /// idempotent. Returns the order_nos that had been released meanwhile.
-    pub async fn commit(&self, activity_id: i64, order_nos: &[i64]) -> RedisResult<Vec<i64>> {
-        if order_nos.is_empty() {
-            return Ok(Vec::new());
+    pub async fn commit(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        order_nos: &[i64],
+    ) -> RedisResult<Vec<i64>> {
+        let mut conflicts = Vec::new();
+        for (shard, group) in by_shard(layout, order_nos) {
+            let k = self.shard_keys(activity_id, layout, shard);
+            let mut call = self.commit.prepare_invoke();
+            call.key(k.open());
+            for &(_, o) in &group {
+                call.key(k.reservation(o)).arg(o);
+            }
+            let found: Vec<i64> = call.invoke_async(&mut self.conn.clone()).await?;
+            conflicts.extend(found);
         }
-        let k = self.keys(activity_id);
-        let mut call = self.commit.prepare_invoke();
-        call.key(k.open());
-        for &o in order_nos {
-            call.key(k.reservation(o)).arg(o);
-        }
-        call.invoke_async(&mut self.conn.clone()).await
+        Ok(conflicts)
     }
 
-    /// Loads stock and the sale window, unless already warm. Returns
-    /// `(warmed_now, units_in_redis)`.
+    /// Loads stock and the sale window, unless already warm: each shard
+    /// its share of the units and a copy of the window, then the base meta.
+    /// Returns `(warmed_now, units_in_redis)`.
     pub async fn warmup(&self, spec: &WarmSpec) -> RedisResult<(bool, i64)> {
-        let k = self.keys(spec.activity_id);
-        let mut call = self.warmup.prepare_invoke();
-        call.key(k.meta());
-        for b in 0..spec.buckets {
-            call.key(k.bucket(b));
+        let layout = spec.layout;
+        let (mut warmed_now, mut units) = (false, 0);
+        for (shard, share) in layout.split(i64::from(spec.units)).into_iter().enumerate() {
+            let k = self.shard_keys(spec.activity_id, layout, shard);
+            let mut call = self.warmup.prepare_invoke();
+            call.key(k.meta());
+            for b in 0..layout.buckets {
+                call.key(k.bucket(b));
+            }
+            call.arg(spec.start_ms)
+                .arg(spec.end_ms)
+                .arg(spec.per_user_limit)
+                .arg(share)
+                .arg(spec.price_cents);
+            let (code, found): (i64, i64) = call.invoke_async(&mut self.conn.clone()).await?;
+            warmed_now |= code == 0;
+            units += found;
         }
-        call.arg(spec.start_ms)
-            .arg(spec.end_ms)
-            .arg(spec.per_user_limit)
-            .arg(spec.units)
-            .arg(spec.price_cents);
-        let (code, units): (i64, i64) = call.invoke_async(&mut self.conn.clone()).await?;
-        Ok((code == 0, units))
+        if layout.is_sharded() {
+            self.write_base_meta(&spec.clone()).await?;
+        }
+        Ok((warmed_now, units))
     }
 
-    /// Units available in Redis (the sum of the buckets).
-    pub async fn available(&self, activity_id: i64, buckets: usize) -> RedisResult<i64> {
-        let k = self.keys(activity_id);
+    /// The base meta of a sharded activity (what [`RedisGate::meta`]
+    /// reads): the window, limit, price and layout.
+    async fn write_base_meta(&self, spec: &WarmSpec) -> RedisResult<()> {
+        redis::cmd("HSET")
+            .arg(self.keys(spec.activity_id).meta())
+            .arg("start_ms")
+            .arg(spec.start_ms)
+            .arg("end_ms")
+            .arg(spec.end_ms)
+            .arg("limit")
+            .arg(spec.per_user_limit)
+            .arg("price")
+            .arg(spec.price_cents)
+            .arg("buckets")
+            .arg(spec.layout.buckets)
+            .arg("shards")
+            .arg(spec.layout.shards)
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// Units available in Redis: the sum of every shard's buckets, plus
+    /// units lent by one shard and not yet credited to another.
+    pub async fn available(&self, activity_id: i64, layout: Layout) -> RedisResult<i64> {
+        let mut sum = 0;
+        for shard in 0..layout.shards {
+            sum += self.shard_sum(activity_id, layout, shard).await?;
+        }
+        for t in self.transfers(activity_id, layout).await? {
+            let credited: bool = redis::cmd("EXISTS")
+                .arg(self.shard_keys(activity_id, layout, t.home).credited(&t.id))
+                .query_async(&mut self.conn.clone())
+                .await?;
+            if !credited {
+                sum += t.units;
+            }
+        }
+        Ok(sum)
+    }
+
+    async fn shard_sum(&self, activity_id: i64, layout: Layout, shard: usize) -> RedisResult<i64> {
+        let k = self.shard_keys(activity_id, layout, shard);
         let values: Vec<Option<i64>> = redis::cmd("MGET")
-            .arg(k.buckets(buckets))
+            .arg(k.buckets(layout.buckets))
             .query_async(&mut self.conn.clone())
             .await?;
         Ok(values.into_iter().flatten().sum())
@@ -408,17 +682,68 @@ impl RedisGate {
     /// no reservation is open and the buckets still sum to `expected`
     /// (`repair.lua`). Returns the delta applied, or `None` when something
     /// moved in between and nothing was done. Reconciliation only.
+    ///
+    /// A sharded activity is repaired in its shard 0, by the same
+    /// compare-and-set; the other shards are read before (nothing open,
+    /// nothing lent) and after, and if any moved meanwhile the repair is
+    /// undone and `None` returned.
     pub async fn repair(
         &self,
         activity_id: i64,
-        buckets: usize,
+        layout: Layout,
         expected: i64,
         target: i64,
     ) -> RedisResult<Option<i64>> {
-        let k = self.keys(activity_id);
+        if !layout.is_sharded() {
+            return self
+                .repair_shard(activity_id, layout, 0, expected, target)
+                .await;
+        }
+        let before = self.shard_states(activity_id, layout).await?;
+        if before.iter().any(|s| s.open > 0 || s.lent > 0)
+            || before.iter().map(|s| s.sum).sum::<i64>() != expected
+        {
+            return Ok(None);
+        }
+        let sum0 = before[0].sum;
+        let Some(applied) = self
+            .repair_shard(activity_id, layout, 0, sum0, sum0 + target - expected)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let after = self.shard_states(activity_id, layout).await?;
+        if after[1..] == before[1..] {
+            return Ok(Some(applied));
+        }
+        // Another shard moved while shard 0 was repaired: the figures
+        // described different moments. Undo (a compare-and-set again).
+        if self
+            .repair_shard(activity_id, layout, 0, sum0 + applied, sum0)
+            .await?
+            .is_none()
+        {
+            tracing::warn!(
+                activity_id,
+                applied,
+                "a sharded repair could not be undone; the next run compares again"
+            );
+        }
+        Ok(None)
+    }
+
+    async fn repair_shard(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        shard: usize,
+        expected: i64,
+        target: i64,
+    ) -> RedisResult<Option<i64>> {
+        let k = self.shard_keys(activity_id, layout, shard);
         let mut call = self.repair.prepare_invoke();
         call.key(k.open());
-        for b in 0..buckets {
+        for b in 0..layout.buckets {
             call.key(k.bucket(b));
         }
         let (done, value): (i64, i64) = call
@@ -429,60 +754,115 @@ impl RedisGate {
         Ok((done == 1).then_some(value))
     }
 
-    /// Open reservations made before `cutoff_ms`.
-    pub async fn open_before(&self, activity_id: i64, cutoff_ms: i64) -> RedisResult<Vec<i64>> {
-        redis::cmd("ZRANGEBYSCORE")
-            .arg(self.keys(activity_id).open())
-            .arg("-inf")
-            .arg(format!("({cutoff_ms}"))
-            .arg("LIMIT")
-            .arg(0)
-            .arg(1000)
-            .query_async(&mut self.conn.clone())
-            .await
+    async fn shard_states(&self, activity_id: i64, layout: Layout) -> RedisResult<Vec<ShardState>> {
+        let mut states = Vec::with_capacity(layout.shards);
+        for shard in 0..layout.shards {
+            let k = self.shard_keys(activity_id, layout, shard);
+            let (open, lent): (i64, i64) = redis::pipe()
+                .cmd("ZCARD")
+                .arg(k.open())
+                .cmd("HLEN")
+                .arg(k.lent())
+                .query_async(&mut self.conn.clone())
+                .await?;
+            states.push(ShardState {
+                sum: self.shard_sum(activity_id, layout, shard).await?,
+                open,
+                lent,
+            });
+        }
+        Ok(states)
+    }
+
+    /// Open reservations made before `cutoff_ms` (up to 1,000 per shard).
+    pub async fn open_before(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        cutoff_ms: i64,
+    ) -> RedisResult<Vec<i64>> {
+        let mut found = Vec::new();
+        for shard in 0..layout.shards {
+            let some: Vec<i64> = redis::cmd("ZRANGEBYSCORE")
+                .arg(self.shard_keys(activity_id, layout, shard).open())
+                .arg("-inf")
+                .arg(format!("({cutoff_ms}"))
+                .arg("LIMIT")
+                .arg(0)
+                .arg(1000)
+                .query_async(&mut self.conn.clone())
+                .await?;
+            found.extend(some);
+        }
+        Ok(found)
     }
 
     /// Removes an ended activity's keys (meta, buckets, request and holding
-    /// hashes, open index). Reservation records expire on their own.
-    pub async fn remove_activity(&self, activity_id: i64, buckets: usize) -> RedisResult<()> {
-        let k = self.keys(activity_id);
-        let mut keys = k.buckets(buckets);
-        keys.extend([
-            k.meta(),
-            k.requests(),
-            k.holdings(),
-            k.open(),
-            k.restoring(),
-        ]);
+    /// hashes, open index, transfer records). Reservation records expire on
+    /// their own.
+    pub async fn remove_activity(&self, activity_id: i64, layout: Layout) -> RedisResult<()> {
+        for shard in 0..layout.shards {
+            let k = self.shard_keys(activity_id, layout, shard);
+            let mut keys = k.buckets(layout.buckets);
+            keys.extend([
+                k.meta(),
+                k.requests(),
+                k.holdings(),
+                k.open(),
+                k.lent(),
+                k.dry(),
+            ]);
+            let _: () = redis::cmd("DEL")
+                .arg(keys)
+                .query_async(&mut self.conn.clone())
+                .await?;
+        }
+        let base = self.keys(activity_id);
         redis::cmd("DEL")
-            .arg(keys)
+            .arg(&[base.meta(), base.restoring()])
             .query_async(&mut self.conn.clone())
             .await
     }
 
     /// Drops an order from the open index (its record is gone).
-    pub async fn forget_open(&self, activity_id: i64, order_no: i64) -> RedisResult<()> {
+    pub async fn forget_open(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        order_no: i64,
+    ) -> RedisResult<()> {
         redis::cmd("ZREM")
-            .arg(self.keys(activity_id).open())
+            .arg(self.order_keys(activity_id, layout, order_no).open())
             .arg(order_no)
             .query_async(&mut self.conn.clone())
             .await
     }
 
-    /// Number of open (not yet committed) reservations.
-    pub async fn open_reservations(&self, activity_id: i64) -> RedisResult<i64> {
-        redis::cmd("ZCARD")
-            .arg(self.keys(activity_id).open())
-            .query_async(&mut self.conn.clone())
-            .await
+    /// Number of open (not yet committed) reservations, over all shards.
+    pub async fn open_reservations(&self, activity_id: i64, layout: Layout) -> RedisResult<i64> {
+        let mut open = 0;
+        for shard in 0..layout.shards {
+            let n: i64 = redis::cmd("ZCARD")
+                .arg(self.shard_keys(activity_id, layout, shard).open())
+                .query_async(&mut self.conn.clone())
+                .await?;
+            open += n;
+        }
+        Ok(open)
     }
 
-    /// The activity's window and limits, when it is warm.
+    /// The activity's window, limits and layout, when it is warm.
     pub async fn meta(&self, activity_id: i64) -> RedisResult<Option<Meta>> {
-        type Fields = (Option<i64>, Option<i64>, Option<i32>, Option<usize>);
-        let (start, end, limit, buckets): Fields = redis::cmd("HMGET")
+        type Fields = (
+            Option<i64>,
+            Option<i64>,
+            Option<i32>,
+            Option<usize>,
+            Option<usize>,
+        );
+        let (start, end, limit, buckets, shards): Fields = redis::cmd("HMGET")
             .arg(self.keys(activity_id).meta())
-            .arg(&["start_ms", "end_ms", "limit", "buckets"])
+            .arg(&["start_ms", "end_ms", "limit", "buckets", "shards"])
             .query_async(&mut self.conn.clone())
             .await?;
         Ok(match (start, end, limit, buckets) {
@@ -490,7 +870,7 @@ impl RedisGate {
                 start_ms,
                 end_ms,
                 per_user_limit,
-                buckets: buckets.max(1),
+                layout: Layout::new(buckets, shards.unwrap_or(1)),
             }),
             _ => None,
         })
@@ -516,24 +896,52 @@ impl RedisGate {
     }
 
     /// Rebuilds a lost activity from a database snapshot, in one
-    /// MULTI/EXEC: the stock, the request ids and holdings of its orders,
-    /// the records of its live and released orders (so a later cancel or
-    /// release applies exactly once), and the meta last, which opens it.
+    /// MULTI/EXEC per shard: the stock, the request ids and holdings of its
+    /// orders, the records of its live and released orders (so a later
+    /// cancel or release applies exactly once), and the meta last, which
+    /// opens it (a sharded activity's base meta after every shard's).
     pub async fn restore(&self, r: &Restore) -> RedisResult<()> {
-        let k = self.keys(r.spec.activity_id);
+        let layout = r.spec.layout;
+        let shares = layout.split(i64::from(r.spec.units));
+        for (shard, share) in shares.into_iter().enumerate() {
+            self.restore_shard(r, shard, share).await?;
+        }
+        if layout.is_sharded() {
+            self.write_base_meta(&r.spec).await?;
+        }
+        redis::cmd("DEL")
+            .arg(self.keys(r.spec.activity_id).restoring())
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    async fn restore_shard(&self, r: &Restore, shard: usize, units: i64) -> RedisResult<()> {
+        let layout = r.spec.layout;
+        let k = self.shard_keys(r.spec.activity_id, layout, shard);
         let ttl = self.reservation_ttl_secs;
         let mut pipe = redis::pipe();
         pipe.atomic();
-        let mut stale = k.buckets(r.spec.buckets);
-        stale.extend([k.requests(), k.holdings(), k.open(), k.meta()]);
+        let mut stale = k.buckets(layout.buckets);
+        stale.extend([
+            k.requests(),
+            k.holdings(),
+            k.open(),
+            k.meta(),
+            k.lent(),
+            k.dry(),
+        ]);
         pipe.cmd("DEL").arg(stale).ignore();
-        let n = r.spec.buckets.max(1);
-        let units = i64::from(r.spec.units.max(0));
-        for b in 0..n {
-            let share = units / n as i64 + i64::from((b as i64) < units % n as i64);
+        let n = layout.buckets as i64;
+        for b in 0..layout.buckets {
+            let share = units / n + i64::from((b as i64) < units % n);
             pipe.cmd("SET").arg(k.bucket(b)).arg(share).ignore();
         }
-        for chunk in r.orders.chunks(500) {
+        let buyers: Vec<&RestoredOrder> = r
+            .orders
+            .iter()
+            .filter(|o| layout.shard_of_user(o.user_id) == shard)
+            .collect();
+        for chunk in buyers.chunks(500) {
             let mut requests = redis::cmd("HSET");
             requests.arg(k.requests());
             for o in chunk {
@@ -543,7 +951,11 @@ impl RedisGate {
             }
             pipe.add_command(requests).ignore();
         }
-        for o in &r.orders {
+        for o in r
+            .orders
+            .iter()
+            .filter(|o| layout.shard_of_order(o.order_no) == shard)
+        {
             let status = match o.state {
                 RestoredState::Live => "committed",
                 RestoredState::Released => "released",
@@ -564,7 +976,7 @@ impl RedisGate {
             pipe.cmd("EXPIRE").arg(&key).arg(ttl).ignore();
         }
         let mut held: std::collections::BTreeMap<i64, i64> = std::collections::BTreeMap::new();
-        for o in r.orders.iter().filter(|o| o.holds) {
+        for o in buyers.iter().filter(|o| o.holds) {
             *held.entry(o.user_id).or_default() += i64::from(o.quantity);
         }
         for chunk in held.into_iter().collect::<Vec<_>>().chunks(500) {
@@ -581,9 +993,8 @@ impl RedisGate {
             .arg("price")
             .arg(r.spec.price_cents)
             .arg("buckets")
-            .arg(n)
+            .arg(layout.buckets)
             .ignore();
-        pipe.cmd("DEL").arg(k.restoring()).ignore();
         pipe.query_async(&mut self.conn.clone()).await
     }
 
@@ -622,16 +1033,19 @@ impl RedisGate {
             .await
     }
 
-    /// Stores a one-time purchase token bound to `user_id`.
+    /// Stores a one-time purchase token bound to `user_id`, in the buyer's
+    /// shard.
     pub async fn issue_token(
         &self,
         activity_id: i64,
+        layout: Layout,
         user_id: i64,
         token: &str,
         ttl_secs: u64,
     ) -> RedisResult<()> {
+        let k = self.shard_keys(activity_id, layout, layout.shard_of_user(user_id));
         redis::cmd("SET")
-            .arg(self.keys(activity_id).token(token))
+            .arg(k.token(token))
             .arg(user_id)
             .arg("EX")
             .arg(ttl_secs)
@@ -643,16 +1057,75 @@ impl RedisGate {
     pub async fn reservation(
         &self,
         activity_id: i64,
+        layout: Layout,
         order_no: i64,
     ) -> RedisResult<Option<Reservation>> {
         let fields: Vec<Option<String>> = redis::cmd("HMGET")
-            .arg(self.keys(activity_id).reservation(order_no))
+            .arg(
+                self.order_keys(activity_id, layout, order_no)
+                    .reservation(order_no),
+            )
             .arg(&Reservation::FIELDS)
             .query_async(&mut self.conn.clone())
             .await?;
         let fields: Vec<String> = fields.into_iter().map(Option::unwrap_or_default).collect();
         Ok(Reservation::from_fields(&fields))
     }
+}
+
+/// How long a shard that found every other shard empty answers SOLD_OUT
+/// without asking them again: a release elsewhere is seen within this.
+const DRY_MS: u64 = 200;
+
+/// Most rounds of borrowing one purchase goes through.
+const BORROW_ROUNDS: usize = 8;
+
+/// The pause before looking again at units on their way between shards
+/// (a transfer takes three round trips).
+const IN_FLIGHT_PAUSE: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// What asking another shard to lend found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lend {
+    /// Units moved to the buyer's shard.
+    Lent,
+    /// None to lend, but units lent earlier may still be on their way.
+    InFlight,
+    /// None to lend.
+    Nothing,
+}
+
+/// Units one shard lent another, not yet settled.
+#[derive(Debug)]
+struct Transfer {
+    donor: usize,
+    id: String,
+    home: usize,
+    units: i64,
+    at_ms: i64,
+}
+
+/// What a sharded repair compares before and after.
+#[derive(Debug, PartialEq, Eq)]
+struct ShardState {
+    sum: i64,
+    open: i64,
+    lent: i64,
+}
+
+/// `order_nos` grouped by the shard of each, with their positions.
+fn by_shard(
+    layout: Layout,
+    order_nos: &[i64],
+) -> std::collections::BTreeMap<usize, Vec<(usize, i64)>> {
+    let mut groups: std::collections::BTreeMap<usize, Vec<(usize, i64)>> = Default::default();
+    for (i, &o) in order_nos.iter().enumerate() {
+        groups
+            .entry(layout.shard_of_order(o))
+            .or_default()
+            .push((i, o));
+    }
+    groups
 }
 
 /// The gate of one HTTP worker (its own multiplexed connection).

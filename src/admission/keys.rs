@@ -1,6 +1,116 @@
 //! Redis key layout. Every key of an activity carries the hash tag
 //! `{a:<activity_id>}`, so all keys one script touches live in one Redis
 //! Cluster slot and the scripts run unchanged on a cluster.
+//!
+//! A sharded activity (`shards` > 1, docs/HOT_ACTIVITY.md) has, besides
+//! that base tag (its meta and `restoring` marker only), one tag per shard,
+//! `{a:<id>:<shard>.<k>}`: each shard's keys are one slot, and `k` is the
+//! first that puts shard `s` in the `s`-th of `shards` equal ranges of the
+//! 16,384 slots. A cluster made by `redis-cli --cluster create` gives each
+//! master one contiguous equal range, so with as many shards as masters
+//! every master holds one shard.
+
+/// Hash slots of a Redis Cluster.
+const SLOTS: u32 = 16_384;
+
+/// How an activity's keys are laid out: stock buckets per shard, and
+/// shards. Fixed at creation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Layout {
+    /// Stock buckets in each shard (≥ 1).
+    pub buckets: usize,
+    /// Shards (1 ..= [`Layout::MAX_SHARDS`]); 1 is the unsharded layout.
+    pub shards: usize,
+}
+
+impl Layout {
+    /// The most shards an activity can have: an order's shard is the gene
+    /// in its number ([`crate::ids::GENE_BITS`] bits).
+    pub const MAX_SHARDS: usize = 1 << crate::ids::GENE_BITS;
+
+    /// A layout, with both counts clamped into range.
+    pub fn new(buckets: usize, shards: usize) -> Self {
+        Self {
+            buckets: buckets.max(1),
+            shards: shards.clamp(1, Self::MAX_SHARDS),
+        }
+    }
+
+    /// The unsharded layout with `buckets` buckets.
+    pub fn single(buckets: usize) -> Self {
+        Self::new(buckets, 1)
+    }
+
+    /// Whether the activity is spread over several shards.
+    pub fn is_sharded(self) -> bool {
+        self.shards > 1
+    }
+
+    /// The shard of a buyer: a fixed hash, the same in every process.
+    pub fn shard_of_user(self, user_id: i64) -> usize {
+        if !self.is_sharded() {
+            return 0;
+        }
+        (splitmix64(user_id as u64) % self.shards as u64) as usize
+    }
+
+    /// The shard of an order: the gene in its number. Orders of sharded
+    /// activities are minted with their buyer's shard as gene.
+    pub fn shard_of_order(self, order_no: i64) -> usize {
+        if !self.is_sharded() {
+            return 0;
+        }
+        usize::from(crate::ids::gene_of(order_no)) % self.shards
+    }
+
+    /// How `units` are split over the shards at warm-up (and restore):
+    /// evenly, the first shards taking one more.
+    pub fn split(self, units: i64) -> Vec<i64> {
+        let n = self.shards as i64;
+        let units = units.max(0);
+        (0..n)
+            .map(|s| units / n + i64::from(s < units % n))
+            .collect()
+    }
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Redis Cluster's key hash (CRC16-XMODEM) of a hash tag, as a slot.
+pub fn slot_of_tag(tag: &str) -> u32 {
+    let mut crc: u16 = 0;
+    for &byte in tag.as_bytes() {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    u32::from(crc) % SLOTS
+}
+
+/// The hash tag of shard `shard` of `shards` of an activity (without the
+/// braces): the first `a:<id>:<shard>.<k>` whose slot is in the shard's
+/// range.
+fn shard_tag(activity_id: i64, shard: usize, shards: usize) -> String {
+    let (lo, hi) = (
+        SLOTS * shard as u32 / shards as u32,
+        SLOTS * (shard as u32 + 1) / shards as u32,
+    );
+    // A range holds at least 1,024 of 16,384 slots: a few dozen tries.
+    (0u32..)
+        .map(|k| format!("a:{activity_id}:{shard}.{k}"))
+        .find(|tag| (lo..hi).contains(&slot_of_tag(tag)))
+        .expect("some suffix lands in every range")
+}
 
 /// The keys of one activity under this instance's prefix.
 #[derive(Debug, Clone)]
@@ -13,6 +123,18 @@ impl ActivityKeys {
     pub fn new(prefix: &str, activity_id: i64) -> Self {
         Self {
             base: format!("{prefix}{{a:{activity_id}}}:"),
+        }
+    }
+
+    /// Keys of shard `shard` of an activity laid out as `layout`: the base
+    /// keys when it is not sharded.
+    pub fn shard(prefix: &str, activity_id: i64, layout: Layout, shard: usize) -> Self {
+        if !layout.is_sharded() {
+            return Self::new(prefix, activity_id);
+        }
+        let tag = shard_tag(activity_id, shard % layout.shards, layout.shards);
+        Self {
+            base: format!("{prefix}{{{tag}}}:"),
         }
     }
 
@@ -56,6 +178,23 @@ impl ActivityKeys {
         format!("{}open", self.base)
     }
 
+    /// Marker that every other shard was found empty (sharded activities;
+    /// expires within a fraction of a second): SOLD_OUT without asking
+    /// them again.
+    pub fn dry(&self) -> String {
+        format!("{}dry", self.base)
+    }
+
+    /// Hash of the units this shard lent out: transfer id → `home:units:ms`.
+    pub fn lent(&self) -> String {
+        format!("{}lent", self.base)
+    }
+
+    /// Marker that this shard was credited with transfer `id`.
+    pub fn credited(&self, id: &str) -> String {
+        format!("{}credited:{id}", self.base)
+    }
+
     /// When reconciliation first saw that Redis lost this activity (unix
     /// ms); present only until it is restored.
     pub fn restoring(&self) -> String {
@@ -86,5 +225,62 @@ mod tests {
             ActivityKeys::new("sk:", 4).meta(),
             ActivityKeys::new("sk:", 42).meta()
         );
+    }
+
+    #[test]
+    fn an_unsharded_activity_keeps_the_base_tag_in_every_shard_call() {
+        let k = ActivityKeys::shard("sk:", 42, Layout::single(4), 3);
+        assert_eq!(k.meta(), ActivityKeys::new("sk:", 42).meta());
+    }
+
+    #[test]
+    fn each_shard_has_its_own_tag_in_its_own_slot_range() {
+        // The slot function agrees with Redis (CLUSTER KEYSLOT values).
+        assert_eq!(slot_of_tag("foo"), 12_182);
+        assert_eq!(slot_of_tag("a:1"), 8_311);
+        for shards in [2, 3, 5, 16] {
+            let layout = Layout::new(4, shards);
+            for s in 0..shards {
+                let k = ActivityKeys::shard("sk:", 7, layout, s);
+                let key = k.bucket(0);
+                let tag = &key[key.find('{').unwrap() + 1..key.find('}').unwrap()];
+                let slot = slot_of_tag(tag);
+                assert!(slot >= 16_384 * s as u32 / shards as u32, "{key}");
+                assert!(slot < 16_384 * (s as u32 + 1) / shards as u32, "{key}");
+                for other in [
+                    k.requests(),
+                    k.holdings(),
+                    k.token("t"),
+                    k.reservation(1),
+                    k.open(),
+                    k.dry(),
+                    k.lent(),
+                    k.credited("x"),
+                ] {
+                    assert!(
+                        other.starts_with(&key[..key.find('}').unwrap() + 1]),
+                        "{other}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn buyers_and_their_orders_route_to_one_shard_and_spread_over_all() {
+        let layout = Layout::new(1, 3);
+        let mut per_shard = [0; 3];
+        for user in 1..=3_000 {
+            let s = layout.shard_of_user(user);
+            per_shard[s] += 1;
+            let order_no = crate::ids::Snowflake::new(1).next_with_gene_at(1, s as u8);
+            assert_eq!(layout.shard_of_order(order_no), s);
+        }
+        assert!(
+            per_shard.iter().all(|&n| (900..1_100).contains(&n)),
+            "{per_shard:?}"
+        );
+        assert_eq!(Layout::single(2).shard_of_user(99), 0);
+        assert_eq!(Layout::new(1, 3).split(10), vec![4, 3, 3]);
     }
 }

@@ -9,3 +9,4 @@ pub mod keys;
 pub mod limits;
 
 pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, WarmSpec, WorkerGate};
+pub use keys::Layout;

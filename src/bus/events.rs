@@ -70,8 +70,12 @@ pub struct StockReleased {
     pub user_id: i64,
     /// Units released.
     pub quantity: i32,
-    /// The activity's Redis bucket count.
+    /// The activity's Redis bucket count (per shard).
     pub buckets: i32,
+    /// The activity's Redis shard count (1 when absent: events written
+    /// before activities had shards).
+    #[serde(default = "one_shard")]
+    pub shards: i32,
     /// `CANCELLED` or `CLOSED`.
     pub reason: String,
 }
@@ -128,12 +132,21 @@ impl CouponClaimed {
     }
 }
 
+fn one_shard() -> i32 {
+    1
+}
+
 impl StockReleased {
+    /// The activity's Redis layout.
+    pub fn layout(&self) -> crate::admission::Layout {
+        crate::activities::layout(self.buckets, self.shards)
+    }
+
     /// Decodes and validates.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let e: Self = serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON: {e}"))?;
-        if e.quantity < 1 || e.buckets < 1 || e.activity_id < 1 {
-            return Err("quantity, buckets and activity_id must be positive".into());
+        if e.quantity < 1 || e.buckets < 1 || e.shards < 1 || e.activity_id < 1 {
+            return Err("quantity, buckets, shards and activity_id must be positive".into());
         }
         Ok(e)
     }

@@ -198,7 +198,7 @@ impl Producer {
         let inner = super::client_config(settings)
             .set("enable.idempotence", "true")
             .set("acks", "all")
-            .set("linger.ms", "2")
+            .set("linger.ms", settings.linger_ms.to_string())
             .set("queue.buffering.max.messages", "200000")
             .set(
                 "message.timeout.ms",

@@ -107,6 +107,11 @@ impl IdGenerator for LeasedIds {
     fn next_id(&self) -> Option<i64> {
         self.is_held().then(|| self.ids.next_at(epoch_ms_now()))
     }
+
+    fn next_id_with_gene(&self, gene: u8) -> Option<i64> {
+        self.is_held()
+            .then(|| self.ids.next_with_gene_at(epoch_ms_now(), gene))
+    }
 }
 
 /// Why the instance id could not be leased.

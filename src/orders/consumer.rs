@@ -18,6 +18,7 @@ use rdkafka::message::OwnedMessage;
 use tokio_util::sync::CancellationToken;
 
 use super::repo::{self, BatchOutcome};
+use crate::admission::Layout;
 use crate::admission::gate::Status;
 use crate::admission::{RedisGate, ReleaseReason};
 use crate::bus::events::OrderRequested;
@@ -215,10 +216,14 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
         .collect::<HashSet<_>>()
         .into_iter()
         .collect();
-    let released = released_reservations(&deps.gate, events).await?;
+    // The layouts first: where each reservation lives in Redis.
+    let terms = store::run(&deps.db, move |conn| {
+        Ok(repo::activity_terms(conn, &activity_ids)?)
+    })
+    .await?;
+    let released = released_reservations(&deps.gate, &terms, events).await?;
     let owned = events.to_vec();
     let (outcome, terms, statuses) = store::run(&deps.db, move |conn| {
-        let terms = repo::activity_terms(conn, &activity_ids)?;
         let outcome = repo::apply_batch(conn, CONSUMER, &owned, &terms, &released, Utc::now())?;
         let order_nos: Vec<i64> = owned.iter().map(|e| e.order_no.get()).collect();
         Ok((outcome, terms, repo::statuses(conn, &order_nos)?))
@@ -234,20 +239,19 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
         .filter(|(i, _)| !outcome.conflicts.contains(i))
     {
         let order_no = e.order_no.get();
-        let buckets = terms
-            .get(&e.activity_id)
-            .map_or(1, |t| t.buckets.max(1) as usize);
+        let layout = layout_of(&terms, e.activity_id);
         match statuses.get(&order_no).map(String::as_str) {
             Some("FAILED") | None => {
                 deps.gate
-                    .release(e.activity_id, order_no, buckets, ReleaseReason::OrderFailed)
+                    .release(e.activity_id, order_no, layout, ReleaseReason::OrderFailed)
                     .await?;
             }
             Some(_) => commit.entry(e.activity_id).or_default().push(order_no),
         }
     }
     for (activity_id, order_nos) in commit {
-        let conflicts = deps.gate.commit(activity_id, &order_nos).await?;
+        let layout = layout_of(&terms, activity_id);
+        let conflicts = deps.gate.commit(activity_id, layout, &order_nos).await?;
         for order_no in conflicts {
             if statuses.get(&order_no).map(String::as_str) == Some("WAITING_PAY") {
                 tracing::error!(
@@ -261,9 +265,18 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
     Ok(outcome)
 }
 
+/// An activity's layout among `terms`; the unsharded one for an activity
+/// the database does not know (its events produce no row).
+fn layout_of(terms: &HashMap<i64, repo::ActivityTerms>, activity_id: i64) -> Layout {
+    terms
+        .get(&activity_id)
+        .map_or(Layout::single(1), |t| t.layout)
+}
+
 /// Order_nos among `events` whose reservation Redis already released.
 async fn released_reservations(
     gate: &RedisGate,
+    terms: &HashMap<i64, repo::ActivityTerms>,
     events: &[OrderRequested],
 ) -> redis::RedisResult<HashSet<i64>> {
     let mut by_activity: HashMap<i64, Vec<i64>> = HashMap::new();
@@ -275,7 +288,8 @@ async fn released_reservations(
     }
     let mut released = HashSet::new();
     for (activity_id, order_nos) in by_activity {
-        let statuses = gate.statuses(activity_id, &order_nos).await?;
+        let layout = layout_of(terms, activity_id);
+        let statuses = gate.statuses(activity_id, layout, &order_nos).await?;
         released.extend(
             order_nos
                 .into_iter()
@@ -316,17 +330,17 @@ async fn void_dead_lettered(
             Ok((status, repo::activity_terms(conn, &[owned.activity_id])?))
         })
         .await?;
-        let Some(buckets) = terms.get(&activity_id).map(|t| t.buckets.max(1) as usize) else {
+        let Some(layout) = terms.get(&activity_id).map(|t| t.layout) else {
             return Ok(()); // no such activity: no reservation either
         };
         match status.as_deref() {
             Some("FAILED") | None => {
                 deps.gate
-                    .release(activity_id, order_no, buckets, ReleaseReason::OrderFailed)
+                    .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
                     .await?;
             }
             Some(_) => {
-                deps.gate.commit(activity_id, &[order_no]).await?;
+                deps.gate.commit(activity_id, layout, &[order_no]).await?;
             }
         }
         Ok(())

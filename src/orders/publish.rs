@@ -25,7 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use crate::admission::acks::Acks;
 use crate::admission::gate::Status;
-use crate::admission::{RedisGate, ReleaseReason};
+use crate::admission::{Layout, RedisGate, ReleaseReason};
 use crate::bus::events::OrderRequested;
 use crate::bus::{Producer, PublishError, runner};
 use crate::metrics::Metrics;
@@ -83,11 +83,11 @@ impl Publisher {
     pub async fn publish(
         self: &Arc<Self>,
         event: OrderRequested,
-        buckets: usize,
+        layout: Layout,
         permit: OwnedSemaphorePermit,
     ) -> Published {
         let (answer, told) = oneshot::channel();
-        tokio::spawn(self.clone().deliver(event, buckets, answer, permit));
+        tokio::spawn(self.clone().deliver(event, layout, answer, permit));
         // The task always answers before it ends, unless it panicked.
         told.await.unwrap_or(Published::Pending)
     }
@@ -95,7 +95,7 @@ impl Publisher {
     async fn deliver(
         self: Arc<Self>,
         event: OrderRequested,
-        buckets: usize,
+        layout: Layout,
         answer: oneshot::Sender<Published>,
         _permit: OwnedSemaphorePermit,
     ) {
@@ -117,7 +117,7 @@ impl Publisher {
                         let _ = answer.send(Published::Pending);
                         let outcome = delivery.await;
                         self.observe(started, &outcome);
-                        self.keep_sending(event, payload, outcome).await;
+                        self.keep_sending(event, layout, payload, outcome).await;
                         return;
                     }
                 }
@@ -126,7 +126,7 @@ impl Publisher {
         self.observe(started, &outcome);
         match outcome {
             Ok(()) => {
-                self.acks.ack(activity_id, order_no).await;
+                self.acks.ack(activity_id, layout, order_no).await;
                 let _ = answer.send(Published::Delivered);
             }
             Err(e @ (PublishError::QueueFull | PublishError::NotDelivered(_))) => {
@@ -136,7 +136,7 @@ impl Publisher {
                 tracing::warn!(error = %e, order_no, activity_id, "order event not delivered; releasing");
                 if let Err(re) = self
                     .gate
-                    .release(activity_id, order_no, buckets, ReleaseReason::PublishFailed)
+                    .release(activity_id, order_no, layout, ReleaseReason::PublishFailed)
                     .await
                 {
                     // Left open: reconciliation voids it once provably unsent.
@@ -146,7 +146,7 @@ impl Publisher {
             }
             Err(e @ (PublishError::Unknown(_) | PublishError::Unconfirmed)) => {
                 let _ = answer.send(Published::Pending);
-                self.keep_sending(event, payload, Err(e)).await;
+                self.keep_sending(event, layout, payload, Err(e)).await;
             }
         }
     }
@@ -174,6 +174,7 @@ impl Publisher {
     async fn keep_sending(
         &self,
         event: OrderRequested,
+        layout: Layout,
         payload: Vec<u8>,
         mut outcome: Result<(), PublishError>,
     ) {
@@ -184,7 +185,7 @@ impl Publisher {
         loop {
             match &outcome {
                 Ok(()) => {
-                    self.acks.ack(activity_id, order_no).await;
+                    self.acks.ack(activity_id, layout, order_no).await;
                     break;
                 }
                 Err(e) if attempt == 0 => {
@@ -194,7 +195,11 @@ impl Publisher {
             }
             attempt += 1;
             tokio::time::sleep(runner::backoff(attempt)).await;
-            match self.gate.sending(activity_id, order_no, now_ms()).await {
+            match self
+                .gate
+                .sending(activity_id, layout, order_no, now_ms())
+                .await
+            {
                 Ok(Some(r)) if r.is_open() && !r.acked => {}
                 // Acknowledged (another send got through), committed,
                 // released, being voided, or gone: nothing left to do.
@@ -226,11 +231,12 @@ impl Publisher {
     pub async fn confirm(
         self: &Arc<Self>,
         activity_id: i64,
+        layout: Layout,
         order_no: i64,
     ) -> redis::RedisResult<Confirmation> {
         let budget_ms = i64::try_from(self.budget.as_millis()).unwrap_or(i64::MAX / 2);
         loop {
-            let Some(r) = self.gate.reservation(activity_id, order_no).await? else {
+            let Some(r) = self.gate.reservation(activity_id, layout, order_no).await? else {
                 return Ok(Confirmation::Settled);
             };
             match (r.status, r.acked) {
@@ -245,7 +251,11 @@ impl Publisher {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let Some(r) = self.gate.sending(activity_id, order_no, now_ms()).await? else {
+        let Some(r) = self
+            .gate
+            .sending(activity_id, layout, order_no, now_ms())
+            .await?
+        else {
             return Ok(Confirmation::Settled);
         };
         match (r.status, r.acked) {
@@ -267,7 +277,11 @@ impl Publisher {
                 .await;
             this.observe(started, &outcome);
             let confirmed = match outcome {
-                Ok(()) => match this.gate.ack(activity_id, &[order_no], now_ms()).await {
+                Ok(()) => match this
+                    .gate
+                    .ack(activity_id, layout, &[order_no], now_ms())
+                    .await
+                {
                     Ok(found) => Ok(match found.as_slice() {
                         [Some(Status::Occupied)] => Confirmation::ConfirmedNow,
                         [Some(Status::Voiding)] => Confirmation::Pending,

@@ -63,11 +63,11 @@ async fn release(deps: &ConsumerDeps, m: &OwnedMessage, shutdown: &CancellationT
         user_id: e.user_id,
         quantity: e.quantity,
     };
-    let buckets = usize::try_from(e.buckets).unwrap_or(1).max(1);
+    let layout = e.layout();
     let released = runner::retry("Redis release", shutdown, || async {
         Ok(deps
             .gate
-            .release(e.activity_id, e.order_no.get(), buckets, reason)
+            .release(e.activity_id, e.order_no.get(), layout, reason)
             .await?)
     })
     .await;

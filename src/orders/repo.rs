@@ -8,6 +8,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
 use serde::Serialize;
 
+use crate::admission::Layout;
 use crate::bus::events::OrderRequested;
 use crate::store::PgConn;
 use crate::store::schema::{activities, orders};
@@ -73,29 +74,31 @@ pub fn list_for_user(
 pub struct ActivityTerms {
     pub price_cents: i64,
     pub pay_timeout_secs: i32,
-    pub buckets: i32,
+    /// Its Redis layout.
+    pub layout: Layout,
 }
 
 /// Terms of the given activities.
 pub fn activity_terms(conn: &mut PgConn, ids: &[i64]) -> QueryResult<HashMap<i64, ActivityTerms>> {
-    let rows: Vec<(i64, i64, i32, i32)> = activities::table
+    let rows: Vec<(i64, i64, i32, i32, i32)> = activities::table
         .filter(activities::id.eq_any(ids))
         .select((
             activities::id,
             activities::price_cents,
             activities::pay_timeout_secs,
             activities::buckets,
+            activities::shards,
         ))
         .load(conn)?;
     Ok(rows
         .into_iter()
-        .map(|(id, price_cents, pay_timeout_secs, buckets)| {
+        .map(|(id, price_cents, pay_timeout_secs, buckets, shards)| {
             (
                 id,
                 ActivityTerms {
                     price_cents,
                     pay_timeout_secs,
-                    buckets,
+                    layout: crate::activities::layout(buckets, shards),
                 },
             )
         })

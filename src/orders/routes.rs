@@ -13,7 +13,7 @@ use serde_json::json;
 use super::publish::{Confirmation, Published};
 use super::repo::{self, Order};
 use crate::activities::cache::Lookup;
-use crate::admission::{Admission, ReserveRequest, WorkerGate};
+use crate::admission::{Admission, Layout, ReserveRequest, WorkerGate};
 use crate::app::AppState;
 use crate::bus::PublishError;
 use crate::bus::events::OrderRequested;
@@ -193,7 +193,15 @@ pub async fn place(
             "too many purchases in flight; retry shortly",
         ));
     };
-    let Some(order_no) = state.ids.next_id() else {
+    // A sharded activity's order carries its buyer's shard in its number.
+    let layout = meta.layout;
+    let minted = if layout.is_sharded() {
+        let shard = layout.shard_of_user(user.user_id.get());
+        state.ids.next_id_with_gene(shard as u8)
+    } else {
+        state.ids.next_id()
+    };
+    let Some(order_no) = minted else {
         return Err(reject(
             &state,
             "retry_later",
@@ -208,7 +216,7 @@ pub async fn place(
         token,
         quantity,
         order_no,
-        buckets: meta.buckets,
+        layout,
         now_ms,
         coupon_id: body.coupon_id,
     };
@@ -227,7 +235,14 @@ pub async fn place(
         Admission::Duplicate(order_no) => {
             drop(permit);
             outcome(&state, "duplicate");
-            return replay(&state, activity_id, order_no, &user, &body.request_id).await;
+            return replay(
+                &state,
+                (activity_id, layout),
+                order_no,
+                &user,
+                &body.request_id,
+            )
+            .await;
         }
         Admission::SoldOut => {
             return Err(reject(&state, "sold_out", ErrorCode::SoldOut, "sold out"));
@@ -286,7 +301,7 @@ pub async fn place(
         coupon_id: body.coupon_id,
         reserved_at_ms: now_ms,
     };
-    match state.publisher.publish(event, meta.buckets, permit).await {
+    match state.publisher.publish(event, layout, permit).await {
         Published::Delivered => {
             outcome(&state, "accepted");
             Ok(HttpResponse::Accepted().json(json!({
@@ -341,14 +356,14 @@ fn pending(state: &AppState, order_no: i64) -> ApiError {
 /// it was confirmed before (or settled otherwise), 503 while still unknown.
 async fn replay(
     state: &web::Data<AppState>,
-    activity_id: i64,
+    (activity_id, layout): (i64, Layout),
     order_no: i64,
     user: &AuthUser,
     request_id: &str,
 ) -> Result<HttpResponse, ApiError> {
     let confirmation = state
         .publisher
-        .confirm(activity_id, order_no)
+        .confirm(activity_id, layout, order_no)
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
     let (code, status) = match confirmation {
@@ -356,7 +371,7 @@ async fn replay(
         Confirmation::ConfirmedNow => (StatusCode::ACCEPTED, "PROCESSING".to_owned()),
         Confirmation::Settled => (
             StatusCode::OK,
-            current_status(state, activity_id, order_no, user.user_id.get()).await?,
+            current_status(state, (activity_id, layout), order_no, user.user_id.get()).await?,
         ),
     };
     Ok(HttpResponse::build(code).json(json!({
@@ -369,7 +384,7 @@ async fn replay(
 /// The status of an order the caller owns: its row, else its reservation.
 async fn current_status(
     state: &AppState,
-    activity_id: i64,
+    (activity_id, layout): (i64, Layout),
     order_no: i64,
     user_id: i64,
 ) -> Result<String, ApiError> {
@@ -383,7 +398,7 @@ async fn current_status(
     }
     let reservation = state
         .gate
-        .reservation(activity_id, order_no)
+        .reservation(activity_id, layout, order_no)
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
     Ok(match reservation {
@@ -422,10 +437,10 @@ pub async fn show(
     if let Some(order) = row {
         return Ok(HttpResponse::Ok().json(order_view(&order)));
     }
-    for (activity_id, _) in recent {
+    for (activity_id, layout) in recent {
         let reservation = state
             .gate
-            .reservation(activity_id, order_no)
+            .reservation(activity_id, layout, order_no)
             .await
             .map_err(|e| ApiError::unavailable(e.into()))?;
         let Some(r) = reservation else { continue };

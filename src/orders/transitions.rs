@@ -117,10 +117,10 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
     .execute(conn)?;
 
     let ids: Vec<i64> = units.keys().copied().collect();
-    let buckets: HashMap<i64, i32> = activities::table
+    let layouts: HashMap<i64, (i32, i32)> = activities::table
         .filter(activities::id.eq_any(&ids))
-        .select((activities::id, activities::buckets))
-        .load::<(i64, i32)>(conn)?
+        .select((activities::id, (activities::buckets, activities::shards)))
+        .load::<(i64, (i32, i32))>(conn)?
         .into_iter()
         .collect();
     for w in winners {
@@ -130,7 +130,8 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
             activity_id: w.activity_id,
             user_id: w.user_id,
             quantity: w.quantity,
-            buckets: buckets.get(&w.activity_id).copied().unwrap_or(1),
+            buckets: layouts.get(&w.activity_id).map_or(1, |l| l.0),
+            shards: layouts.get(&w.activity_id).map_or(1, |l| l.1),
             reason: to.status().to_owned(),
         };
         outbox::enqueue(

@@ -28,7 +28,7 @@ use serde::Serialize;
 use tokio::sync::Notify;
 
 use crate::admission::gate::{Reservation, Status, VoidClaim};
-use crate::admission::{RedisGate, ReleaseReason};
+use crate::admission::{Layout, RedisGate, ReleaseReason};
 use crate::bus::progress::GroupProgress;
 use crate::bus::{Producer, Topics};
 use crate::config::Settings;
@@ -36,6 +36,10 @@ use crate::metrics::Metrics;
 use crate::orders::repo as orders;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
+
+/// How old a transfer between shards must be before reconciliation
+/// completes it: a lending call takes milliseconds; a minute means it died.
+const TRANSFER_GRACE_MS: i64 = 60_000;
 
 /// `POST /api/v1/admin/reconcile`: reconciles every recent activity now,
 /// waiting a little for the lease if another run holds it.
@@ -239,15 +243,14 @@ impl Reconciler {
         // Asked of Kafka once per run, for every activity.
         let cutoff = self.void_cutoff().await;
         let mut reports = Vec::with_capacity(ids.len());
-        for (id, buckets, end_at) in ids {
-            let buckets = usize::try_from(buckets).unwrap_or(1).max(1);
+        for (id, layout, end_at) in ids {
             if !self.gate.is_warm(id).await? {
                 reports.push(self.restore(id, &cutoff).await?);
                 continue;
             }
-            let mut report = self.activity(id, buckets, &cutoff).await?;
+            let mut report = self.activity(id, layout, &cutoff).await?;
             if Utc::now() > end_at + cleanup_after && report.consistent {
-                self.clean_up(id, buckets, &mut report).await?;
+                self.clean_up(id, layout, &mut report).await?;
             }
             reports.push(report);
         }
@@ -262,7 +265,7 @@ impl Reconciler {
     async fn clean_up(
         &self,
         activity_id: i64,
-        buckets: usize,
+        layout: Layout,
         report: &mut Report,
     ) -> anyhow::Result<()> {
         let (f, unsent): (Figures, i64) = store::run(&self.db, move |conn| {
@@ -272,12 +275,12 @@ impl Reconciler {
             ))
         })
         .await?;
-        let open = self.gate.open_reservations(activity_id).await?;
-        self.apply_releases(activity_id, buckets).await?;
+        let open = self.gate.open_reservations(activity_id, layout).await?;
+        self.apply_releases(activity_id, layout).await?;
         if f.waiting_units > 0 || open > 0 || unsent > 0 {
             return Ok(());
         }
-        self.gate.remove_activity(activity_id, buckets).await?;
+        self.gate.remove_activity(activity_id, layout).await?;
         store::run(&self.db, move |conn| {
             Ok(crate::activities::repo::mark_ended(conn, activity_id)?)
         })
@@ -291,23 +294,36 @@ impl Reconciler {
     async fn activity(
         &self,
         activity_id: i64,
-        buckets: usize,
+        layout: Layout,
         cutoff: &Cutoff,
     ) -> anyhow::Result<Report> {
         let mut report = Report::new(activity_id);
-        self.void_stale(activity_id, buckets, cutoff, &mut report)
+        self.void_stale(activity_id, layout, cutoff, &mut report)
             .await?;
+        // Units one shard lent another whose lending call never finished
+        // (its process died, or Redis failed part way).
+        let stale_before = Utc::now().timestamp_millis() - TRANSFER_GRACE_MS;
+        let settled = self
+            .gate
+            .settle_transfers(activity_id, layout, stale_before)
+            .await?;
+        if settled > 0 {
+            self.count("repair", "transfer_settled");
+            report.repaired.push(format!(
+                "completed {settled} unsettled transfers between shards"
+            ));
+        }
 
         // Redis first, then the database: a stock move in between (a
         // purchase, a release) shows up as a changed sum, and the
         // compare-and-set below refuses to act on it.
-        let redis_before = self.gate.available(activity_id, buckets).await?;
-        let open = self.gate.open_reservations(activity_id).await?;
+        let redis_before = self.gate.available(activity_id, layout).await?;
+        let open = self.gate.open_reservations(activity_id, layout).await?;
         let f: Figures = store::run(&self.db, move |conn| Ok(figures(conn, activity_id)?)).await?;
         // Every release the database has committed by now is applied to
         // Redis before the comparison, by the same idempotent script the
         // stock releaser runs: the releaser's copy, later, is a no-op.
-        let added = self.apply_releases(activity_id, buckets).await?;
+        let added = self.apply_releases(activity_id, layout).await?;
         if added > 0 {
             report.repaired.push(format!(
                 "gave {added} units of cancelled or closed orders back to Redis (their release had not been applied)"
@@ -352,7 +368,7 @@ impl Reconciler {
         // Redis was read: otherwise the figures describe different moments.
         let repaired = if open == 0 && expected != db_available {
             self.gate
-                .repair(activity_id, buckets, expected, db_available)
+                .repair(activity_id, layout, expected, db_available)
                 .await?
         } else {
             None
@@ -378,7 +394,7 @@ impl Reconciler {
     /// record is gone although it cannot have expired yet (Redis lost it;
     /// the script then records the release as it gives the units back).
     /// Returns the units given back now.
-    async fn apply_releases(&self, activity_id: i64, buckets: usize) -> anyhow::Result<i64> {
+    async fn apply_releases(&self, activity_id: i64, layout: Layout) -> anyhow::Result<i64> {
         let ttl =
             i64::try_from(self.settings.admission.reservation_ttl_secs).unwrap_or(i64::MAX / 2);
         let released: Vec<Released> = store::run(&self.db, move |conn| {
@@ -397,7 +413,7 @@ impl Reconciler {
         let mut added = 0;
         for chunk in released.chunks(500) {
             let nos: Vec<i64> = chunk.iter().map(|o| o.order_no).collect();
-            let statuses = self.gate.statuses(activity_id, &nos).await?;
+            let statuses = self.gate.statuses(activity_id, layout, &nos).await?;
             for (o, status) in chunk.iter().zip(statuses) {
                 match status {
                     Some(Status::Released) => continue,
@@ -412,7 +428,7 @@ impl Reconciler {
                 };
                 if self
                     .gate
-                    .release(activity_id, o.order_no, buckets, reason)
+                    .release(activity_id, o.order_no, layout, reason)
                     .await?
                 {
                     added += i64::from(o.quantity);
@@ -432,13 +448,17 @@ impl Reconciler {
     async fn void_stale(
         &self,
         activity_id: i64,
-        buckets: usize,
+        layout: Layout,
         cutoff: &Cutoff,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        for order_no in self.gate.open_before(activity_id, cutoff.before_ms).await? {
-            let Some(r) = self.gate.reservation(activity_id, order_no).await? else {
-                self.gate.forget_open(activity_id, order_no).await?;
+        for order_no in self
+            .gate
+            .open_before(activity_id, layout, cutoff.before_ms)
+            .await?
+        {
+            let Some(r) = self.gate.reservation(activity_id, layout, order_no).await? else {
+                self.gate.forget_open(activity_id, layout, order_no).await?;
                 report.repaired.push(format!(
                     "dropped index entry {order_no} without a reservation"
                 ));
@@ -446,20 +466,20 @@ impl Reconciler {
             };
             if r.acked && r.is_open() {
                 if cutoff.proven {
-                    self.settle_acknowledged(activity_id, order_no, buckets, &r, report)
+                    self.settle_acknowledged(activity_id, order_no, layout, &r, report)
                         .await?;
                 }
                 continue;
             }
             match self
                 .gate
-                .claim_void(activity_id, order_no, cutoff.before_ms)
+                .claim_void(activity_id, layout, order_no, cutoff.before_ms)
                 .await?
             {
                 VoidClaim::Claimed => {}
                 VoidClaim::Refused => continue,
                 VoidClaim::Gone => {
-                    self.gate.forget_open(activity_id, order_no).await?;
+                    self.gate.forget_open(activity_id, layout, order_no).await?;
                     continue;
                 }
             }
@@ -473,7 +493,7 @@ impl Reconciler {
                 // order; this reservation backs nothing.
                 Some("FAILED") | None => {
                     self.gate
-                        .release(activity_id, order_no, buckets, ReleaseReason::OrderFailed)
+                        .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
                         .await?;
                     self.count("repair", "voided");
                     report.repaired.push(format!(
@@ -482,7 +502,7 @@ impl Reconciler {
                     ));
                 }
                 Some(status) => {
-                    self.gate.commit(activity_id, &[order_no]).await?;
+                    self.gate.commit(activity_id, layout, &[order_no]).await?;
                     report.repaired.push(format!(
                         "committed reservation {order_no} (its order is {status})"
                     ));
@@ -500,7 +520,7 @@ impl Reconciler {
         &self,
         activity_id: i64,
         order_no: i64,
-        buckets: usize,
+        layout: Layout,
         r: &Reservation,
         report: &mut Report,
     ) -> anyhow::Result<()> {
@@ -528,14 +548,14 @@ impl Reconciler {
             }
             Some("FAILED") => {
                 self.gate
-                    .release(activity_id, order_no, buckets, ReleaseReason::OrderFailed)
+                    .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
                     .await?;
                 report.repaired.push(format!(
                     "released reservation {order_no} (its order FAILED)"
                 ));
             }
             Some(status) => {
-                self.gate.commit(activity_id, &[order_no]).await?;
+                self.gate.commit(activity_id, layout, &[order_no]).await?;
                 report.repaired.push(format!(
                     "committed reservation {order_no} (its order is {status})"
                 ));

@@ -16,6 +16,7 @@ diesel::table! {
         warmed_at -> Nullable<Timestamptz>,
         created_at -> Timestamptz,
         updated_at -> Timestamptz,
+        shards -> Int4,
     }
 }
 

@@ -340,9 +340,14 @@ async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_throu
 #[tokio::test]
 async fn a_purchase_not_confirmed_within_its_budget_keeps_its_order_no_and_a_retry_gets_that_order_once()
  {
-    // A budget shorter than the producer's linger (2 ms): no delivery report
-    // can come back in time, so the outcome is unknown when the buyer hears.
-    let app = spawn_app_with(|s| s.admission.publish_budget_ms = 1).await;
+    // A budget far shorter than the producer's linger: no delivery report
+    // can come back in time, so the outcome is unknown when the buyer hears
+    // (with the default 2 ms linger, a loaded host could see both at once).
+    let app = spawn_app_with(|s| {
+        s.admission.publish_budget_ms = 1;
+        s.kafka.linger_ms = 1000;
+    })
+    .await;
     let activity = app.live_activity(10, 1, 1).await;
     let token = app.purchase_token(1, activity).await;
     let body = json!({"request_id": "slow", "token": token});
@@ -411,20 +416,31 @@ async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_rese
             token: &token,
             quantity: 1,
             order_no,
-            buckets: 1,
+            layout: seckill::admission::Layout::single(1),
             now_ms: now,
             coupon_id: None,
         })
         .await
         .unwrap();
     assert_eq!(reserved, Admission::Accepted(order_no));
-    gate.ack(activity, &[order_no], now).await.unwrap();
+    gate.ack(
+        activity,
+        seckill::admission::Layout::single(1),
+        &[order_no],
+        now,
+    )
+    .await
+    .unwrap();
     app.execute(&format!(
         "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) \
          VALUES ({activity}, 'LOCK', {order_no}, 1)"
     ))
     .await;
-    let r = gate.reservation(activity, order_no).await.unwrap().unwrap();
+    let r = gate
+        .reservation(activity, seckill::admission::Layout::single(1), order_no)
+        .await
+        .unwrap()
+        .unwrap();
     let payload = r.event(activity, order_no).encode();
     produce(&app, None, &order_no.to_string(), &payload).await;
 

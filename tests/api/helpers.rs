@@ -519,7 +519,6 @@ impl TestApp {
         let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
     }
 
-    /// Runs one SQL statement on this test's database.
     /// A connection to this test's Redis: the server, or the cluster when
     /// `redis.mode = "cluster"` (`scripts/test.sh` runs a pass on one).
     pub fn redis(&self) -> seckill::store::redis_conn::RedisConn {
@@ -528,6 +527,7 @@ impl TestApp {
             .expect("a Redis connection")
     }
 
+    /// Runs one SQL statement on this test's database.
     pub async fn execute(&self, sql: &str) {
         let url = self.settings.postgres.url.expose_secret().to_owned();
         let sql = sql.to_owned();
@@ -686,5 +686,59 @@ impl TestApp {
             req = req.header("X-Pay-Signature", sig);
         }
         req.send().await.expect("request sent")
+    }
+}
+
+/// Short Kafka timeouts and a fast reconciler, so the wait for events sent
+/// before Redis lost an activity, and its restore, take seconds.
+pub fn restores_quickly(s: &mut Settings) {
+    s.kafka.message_timeout_ms = 1000;
+    s.admission.publish_budget_ms = 1000;
+    s.reconcile.publish_window_secs = 3;
+    s.reconcile.interval_secs = 1;
+}
+
+impl TestApp {
+    /// Users `users` each buy one unit with request_id `r<user>` (asserting
+    /// 202 in the end); their order numbers, in order.
+    pub async fn buy_as_r_user(
+        &self,
+        activity_id: i64,
+        users: std::ops::RangeInclusive<i64>,
+    ) -> Vec<String> {
+        let mut order_nos = Vec::new();
+        for user in users {
+            let token = self.purchase_token(user, activity_id).await;
+            let body = serde_json::json!({"request_id": format!("r{user}"), "token": token});
+            let (status, body) = self.order_retrying(user, activity_id, &body).await;
+            assert_eq!(status, 202, "{body}");
+            order_nos.push(body["order_no"].as_str().unwrap().to_owned());
+        }
+        order_nos
+    }
+
+    /// Deletes every Redis key of an activity, as a Redis restarted empty
+    /// would: its base keys and, sharded, every shard's.
+    pub async fn forget_in_redis(&self, activity_id: i64) {
+        let mut conn = self.redis();
+        let prefix = &self.settings.redis.key_prefix;
+        for pattern in [
+            format!("{prefix}{{a:{activity_id}}}:*"),
+            format!("{prefix}{{a:{activity_id}:*"),
+        ] {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(&pattern)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            // One at a time: on a cluster the keys sit in several slots.
+            for key in keys {
+                let _: () = redis::cmd("DEL")
+                    .arg(&key)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+            }
+        }
     }
 }

@@ -129,7 +129,7 @@ async fn a_reservation_is_never_overwritten_by_another_purchase_under_the_same_n
                 token: &token,
                 quantity: 1,
                 order_no,
-                buckets: 1,
+                layout: seckill::admission::Layout::single(1),
                 now_ms: chrono::Utc::now().timestamp_millis(),
                 coupon_id: None,
             })
@@ -141,7 +141,11 @@ async fn a_reservation_is_never_overwritten_by_another_purchase_under_the_same_n
         reserved,
         [Admission::Accepted(order_no), Admission::NumberTaken]
     );
-    let kept = gate.reservation(activity, order_no).await.unwrap().unwrap();
+    let kept = gate
+        .reservation(activity, seckill::admission::Layout::single(1), order_no)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((kept.user_id, kept.request_id.as_str()), (1, "first"));
     let stats = app.stats(activity).await;
     assert_eq!(stats["redis_available"], 9, "one unit reserved, not two");
@@ -252,4 +256,120 @@ async fn an_api_only_server_and_a_consume_worker_cover_orders_stock_releases_and
         .await;
     assert_eq!(stats["db_available"], 5);
     assert_eq!(stats["orders"]["CANCELLED"], 1);
+}
+
+/// Admissions an instance at `base` answered, of every outcome (its
+/// `/metrics`).
+async fn admissions_at(base: &str) -> i64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("seckill_admission_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as i64
+}
+
+/// The multi-instance deployment of the README on loopback: two
+/// `serve --no-consumer` instances (this test's server and a second
+/// process) and one `seckill consume`, sharing Kafka, PostgreSQL and Redis
+/// (the 3-master cluster when `scripts/test.sh` runs it). `seckill
+/// loadgen` spreads 20,000 buyers over both for 1,000 units and checks the
+/// invariants from outside; the test checks them again from inside.
+#[tokio::test]
+#[ignore = "20,000 buyers: scripts/test.sh runs it alone, on the Redis Cluster"]
+async fn two_api_instances_and_a_worker_sell_a_thousand_units_to_twenty_thousand_buyers_exactly() {
+    let app = spawn_app_with(|s| {
+        crate::helpers::without_order_consumer(s);
+        s.workers.releaser_enabled = false;
+        s.workers.claimer_enabled = false;
+    })
+    .await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let second = format!("http://127.0.0.1:{port}");
+    let _second = Worker(
+        app.seckill_command(&["serve", "--no-consumer"])
+            .env("SECKILL__APP__PORT", port.to_string())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("a second seckill serve starts"),
+    );
+    eventually(
+        "the second instance ready",
+        Duration::from_secs(120),
+        || {
+            let url = format!("{second}/health/ready");
+            async move {
+                let ready = reqwest::get(url).await.ok()?.status() == 200;
+                ready.then_some(())
+            }
+        },
+    )
+    .await;
+    let _worker = Worker::start(&app, &[]);
+
+    let loadgen = app.seckill_command(&[
+        "loadgen",
+        "--json",
+        "--url",
+        &app.address,
+        "--url",
+        &second,
+        "--users",
+        "20000",
+        "--stock",
+        "1000",
+        "--concurrency",
+        "64",
+        "--drain-timeout",
+        "300",
+    ]);
+    let output = tokio::task::spawn_blocking(move || {
+        let mut loadgen = loadgen;
+        loadgen.output()
+    })
+    .await
+    .unwrap()
+    .expect("seckill loadgen runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let report: serde_json::Value = stdout
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "no report: {stdout}\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            )
+        });
+    assert!(output.status.success(), "{report}");
+    assert_eq!(report["invariants_ok"], true, "{report}");
+    assert_eq!(report["accepted"], 1000, "{report}");
+    assert_eq!(report["requests"], 20000, "{report}");
+
+    // From inside: each order once, the stock all locked, Redis = DB.
+    let activity = report["activity_id"].as_i64().unwrap();
+    let stats = app.drained(activity, 1000).await;
+    app.assert_each_order_once(&stats, 1000).await;
+    assert_eq!(stats["db_available"], 0);
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(DISTINCT (user_id)) AS n FROM orders WHERE activity_id = {activity}"
+        ))
+        .await,
+        1000
+    );
+    // Both instances took buyers.
+    let (first, other) = (
+        admissions_at(&app.address).await,
+        admissions_at(&second).await,
+    );
+    assert!(first >= 5_000 && other >= 5_000, "{first} / {other}");
 }

@@ -19,5 +19,6 @@ mod outbox;
 mod payments;
 mod production;
 mod reconcile;
+mod shards;
 #[path = "../common/wire.rs"]
 mod wire;

@@ -79,7 +79,7 @@ async fn orphan_made_at(app: &TestApp, activity: i64, user: i64, order_no: i64, 
             token: &token,
             quantity: 1,
             order_no,
-            buckets: 1,
+            layout: seckill::admission::Layout::single(1),
             now_ms: made_at_ms,
             coupon_id: None,
         })
@@ -103,7 +103,10 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
 
     // The accepted purchase's reservation records the acknowledgement.
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
-    let open = gate.open_before(activity, i64::MAX).await.unwrap();
+    let open = gate
+        .open_before(activity, seckill::admission::Layout::single(1), i64::MAX)
+        .await
+        .unwrap();
     let bought = *open
         .iter()
         .find(|o| **o != 777_000_002)
@@ -113,7 +116,11 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
         "the acknowledgement recorded",
         Duration::from_secs(10),
         || async {
-            let r = gate.reservation(activity, bought).await.unwrap().unwrap();
+            let r = gate
+                .reservation(activity, seckill::admission::Layout::single(1), bought)
+                .await
+                .unwrap()
+                .unwrap();
             r.acked.then_some(r)
         },
     )
@@ -122,7 +129,7 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
     assert_eq!((event.order_no.get(), event.user_id), (bought, 1));
     assert!(
         !gate
-            .reservation(activity, 777_000_002)
+            .reservation(activity, seckill::admission::Layout::single(1), 777_000_002)
             .await
             .unwrap()
             .unwrap()
@@ -173,7 +180,14 @@ async fn an_acknowledged_purchase_whose_event_the_broker_lost_is_published_again
     orphan_made_at(&app, activity, 2, 777_000_003, a_minute_ago).await;
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let now = chrono::Utc::now().timestamp_millis();
-    gate.ack(activity, &[777_000_003], now).await.unwrap();
+    gate.ack(
+        activity,
+        seckill::admission::Layout::single(1),
+        &[777_000_003],
+        now,
+    )
+    .await
+    .unwrap();
 
     let repaired = reconcile_until_repaired(&app, activity).await;
     assert!(
@@ -425,10 +439,24 @@ async fn a_reservation_being_voided_never_turns_into_a_202_and_one_sent_lately_i
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let now = chrono::Utc::now().timestamp_millis();
     // 777000005's event is being sent again right now (a retry's copy).
-    gate.sending(activity, 777_000_005, now).await.unwrap();
+    gate.sending(
+        activity,
+        seckill::admission::Layout::single(1),
+        777_000_005,
+        now,
+    )
+    .await
+    .unwrap();
     // 777000004 is claimed by a reconciliation that stopped half-way.
     assert_eq!(
-        gate.claim_void(activity, 777_000_004, now).await.unwrap(),
+        gate.claim_void(
+            activity,
+            seckill::admission::Layout::single(1),
+            777_000_004,
+            now
+        )
+        .await
+        .unwrap(),
         VoidClaim::Claimed
     );
 
@@ -551,42 +579,16 @@ async fn only_the_holder_of_the_lease_reconciles() {
 #[tokio::test]
 async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_orders_and_limits()
 {
-    // Short Kafka timeouts, so the wait for events sent before the loss is
-    // a few seconds here.
-    let app = spawn_app_with(|s| {
-        s.kafka.message_timeout_ms = 1000;
-        s.admission.publish_budget_ms = 1000;
-        s.reconcile.publish_window_secs = 3;
-        s.reconcile.interval_secs = 1;
-    })
-    .await;
+    let app = spawn_app_with(crate::helpers::restores_quickly).await;
     let activity = app.live_activity(20, 1, 2).await;
-    let mut order_nos = Vec::new();
-    for user in 1..=5 {
-        let token = app.purchase_token(user, activity).await;
-        let body = json!({"request_id": format!("r{user}"), "token": token});
-        let (status, body) = app.order_retrying(user, activity, &body).await;
-        assert_eq!(status, 202, "{body}");
-        order_nos.push(body["order_no"].as_str().unwrap().to_owned());
-    }
+    let order_nos = app.buy_as_r_user(activity, 1..=5).await;
     app.drained(activity, 5).await;
     assert_eq!(app.cancel(1, &order_nos[0]).await.status(), 200);
     app.wait_for_stats(activity, 30, |s| s["redis_available"] == 16)
         .await;
 
     // Redis loses everything of the activity.
-    let mut conn = app.redis();
-    let pattern = format!("{}{{a:{activity}}}:*", app.settings.redis.key_prefix);
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(&pattern)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("DEL")
-        .arg(&keys)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    app.forget_in_redis(activity).await;
     let (status, body) = app.buy_once(6, activity).await;
     assert_eq!(
         (status, body["code"].as_str()),

@@ -6,10 +6,12 @@
 -- KEYS[4] purchase token   (string, value = user id)
 -- KEYS[5] reservation hash of this order_no
 -- KEYS[6] open-reservations zset (order_no scored by reservation time)
--- KEYS[7..] stock buckets, in bucket order
+-- KEYS[7] dry marker (sharded activities: every other shard was empty)
+-- KEYS[8..] stock buckets, in bucket order
 -- ARGV[1] user id   ARGV[2] request_id   ARGV[3] quantity   ARGV[4] order_no
 -- ARGV[5] now (unix ms)   ARGV[6] first bucket to try (0-based)
 -- ARGV[7] reservation ttl (s)   ARGV[8] coupon id ('' for none)
+-- ARGV[9] '1' when the activity is sharded (these keys are the buyer's shard)
 --
 -- Returns {code, order_no}:
 --   0 accepted (the given order_no)   1 duplicate (the existing order_no)
@@ -17,6 +19,8 @@
 --   5 outside the sale window   6 not warm (never warmed, or Redis lost it)
 --   7 the order_no already keys a reservation (two instances minted the
 --     same number): nothing is written, the existing one is untouched
+--   8 this shard lacks the quantity but others may not (sharded, and no
+--     dry marker): nothing is written; the caller borrows units and retries
 --
 -- The reservation keeps everything its order.requested event carries, so
 -- the event can be rebuilt and sent again byte for byte (a retry of a
@@ -41,15 +45,15 @@ if held + qty > tonumber(meta[3]) then return {3, ''} end
 -- Stock: the first bucket (from ARGV[6] on) that holds the whole quantity;
 -- failing that, take it from several buckets. SOLD_OUT only when all the
 -- buckets together hold less than the quantity.
-local n = #KEYS - 6
+local n = #KEYS - 7
 local first = tonumber(ARGV[6]) % n
 local alloc
 local partial, sum = {}, 0
 for i = 0, n - 1 do
   local b = (first + i) % n
-  local s = tonumber(redis.call('GET', KEYS[7 + b]) or '0')
+  local s = tonumber(redis.call('GET', KEYS[8 + b]) or '0')
   if s >= qty then
-    redis.call('DECRBY', KEYS[7 + b], qty)
+    redis.call('DECRBY', KEYS[8 + b], qty)
     alloc = b .. ':' .. qty
     break
   end
@@ -59,11 +63,14 @@ for i = 0, n - 1 do
   end
 end
 if not alloc then
-  if sum < qty then return {2, ''} end
+  if sum < qty then
+    if ARGV[9] == '1' and redis.call('EXISTS', KEYS[7]) == 0 then return {8, ''} end
+    return {2, ''}
+  end
   local need, parts = qty, {}
   for _, e in ipairs(partial) do
     local take = math.min(need, e[2])
-    redis.call('DECRBY', KEYS[7 + e[1]], take)
+    redis.call('DECRBY', KEYS[8 + e[1]], take)
     parts[#parts + 1] = e[1] .. ':' .. take
     need = need - take
     if need == 0 then break end
