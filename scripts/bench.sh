@@ -12,6 +12,8 @@
 #   3 ceiling: pgbench inserting order-shaped rows, one per transaction and 100 per transaction
 #   4 the naive baseline (examples/naive.rs) under the load generator
 #   5 our admission path under the load generator
+#   5c the same sale in an open loop (fixed arrival rate, latency from the
+#      intended send time, HDR histogram) at half of row 5's peak
 #   5b the same over 2 instances: two `serve --no-consumer` and one `consume`
 #   6 consumer drain rate, Kafka → PostgreSQL, batched
 #   7 one hot activity on the 3-master Redis Cluster: its keys in one slot
@@ -177,6 +179,12 @@ if [ "$PROFILE" = 1 ]; then
 fi
 stop_all
 
+HALF=$(python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['per_sec'] / 2))" "$OURS")
+say "5c/7 the same sale in an open loop at half of row 5's peak: $HALF purchases/s"
+start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
+OPEN=$(loadgen --url http://127.0.0.1:18080 --users "$USERS" --stock "$STOCK" --rate "$HALF" --first-user 2000000)
+stop_all
+
 say "5b/7 two API instances and a worker: $USERS buyers spread over both"
 start api1 18083 env SECKILL__APP__PORT=18083 $BIN serve --no-consumer
 start api2 18084 env SECKILL__APP__PORT=18084 $BIN serve --no-consumer
@@ -216,11 +224,11 @@ HOT1F=$(hot 1 "$USERS" 7200000)
 HOT3F=$(hot 3 "$USERS" 7300000)
 
 python3 - "$REDIS_RPS" "$PLAIN" "$PG_SINGLE" "$PG_BATCH" "$NAIVE" "$OURS" "$DRAIN_RATE" "$DRAIN_SECS" "$DRAIN" "$USERS" "$STOCK" "$CONC" "$TWO" \
-  "$HOT1" "$HOT3" "$HOT1F" "$HOT3F" <<'EOF'
+  "$HOT1" "$HOT3" "$HOT1F" "$HOT3F" "$OPEN" <<'EOF'
 import json, sys
 redis, plain, pg1, pgb, naive, ours, drain, drain_s, drain_n, users, stock, conc, two = sys.argv[1:14]
 plain, naive, ours, two = json.loads(plain), json.loads(naive), json.loads(ours), json.loads(two)
-hot1, hot3, hot1f, hot3f = (json.loads(a) for a in sys.argv[14:18])
+hot1, hot3, hot1f, hot3f, opn = (json.loads(a) for a in sys.argv[14:19])
 redis, pg1, pgb, drain = float(redis), int(pg1), int(pgb), int(drain)
 def lat(r): return f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"
 def hotput(r): return f"{r['per_sec']:,.0f} purchases/s; masters' CPU {'/'.join(str(c) for c in r['master_cpu'])} of a core"
@@ -232,6 +240,7 @@ rows = [
   ("3 ceiling: pgbench order inserts, 100 rows/txn", f"{pgb:,} rows/s", "-", "-"),
   ("4 naive baseline (sync DB transaction per purchase)", f"{naive['per_sec']:,.0f} purchases/s", lat(naive), ok(naive)),
   ("5 seckill admission (Redis Lua + Kafka)", f"{ours['per_sec']:,.0f} purchases/s", lat(ours), ok(ours)),
+  (f"5c open loop at {opn['rate']:,.0f}/s (half of 5), p50 / p99 / p99.9 ms from the intended send time", f"{opn['per_sec']:,.0f} purchases/s", f"{opn['p50_ms']:.1f} / {opn['p99_ms']:.1f} / {opn['p999_ms']:.1f}", ok(opn)),
   ("5b seckill admission, 2 instances (2 x serve --no-consumer + consume)", f"{two['per_sec']:,.0f} purchases/s", lat(two), ok(two)),
   (f"6 consumer drain, Kafka -> PostgreSQL ({drain_n} orders in {drain_s}s)", f"{drain:,} orders/s", "-", "-"),
   ("7a one hot activity, Redis Cluster, 1 shard (one master)", hotput(hot1), lat(hot1), ok(hot1)),

@@ -17,16 +17,17 @@ command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >
 if [ $# -eq 0 ]; then cargo test --benches; fi
 # Integration tests mostly wait on I/O: run more of them than there are cores.
 cargo test --lib --bins --tests "$@" -- --test-threads="${SECKILL_TEST_THREADS:-8}"
-# The order path, payments, coupons, reconciliation, sharded activities and
-# many instances once more, on the Redis Cluster: every script and pipeline
-# must keep its keys in one slot, and a sharded activity's shards sit on
-# different masters. Then, alone (20,000 buyers), two API instances and a
+# The order path, payments, coupons, reconciliation, sharded activities,
+# many instances and the sold-out fast path once more, on the Redis Cluster:
+# every script and pipeline must keep its keys in one slot, a sharded
+# activity's shards sit on different masters, and a release's message
+# reaches every instance. Then, alone (20,000 buyers), two API instances and a
 # worker selling 1,000 units on it.
 if [ $# -eq 0 ]; then
   cluster_url=$(scripts/services.sh cluster-url)
   SECKILL__REDIS__MODE=cluster SECKILL__REDIS__URL=$cluster_url \
     cargo test --test api -- --test-threads="${SECKILL_TEST_THREADS:-8}" \
-    orders:: payments:: coupons:: reconcile:: shards:: instances::
+    orders:: payments:: coupons:: reconcile:: shards:: instances:: sold_out::
   SECKILL__REDIS__MODE=cluster SECKILL__REDIS__URL=$cluster_url \
     cargo test --test api -- --ignored instances::two_api_instances
 fi

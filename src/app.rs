@@ -15,6 +15,7 @@ use tokio::sync::{Notify, Semaphore};
 use crate::activities::cache::ActivityCache;
 use crate::admission::acks::Acks;
 use crate::admission::limits::{KeyedLimiter, Limits};
+use crate::admission::soldout::SoldOut;
 use crate::admission::{RedisGate, WorkerGate};
 use crate::bus::progress::{self, GroupProgress};
 use crate::bus::runner::Supervision;
@@ -53,6 +54,8 @@ pub struct AppState {
     pub topics_created: Arc<std::sync::atomic::AtomicBool>,
     /// Warmed activities' windows and limits, cached in process.
     pub activities: ActivityCache,
+    /// Activities Redis said are sold out, answered from memory.
+    pub sold_out: Arc<SoldOut>,
     /// Coupon scripts (same multiplexed connection as the gate).
     pub coupons: Arc<CouponGate>,
     /// In-process token buckets (per activity, per client IP).
@@ -132,6 +135,10 @@ impl AppState {
             topics_created: Arc::default(),
             gate,
             activities: ActivityCache::default(),
+            sold_out: Arc::new(SoldOut::new(
+                Duration::from_millis(a.sold_out_ttl_ms),
+                metrics.sold_out_activities.clone(),
+            )),
             limits: Limits {
                 activity: KeyedLimiter::new(a.activity_rate_per_sec, a.activity_burst),
                 ip: KeyedLimiter::new(a.ip_rate_per_sec, a.ip_burst),
@@ -282,6 +289,7 @@ pub struct Workers {
     relay: Option<WorkerHandle>,
     reconciler: Option<WorkerHandle>,
     lag_sampler: Option<WorkerHandle>,
+    sold_out_listener: Option<WorkerHandle>,
 }
 
 impl Workers {
@@ -326,6 +334,19 @@ impl Workers {
                         state.metrics.order_consumer_stalled_seconds.clone(),
                     )
                 }),
+            sold_out_listener: (s.admission.sold_out_ttl_ms > 0)
+                .then(|| {
+                    let seeds: Vec<String> = crate::store::redis_conn::seed_nodes(&s.redis.url)
+                        .into_iter()
+                        .map(str::to_owned)
+                        .collect();
+                    let channel = crate::admission::soldout::channel(&s.redis.key_prefix);
+                    let flags = state.sold_out.clone();
+                    anyhow::Ok(WorkerHandle::spawn(move |shutdown| {
+                        crate::admission::soldout::listen(seeds, channel, flags, shutdown)
+                    }))
+                })
+                .transpose()?,
         })
     }
 
@@ -338,6 +359,7 @@ impl Workers {
             self.relay,
             self.reconciler,
             self.lag_sampler,
+            self.sold_out_listener,
             self.releaser,
             self.claimer,
             self.lease,

@@ -137,6 +137,15 @@ pub struct AdmissionSettings {
     /// How long a purchase waits for its delivery report before it answers
     /// 503 RETRY_LATER (the delivery goes on in the background), in ms.
     pub publish_budget_ms: u64,
+    /// How long this instance answers SOLD_OUT from memory after Redis
+    /// said so for an activity, unless a release clears it first, in ms;
+    /// 0 turns the sold-out fast path off.
+    #[serde(default = "default_sold_out_ttl_ms")]
+    pub sold_out_ttl_ms: u64,
+}
+
+fn default_sold_out_ttl_ms() -> u64 {
+    200
 }
 
 /// Order-creating consumer settings (SPEC step 3).

@@ -30,9 +30,15 @@ pub struct LoadgenArgs {
     /// Units on sale (ignored with --activity).
     #[arg(long, default_value_t = 1_000)]
     pub stock: i32,
-    /// Requests in flight at once.
+    /// Requests in flight at once (closed loop: a new purchase starts when
+    /// one ends; also the token phase).
     #[arg(long, default_value_t = 256)]
     pub concurrency: usize,
+    /// Open loop: start purchases at this fixed rate per second, whatever
+    /// the answers take, and measure each latency from its intended start
+    /// (as wrk2 does: no coordinated omission).
+    #[arg(long)]
+    pub rate: Option<f64>,
     /// Stock buckets of the created activity.
     #[arg(long, default_value_t = 1)]
     pub buckets: i32,
@@ -62,6 +68,10 @@ pub struct LoadgenArgs {
     pub ceiling_url: Option<String>,
 }
 
+/// One purchase: HTTP status (0 when the transport failed), error code,
+/// order number, latency.
+type Outcome = (u16, String, Option<String>, Duration);
+
 /// The figures of one run, for scripts (`--json` prints them).
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct Report {
@@ -76,7 +86,10 @@ pub struct Report {
     pub p50_ms: f64,
     pub p90_ms: f64,
     pub p99_ms: f64,
+    pub p999_ms: f64,
     pub max_ms: f64,
+    /// The arrival rate asked for (open loop), purchases per second.
+    pub rate: Option<f64>,
     pub drain_seconds: Option<f64>,
     pub invariants_ok: Option<bool>,
 }
@@ -206,42 +219,65 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
         .collect::<anyhow::Result<_>>()?;
     progress.finish();
 
-    eprintln!(
-        "firing {} purchases at concurrency {}…",
-        tokens.len(),
-        args.concurrency
-    );
     let progress = Progress::start("purchases", tokens.len() as u64);
     let started = Instant::now();
-    let outcomes: Vec<(u16, String, Option<String>, Duration)> = stream::iter(tokens)
-        .map(|(user, jwt, token)| {
-            let client = client.clone();
-            let progress = progress.clone();
-            async move {
-                let path = format!("/api/v1/activities/{activity_id}/orders");
-                let body = json!({"request_id": format!("lg-{user}-{}", uuid::Uuid::new_v4().simple()), "token": token});
-                let t0 = Instant::now();
-                let result = purchase(&client, client.url_of(user), &path, &jwt, &body).await;
-                let elapsed = t0.elapsed();
-                progress.tick();
-                match result {
-                    Ok((status, body)) => (
-                        status,
-                        body["code"].as_str().unwrap_or("").to_owned(),
-                        body["order_no"].as_str().map(str::to_owned),
-                        elapsed,
-                    ),
-                    Err(e) => (0, format!("transport: {e}"), None, elapsed),
-                }
+    let buy = |(user, jwt, token): (i64, String, String), t0: Instant| {
+        let client = client.clone();
+        let progress = progress.clone();
+        async move {
+            let path = format!("/api/v1/activities/{activity_id}/orders");
+            let body = json!({"request_id": format!("lg-{user}-{}", uuid::Uuid::new_v4().simple()), "token": token});
+            let result = purchase(&client, client.url_of(user), &path, &jwt, &body).await;
+            let elapsed = t0.elapsed();
+            progress.tick();
+            match result {
+                Ok((status, body)) => (
+                    status,
+                    body["code"].as_str().unwrap_or("").to_owned(),
+                    body["order_no"].as_str().map(str::to_owned),
+                    elapsed,
+                ),
+                Err(e) => (0, format!("transport: {e}"), None, elapsed),
             }
-        })
-        .buffer_unordered(args.concurrency)
-        .collect()
-        .await;
+        }
+    };
+    let outcomes: Vec<Outcome> = match args.rate {
+        Some(rate) => {
+            anyhow::ensure!(rate > 0.0, "--rate must be positive");
+            eprintln!("firing {} purchases at {rate} per second…", tokens.len());
+            // Each purchase is spawned at its intended start and timed from
+            // it: a slow answer delays no other purchase, and time spent
+            // waiting to be sent counts.
+            let mut running = Vec::with_capacity(tokens.len());
+            for (i, t) in tokens.into_iter().enumerate() {
+                let intended = started + Duration::from_secs_f64(i as f64 / rate);
+                tokio::time::sleep_until(intended.into()).await;
+                running.push(tokio::spawn(buy(t, intended)));
+            }
+            let mut outcomes = Vec::with_capacity(running.len());
+            for task in running {
+                outcomes.push(task.await?);
+            }
+            outcomes
+        }
+        None => {
+            eprintln!(
+                "firing {} purchases at concurrency {}…",
+                tokens.len(),
+                args.concurrency
+            );
+            stream::iter(tokens)
+                .map(|t| buy(t, Instant::now()))
+                .buffer_unordered(args.concurrency)
+                .collect()
+                .await
+        }
+    };
     let seconds = started.elapsed().as_secs_f64();
     progress.finish();
 
     let mut report = summarize(activity_id, &outcomes, seconds);
+    report.rate = args.rate;
     let mut codes: BTreeMap<String, u64> = BTreeMap::new();
     for (status, code, _, _) in &outcomes {
         *codes.entry(format!("{status} {code}")).or_default() += 1;
@@ -325,7 +361,7 @@ async fn ceiling(client: &Arc<Client>, url: &str, args: &LoadgenArgs) -> anyhow:
     let body = json!({"request_id": "ceiling", "token": "t"});
     let progress = Progress::start("requests", args.users as u64);
     let started = Instant::now();
-    let outcomes: Vec<(u16, String, Option<String>, Duration)> = stream::iter(0..args.users)
+    let outcomes: Vec<Outcome> = stream::iter(0..args.users)
         .map(|_| {
             let (client, progress, jwt, body) = (client.clone(), progress.clone(), &jwt, &body);
             async move {
@@ -392,21 +428,21 @@ async fn create_activity(client: &Client, admin: &str, args: &LoadgenArgs) -> an
     Ok(id)
 }
 
-fn summarize(
-    activity_id: i64,
-    outcomes: &[(u16, String, Option<String>, Duration)],
-    seconds: f64,
-) -> Report {
+fn summarize(activity_id: i64, outcomes: &[Outcome], seconds: f64) -> Report {
     let count =
         |f: &dyn Fn(u16, &str) -> bool| outcomes.iter().filter(|o| f(o.0, &o.1)).count() as u64;
-    let mut latencies: Vec<Duration> = outcomes.iter().map(|o| o.3).collect();
-    latencies.sort_unstable();
-    let pct = |p: f64| -> f64 {
+    // Microseconds, 3 significant digits, up to ten minutes.
+    let mut latencies = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)
+        .expect("valid histogram bounds");
+    for o in outcomes {
+        let us = u64::try_from(o.3.as_micros()).unwrap_or(u64::MAX);
+        latencies.saturating_record(us.max(1));
+    }
+    let pct = |q: f64| -> f64 {
         if latencies.is_empty() {
             return 0.0;
         }
-        let i = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
-        latencies[i].as_secs_f64() * 1000.0
+        latencies.value_at_quantile(q) as f64 / 1000.0
     };
     let accepted = count(&|s, _| s == 202);
     let sold_out = count(&|s, c| s == 409 && c == "SOLD_OUT");
@@ -423,7 +459,9 @@ fn summarize(
         p50_ms: pct(0.50),
         p90_ms: pct(0.90),
         p99_ms: pct(0.99),
-        max_ms: pct(1.0),
+        p999_ms: pct(0.999),
+        max_ms: latencies.max() as f64 / 1000.0,
+        rate: None,
         drain_seconds: None,
         invariants_ok: None,
     }
@@ -440,8 +478,8 @@ fn print_report(r: &Report, codes: &BTreeMap<String, u64>) {
     println!("elapsed         {:.3} s", r.seconds);
     println!("throughput      {:.0} purchases/s", r.per_sec);
     println!(
-        "latency ms      p50 {:.2}  p90 {:.2}  p99 {:.2}  max {:.2}",
-        r.p50_ms, r.p90_ms, r.p99_ms, r.max_ms
+        "latency ms      p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+        r.p50_ms, r.p90_ms, r.p99_ms, r.p999_ms, r.max_ms
     );
 }
 
@@ -613,5 +651,22 @@ mod tests {
         );
         let lost = check(&stats(100, 1, 99, 1, 99), 100, 100, false);
         assert!(lost.iter().any(|f| f.starts_with("I4")), "{lost:?}");
+    }
+
+    #[test]
+    fn percentiles_come_from_the_histogram_of_every_purchase() {
+        // 1 ms … 1000 ms, one purchase each, in shuffled order.
+        let mut outcomes: Vec<Outcome> = (1..=1000u64)
+            .map(|ms| (202, String::new(), None, Duration::from_millis(ms)))
+            .collect();
+        fastrand::shuffle(&mut outcomes);
+        let r = summarize(1, &outcomes, 2.0);
+        let near = |got: f64, want: f64| (got - want).abs() <= want * 0.002;
+        assert!(near(r.p50_ms, 500.0), "{}", r.p50_ms);
+        assert!(near(r.p99_ms, 990.0), "{}", r.p99_ms);
+        assert!(near(r.p999_ms, 999.0), "{}", r.p999_ms);
+        assert!(near(r.max_ms, 1000.0), "{}", r.max_ms);
+        assert_eq!((r.requests, r.accepted, r.errors), (1000, 1000, 0));
+        assert!(near(r.per_sec, 500.0));
     }
 }

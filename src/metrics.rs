@@ -50,6 +50,8 @@ pub struct Metrics {
     pub reconcile: IntCounterVec,
     /// The snowflake instance id this process holds a lease on (-1: none).
     pub instance_id: IntGauge,
+    /// Activities this instance answers SOLD_OUT for from memory.
+    pub sold_out_activities: IntGauge,
     /// Order events whose event_id was applied before with a different
     /// payload (two instances minted one number): dead-lettered, alerting.
     pub event_conflicts: IntCounter,
@@ -147,6 +149,10 @@ impl Metrics {
                 gauge.set(-1);
                 gauge
             },
+            sold_out_activities: IntGauge::new(
+                "sold_out_activities",
+                "Activities answered SOLD_OUT from memory (the sold-out fast path)",
+            )?,
             event_conflicts: IntCounter::new(
                 "event_conflicts_total",
                 "Order events applied before under the same event_id with a different payload",
@@ -181,6 +187,7 @@ impl Metrics {
         r.register(Box::new(metrics.reconcile.clone()))?;
         r.register(Box::new(metrics.order_consumer_lag.clone()))?;
         r.register(Box::new(metrics.instance_id.clone()))?;
+        r.register(Box::new(metrics.sold_out_activities.clone()))?;
         r.register(Box::new(metrics.event_conflicts.clone()))?;
         Ok(metrics)
     }

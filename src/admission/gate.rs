@@ -133,6 +133,8 @@ pub struct RedisGate {
     /// on a pooled connection instead: kept to measure the difference.
     pool: Option<deadpool_redis::Pool>,
     prefix: String,
+    /// The stock-returned channel ([`super::soldout::channel`]).
+    returned: String,
     reservation_ttl_secs: u64,
     reserve: Script,
     release: Script,
@@ -160,6 +162,7 @@ impl RedisGate {
             client,
             pool,
             prefix: redis.key_prefix.clone(),
+            returned: super::soldout::channel(&redis.key_prefix),
             reservation_ttl_secs: admission.reservation_ttl_secs,
             reserve: Script::new(include_str!("lua/reserve.lua")),
             release: Script::new(include_str!("lua/release.lua")),
@@ -475,7 +478,9 @@ impl RedisGate {
             .arg(reason.as_str())
             .arg(if forget { "1" } else { "0" })
             .arg(fallback)
-            .arg(user);
+            .arg(user)
+            .arg(&self.returned)
+            .arg(activity_id);
         let released: i64 = call.invoke_async(&mut self.conn.clone()).await?;
         Ok(released == 1)
     }
@@ -749,9 +754,48 @@ impl RedisGate {
         let (done, value): (i64, i64) = call
             .arg(expected)
             .arg(target)
+            .arg(&self.returned)
+            .arg(activity_id)
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok((done == 1).then_some(value))
+    }
+
+    /// Purchases the activity has accepted since it was warmed (or
+    /// restored), over its shards.
+    pub async fn acceptances(&self, activity_id: i64, layout: Layout) -> RedisResult<i64> {
+        let mut sum = 0;
+        for shard in 0..layout.shards {
+            let n: Option<i64> = redis::cmd("HGET")
+                .arg(self.shard_keys(activity_id, layout, shard).meta())
+                .arg("accepted")
+                .query_async(&mut self.conn.clone())
+                .await?;
+            sum += n.unwrap_or(0);
+        }
+        Ok(sum)
+    }
+
+    /// The users with a request accepted in the activity (its request-id
+    /// hashes), over its shards.
+    pub async fn buyers(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+    ) -> RedisResult<std::collections::HashSet<i64>> {
+        let mut buyers = std::collections::HashSet::new();
+        for shard in 0..layout.shards {
+            let fields: Vec<String> = redis::cmd("HKEYS")
+                .arg(self.shard_keys(activity_id, layout, shard).requests())
+                .query_async(&mut self.conn.clone())
+                .await?;
+            buyers.extend(
+                fields
+                    .iter()
+                    .filter_map(|f| f.split_once(':')?.0.parse::<i64>().ok()),
+            );
+        }
+        Ok(buyers)
     }
 
     async fn shard_states(&self, activity_id: i64, layout: Layout) -> RedisResult<Vec<ShardState>> {
@@ -909,8 +953,14 @@ impl RedisGate {
         if layout.is_sharded() {
             self.write_base_meta(&r.spec).await?;
         }
-        redis::cmd("DEL")
+        let _: () = redis::cmd("DEL")
             .arg(self.keys(r.spec.activity_id).restoring())
+            .query_async(&mut self.conn.clone())
+            .await?;
+        // Sold-out flags of the activity's past go.
+        redis::cmd("PUBLISH")
+            .arg(&self.returned)
+            .arg(r.spec.activity_id)
             .query_async(&mut self.conn.clone())
             .await
     }
@@ -994,6 +1044,11 @@ impl RedisGate {
             .arg(r.spec.price_cents)
             .arg("buckets")
             .arg(layout.buckets)
+            // The acceptance count restarts below zero (minus now): no
+            // count an instance read before the loss matches one after, so
+            // its sold-out fast path reads the restored buyers again.
+            .arg("accepted")
+            .arg(-chrono::Utc::now().timestamp_millis())
             .ignore();
         pipe.query_async(&mut self.conn.clone()).await
     }

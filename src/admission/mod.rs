@@ -7,6 +7,7 @@ pub mod acks;
 pub mod gate;
 pub mod keys;
 pub mod limits;
+pub mod soldout;
 
 pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, WarmSpec, WorkerGate};
 pub use keys::Layout;

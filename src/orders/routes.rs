@@ -139,6 +139,18 @@ pub async fn place(
     if quantity > meta.per_user_limit {
         return Err(ApiError::bad_request("quantity exceeds the per-user limit"));
     }
+    // Sold out a moment ago, and this buyer has no order to be told about:
+    // answered from memory (admission/soldout.rs).
+    if meta.is_open(Utc::now().timestamp_millis())
+        && state.sold_out.refuses(activity_id, user.user_id.get())
+    {
+        return Err(reject(
+            &state,
+            "sold_out_memory",
+            ErrorCode::SoldOut,
+            "sold out",
+        ));
+    }
     if let Some(coupon_id) = body.coupon_id {
         // A cheap membership check; the coupon is locked (or the order
         // fails) in the order-creating transaction.
@@ -245,6 +257,8 @@ pub async fn place(
             .await;
         }
         Admission::SoldOut => {
+            let (flags, gate) = (state.sold_out.clone(), state.gate.clone());
+            tokio::spawn(async move { flags.mark(&gate, activity_id, layout).await });
             return Err(reject(&state, "sold_out", ErrorCode::SoldOut, "sold out"));
         }
         Admission::LimitExceeded => {

@@ -742,3 +742,15 @@ impl TestApp {
         }
     }
 }
+
+impl TestApp {
+    /// A gauge or counter of `/metrics`, by its full name (labels
+    /// included, as exported: `seckill_x_total{kind="y"}`).
+    pub async fn metric(&self, name: &str) -> Option<i64> {
+        let text = self.get("/metrics", None).await.text().await.unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map(|v| v as i64)
+    }
+}

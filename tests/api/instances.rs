@@ -10,15 +10,6 @@ use seckill::ids::instance_of;
 
 use crate::helpers::{TestApp, eventually, spawn_app, spawn_app_with};
 
-/// A gauge or counter of `/metrics`, by its full name.
-async fn metric(app: &TestApp, name: &str) -> Option<i64> {
-    let text = app.get("/metrics", None).await.text().await.unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|v| v as i64)
-}
-
 fn order_no(body: &serde_json::Value) -> i64 {
     body["order_no"]
         .as_str()
@@ -35,8 +26,8 @@ async fn two_instances_with_the_default_config_lease_distinct_ids_and_mint_disti
     let b = spawn_app_with(|s| s.redis.key_prefix = prefix).await;
 
     let (ia, ib) = (
-        metric(&a, "seckill_instance_id").await.unwrap(),
-        metric(&b, "seckill_instance_id").await.unwrap(),
+        a.metric("seckill_instance_id").await.unwrap(),
+        b.metric("seckill_instance_id").await.unwrap(),
     );
     assert!(ia >= 0 && ib >= 0, "both hold a lease: {ia} {ib}");
     assert_ne!(ia, ib, "one Redis, two instances, two ids");
@@ -57,7 +48,7 @@ async fn a_pinned_instance_id_held_by_a_running_instance_refuses_to_start() {
         s.app.instance_lease_secs = 2;
     };
     let a = spawn_app_with(pin).await;
-    assert_eq!(metric(&a, "seckill_instance_id").await, Some(7));
+    assert_eq!(a.metric("seckill_instance_id").await, Some(7));
     let mut settings = a.settings.clone();
     pin(&mut settings);
     let err = Application::build(settings)
@@ -80,7 +71,7 @@ async fn a_pinned_instance_id_held_by_a_running_instance_refuses_to_start() {
 async fn an_instance_whose_lease_is_taken_stops_minting_then_leases_another_id() {
     let a = spawn_app_with(|s| s.app.instance_lease_secs = 2).await;
     let activity = a.live_activity(5, 1, 1).await;
-    let held = metric(&a, "seckill_instance_id").await.unwrap();
+    let held = a.metric("seckill_instance_id").await.unwrap();
     assert!(held >= 0);
     // Another process takes the id over (as if our lease had run out).
     let mut redis = a.redis();
@@ -96,7 +87,7 @@ async fn an_instance_whose_lease_is_taken_stops_minting_then_leases_another_id()
     // Its heartbeat notices within a fifth of the lifetime, and it holds
     // another id soon after; never two numbers under the taken one.
     let next = eventually("a new id leased", Duration::from_secs(30), || async {
-        metric(&a, "seckill_instance_id")
+        a.metric("seckill_instance_id")
             .await
             .filter(|id| *id >= 0 && *id != held)
     })
@@ -189,7 +180,7 @@ async fn an_event_reusing_an_applied_event_id_with_another_payload_is_dead_lette
         errors[0].contains("conflict") && errors[0].contains(&other.event_id),
         "{errors:?}"
     );
-    assert_eq!(metric(&app, "seckill_event_conflicts_total").await, Some(1));
+    assert_eq!(app.metric("seckill_event_conflicts_total").await, Some(1));
     // The first order stands untouched.
     assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 1);
     assert_eq!(

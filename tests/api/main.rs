@@ -20,5 +20,6 @@ mod payments;
 mod production;
 mod reconcile;
 mod shards;
+mod sold_out;
 #[path = "../common/wire.rs"]
 mod wire;

@@ -9,7 +9,10 @@
 -- ARGV[4] units to give back if Redis has no record of the reservation
 --         (expired or lost; "0" = give nothing back)
 -- ARGV[5] the buyer, for that same case
+-- ARGV[6] the stock-returned channel   ARGV[7] the activity id
 --
+-- Units given back are announced on ARGV[6] in the same call, so every
+-- instance's sold-out flag for the activity clears (admission/soldout.rs).
 -- Returns 1 when released now, 0 when already released or unknown.
 local r = redis.call('HMGET', KEYS[1], 'status', 'user', 'qty', 'alloc', 'req')
 if r[1] == 'released' then return 0 end
@@ -24,6 +27,7 @@ if not r[1] then
   if redis.call('HINCRBY', KEYS[3], ARGV[5], -qty) <= 0 then
     redis.call('HDEL', KEYS[3], ARGV[5])
   end
+  redis.call('PUBLISH', ARGV[6], ARGV[7])
   return 1
 end
 for part in string.gmatch(r[4], '[^,]+') do
@@ -38,4 +42,5 @@ if ARGV[3] == '1' then
 end
 redis.call('HSET', KEYS[1], 'status', 'released', 'reason', ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('PUBLISH', ARGV[6], ARGV[7])
 return 1

@@ -4,6 +4,8 @@
 -- KEYS[1] open-reservations zset   KEYS[2..] stock buckets, in bucket order
 -- ARGV[1] the sum of the buckets the caller based its decision on
 -- ARGV[2] the figure to set (the database's available)
+-- ARGV[3] the stock-returned channel   ARGV[4] the activity id (units
+--         added are announced there: admission/soldout.rs)
 --
 -- Applies only while nothing is open (no reservation between Redis and the
 -- database) and the buckets still sum to ARGV[1]: anything that moved the
@@ -19,6 +21,7 @@ end
 local delta = tonumber(ARGV[2]) - sum
 if delta >= 0 then
   redis.call('INCRBY', KEYS[2], delta)
+  if delta > 0 then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
   return {1, delta}
 end
 local need, applied = -delta, 0

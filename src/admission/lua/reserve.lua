@@ -86,4 +86,7 @@ redis.call('ZADD', KEYS[6], now, order_no)
 redis.call('HSET', KEYS[2], req_field, order_no)
 redis.call('HINCRBY', KEYS[3], user, qty)
 redis.call('DEL', KEYS[4])
+-- Counted, so an instance's sold-out fast path knows when its list of
+-- buyers is out of date (admission/soldout.rs).
+redis.call('HINCRBY', KEYS[1], 'accepted', 1)
 return {0, order_no}

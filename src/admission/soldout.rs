@@ -1,0 +1,245 @@
+//! The sold-out fast path. In a flash sale most purchases arrive after the
+//! stock is gone; once Redis has answered SOLD_OUT for an activity, this
+//! instance answers the next ones from memory, without a Redis call, until
+//! a release of that activity's stock clears the flag (every instance hears
+//! it: `release.lua`, `repair.lua` and the restore publish on
+//! [`channel`] in the same call that adds the units) or the flag's lifetime
+//! (`admission.sold_out_ttl_ms`, 200 ms) ends, the safety net for a missed
+//! message. The flag only ever refuses, so it cannot oversell.
+//!
+//! It must not change what a buyer who already has an order hears: a
+//! replayed request_id gets its order (200), and a buyer at the limit
+//! LIMIT_EXCEEDED, from Redis. So the flag carries the users that have any
+//! request accepted in the activity (the Redis request-id hash, read when
+//! the flag is set, and read again only when the activity's count of
+//! acceptances moved); their purchases still go to Redis.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use prometheus::IntGauge;
+
+use super::{Layout, RedisGate};
+
+/// The pub/sub channel of stock coming back, under a key prefix: messages
+/// are activity ids.
+pub fn channel(prefix: &str) -> String {
+    format!("{prefix}stock-returned")
+}
+
+/// One activity's flag.
+struct Flag {
+    /// When Redis last said SOLD_OUT (`None`: cleared, users kept).
+    since: Option<Instant>,
+    /// Users with a request accepted in the activity.
+    buyers: Arc<HashSet<i64>>,
+    /// The activity's acceptance count `buyers` was read at.
+    generation: i64,
+}
+
+/// The flags of this instance.
+pub struct SoldOut {
+    ttl: Duration,
+    flags: RwLock<HashMap<i64, Flag>>,
+    /// One flag is being set at a time.
+    loading: AtomicBool,
+    /// Flagged activities: while 0, a purchase takes no lock here.
+    count: AtomicI64,
+    gauge: IntGauge,
+}
+
+impl SoldOut {
+    /// Flags living `ttl` (zero turns the fast path off); `gauge` shows
+    /// how many activities are flagged.
+    pub fn new(ttl: Duration, gauge: IntGauge) -> Self {
+        Self {
+            ttl,
+            flags: RwLock::new(HashMap::new()),
+            loading: AtomicBool::new(false),
+            count: AtomicI64::new(0),
+            gauge,
+        }
+    }
+
+    /// Whether `user_id`'s purchase in `activity_id` is answered SOLD_OUT
+    /// from memory: the activity is flagged and the user has no request
+    /// accepted in it.
+    pub fn refuses(&self, activity_id: i64, user_id: i64) -> bool {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let flags = self.flags.read().unwrap_or_else(|e| e.into_inner());
+        flags.get(&activity_id).is_some_and(|f| {
+            f.since.is_some_and(|t| t.elapsed() < self.ttl) && !f.buyers.contains(&user_id)
+        })
+    }
+
+    /// Redis answered SOLD_OUT for `activity_id`: flags it, reading its
+    /// buyers first unless they are known at the current acceptance count.
+    /// Runs off the request path; a second call while one is loading
+    /// returns at once.
+    pub async fn mark(&self, gate: &RedisGate, activity_id: i64, layout: Layout) {
+        if self.ttl.is_zero() || self.loading.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let result = self.load(gate, activity_id, layout).await;
+        self.loading.store(false, Ordering::Release);
+        if let Err(e) = result {
+            tracing::debug!(error = %e, activity_id, "sold-out flag not set");
+        }
+    }
+
+    async fn load(
+        &self,
+        gate: &RedisGate,
+        activity_id: i64,
+        layout: Layout,
+    ) -> redis::RedisResult<()> {
+        // The count first: an acceptance after it makes the next load read
+        // the buyers again.
+        let generation = gate.acceptances(activity_id, layout).await?;
+        let known = {
+            let flags = self.flags.read().unwrap_or_else(|e| e.into_inner());
+            flags
+                .get(&activity_id)
+                .filter(|f| f.generation == generation)
+                .map(|f| f.buyers.clone())
+        };
+        let buyers = match known {
+            Some(buyers) => buyers,
+            None => Arc::new(gate.buyers(activity_id, layout).await?),
+        };
+        let mut flags = self.flags.write().unwrap_or_else(|e| e.into_inner());
+        flags.insert(
+            activity_id,
+            Flag {
+                since: Some(Instant::now()),
+                buyers,
+                generation,
+            },
+        );
+        self.recount(&flags);
+        Ok(())
+    }
+
+    /// Stock of `activity_id` came back: its next purchase goes to Redis.
+    pub fn clear(&self, activity_id: i64) {
+        let mut flags = self.flags.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = flags.get_mut(&activity_id) {
+            f.since = None;
+        }
+        self.recount(&flags);
+    }
+
+    /// Every flag, and what is known of buyers, goes (the subscription to
+    /// stock returns was down: messages may have been missed).
+    pub fn clear_all(&self) {
+        let mut flags = self.flags.write().unwrap_or_else(|e| e.into_inner());
+        flags.clear();
+        self.recount(&flags);
+    }
+
+    fn recount(&self, flags: &HashMap<i64, Flag>) {
+        let n = flagged(flags);
+        self.count.store(n, Ordering::Release);
+        self.gauge.set(n);
+    }
+}
+
+fn flagged(flags: &HashMap<i64, Flag>) -> i64 {
+    flags.values().filter(|f| f.since.is_some()).count() as i64
+}
+
+/// Listens on [`channel`] and clears the flags of activities whose stock
+/// came back, until `shutdown`. Subscribes on one of `seeds` (a cluster
+/// broadcasts every message to every node), the next one after an error,
+/// clearing every flag first.
+pub async fn listen(
+    seeds: Vec<String>,
+    channel: String,
+    flags: Arc<SoldOut>,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    use futures_util::StreamExt;
+    for seed in seeds.iter().cycle() {
+        flags.clear_all();
+        let subscribed = async {
+            let mut pubsub = redis::Client::open(seed.as_str())?
+                .get_async_pubsub()
+                .await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        }
+        .await;
+        match subscribed {
+            Ok(mut pubsub) => {
+                let mut messages = pubsub.on_message();
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        message = messages.next() => match message {
+                            Some(m) => {
+                                if let Ok(id) = m.get_payload::<i64>() {
+                                    flags.clear(id);
+                                }
+                            }
+                            None => break,
+                        },
+                    }
+                }
+                tracing::warn!("subscription to stock returns lost; resubscribing");
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot subscribe to stock returns"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags(ttl_ms: u64) -> SoldOut {
+        SoldOut::new(
+            Duration::from_millis(ttl_ms),
+            IntGauge::new("g", "g").unwrap(),
+        )
+    }
+
+    fn set(s: &SoldOut, activity: i64, buyers: &[i64]) {
+        let mut flags = s.flags.write().unwrap();
+        flags.insert(
+            activity,
+            Flag {
+                since: Some(Instant::now()),
+                buyers: Arc::new(buyers.iter().copied().collect()),
+                generation: 0,
+            },
+        );
+        s.recount(&flags);
+    }
+
+    #[test]
+    fn a_flag_refuses_only_buyers_without_an_accepted_request_and_only_until_cleared() {
+        let s = flags(60_000);
+        assert!(!s.refuses(1, 5), "nothing flagged");
+        set(&s, 1, &[7]);
+        assert!(s.refuses(1, 5));
+        assert!(!s.refuses(1, 7), "a buyer with an order goes to Redis");
+        assert!(!s.refuses(2, 5), "another activity");
+        s.clear(1);
+        assert!(!s.refuses(1, 5));
+    }
+
+    #[test]
+    fn a_flag_expires_on_its_own() {
+        let s = flags(0);
+        set(&s, 1, &[]);
+        assert!(!s.refuses(1, 5));
+    }
+}

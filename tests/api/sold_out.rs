@@ -1,0 +1,96 @@
+//! The sold-out fast path (admission/soldout.rs): after Redis said
+//! SOLD_OUT, an instance answers from memory without a Redis call, buyers
+//! who have an order still reach Redis, and a release clears the flag on
+//! every instance so the next buyer gets the unit. Flags here live ten
+//! minutes, so only the release's message can clear them.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::helpers::{TestApp, eventually, spawn_app_with};
+
+const FROM_MEMORY: &str = "seckill_admission_total{outcome=\"sold_out_memory\"}";
+const SCRIPT_CALLS: &str = "seckill_admission_script_seconds_count";
+
+async fn app_with_long_flags() -> TestApp {
+    spawn_app_with(|s| s.admission.sold_out_ttl_ms = 600_000).await
+}
+
+/// Buys until Redis has said SOLD_OUT and this instance flagged the
+/// activity; buyers from `first` on, one each.
+async fn flagged(app: &TestApp, activity: i64, first: i64) {
+    let mut buyer = first;
+    eventually(
+        "the activity flagged sold out",
+        Duration::from_secs(30),
+        || {
+            buyer += 1;
+            let buyer = buyer;
+            async move {
+                let (status, body) = app.buy(buyer, activity).await;
+                assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
+                (app.metric("seckill_sold_out_activities").await == Some(1)).then_some(())
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn sold_out_answers_come_from_memory_without_a_redis_call_and_buyers_with_orders_still_reach_redis()
+ {
+    let app = app_with_long_flags().await;
+    let activity = app.live_activity(2, 1, 1).await;
+    let orders = app.buy_as_r_user(activity, 1..=2).await;
+    flagged(&app, activity, 100).await;
+
+    let calls = app.metric(SCRIPT_CALLS).await.unwrap();
+    let answered = app.metric(FROM_MEMORY).await.unwrap_or(0);
+    for buyer in 200..210 {
+        let (status, body) = app.buy(buyer, activity).await;
+        assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
+    }
+    assert_eq!(
+        app.metric(SCRIPT_CALLS).await.unwrap(),
+        calls,
+        "no Redis call"
+    );
+    assert_eq!(app.metric(FROM_MEMORY).await.unwrap(), answered + 10);
+
+    // A buyer with an order: the replay gets it, a new purchase hears
+    // LIMIT_EXCEEDED; both from Redis.
+    let token = app.purchase_token(1, activity).await;
+    let (status, replay) = app
+        .order_retrying(1, activity, &json!({"request_id": "r1", "token": token}))
+        .await;
+    assert_eq!(status, 200, "{replay}");
+    assert_eq!(replay["order_no"], orders[0].as_str());
+    let (status, body) = app.buy(2, activity).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("LIMIT_EXCEEDED"))
+    );
+    assert_eq!(app.metric(SCRIPT_CALLS).await.unwrap(), calls + 2);
+}
+
+#[tokio::test]
+async fn a_unit_released_after_the_sell_out_goes_to_the_next_buyer() {
+    let app = app_with_long_flags().await;
+    let activity = app.live_activity(1, 1, 1).await;
+    let orders = app.buy_as_r_user(activity, 1..=1).await;
+    flagged(&app, activity, 100).await;
+    app.drained(activity, 1).await;
+
+    // The cancel's release announces the unit; every instance's flag goes.
+    assert_eq!(app.cancel(1, &orders[0]).await.status(), 200);
+    eventually("the flag cleared", Duration::from_secs(60), || async {
+        (app.metric("seckill_sold_out_activities").await == Some(0)).then_some(())
+    })
+    .await;
+    let (status, body) = app.buy(300, activity).await;
+    assert_eq!(status, 202, "{body}");
+    let stats = app.drained(activity, 1).await;
+    assert_eq!(stats["redis_available"], 0);
+    assert_eq!(stats["orders"]["CANCELLED"], 1);
+}
