@@ -18,7 +18,8 @@ fn only_reconciled_by_hand(settings: &mut seckill::config::Settings) {
     settings.reconcile.enabled = false;
 }
 
-async fn reconcile(app: &TestApp) -> serde_json::Value {
+/// Runs reconciliation through the admin route; the report of every activity.
+pub async fn reconcile(app: &TestApp) -> serde_json::Value {
     let res = app
         .post_json(
             "/api/v1/admin/reconcile",
@@ -30,7 +31,8 @@ async fn reconcile(app: &TestApp) -> serde_json::Value {
     json(res).await
 }
 
-fn report(all: &serde_json::Value, activity: i64) -> serde_json::Value {
+/// The report of `activity` among `all`.
+pub fn report(all: &serde_json::Value, activity: i64) -> serde_json::Value {
     all["activities"]
         .as_array()
         .unwrap()

@@ -57,22 +57,9 @@ async fn shard_units(app: &TestApp, activity: i64, layout: Layout) -> Vec<i64> {
     units
 }
 
+/// One reconciliation run's report of `activity`.
 async fn reconcile(app: &TestApp, activity: i64) -> serde_json::Value {
-    let res = app
-        .post_json(
-            "/api/v1/admin/reconcile",
-            &json!({}),
-            Some(&app.admin_token()),
-        )
-        .await;
-    assert_eq!(res.status(), 200);
-    json(res).await["activities"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|a| a["activity_id"] == activity)
-        .cloned()
-        .expect("reported")
+    crate::reconcile::report(&crate::reconcile::reconcile(app).await, activity)
 }
 
 #[tokio::test]
