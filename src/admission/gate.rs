@@ -9,7 +9,7 @@
 
 use redis::{RedisResult, Script};
 
-use crate::admission::keys::{ActivityKeys, Layout};
+use crate::admission::keys::{ActivityKeys, Layout, split_evenly};
 use crate::bus::events::OrderRequested;
 use crate::config::{AdmissionSettings, RedisSettings};
 use crate::ids::OrderNo;
@@ -392,8 +392,7 @@ impl RedisGate {
         Ok(credited == 1)
     }
 
-    /// The transfers each shard has lent and not yet settled:
-    /// `(donor, id, home, units, lent at ms)`.
+    /// The transfers the shards have lent and not yet settled.
     async fn transfers(&self, activity_id: i64, layout: Layout) -> RedisResult<Vec<Transfer>> {
         let mut found = Vec::new();
         if !layout.is_sharded() {
@@ -629,7 +628,7 @@ impl RedisGate {
             units += found;
         }
         if layout.is_sharded() {
-            self.write_base_meta(&spec.clone()).await?;
+            self.write_base_meta(spec).await?;
         }
         Ok((warmed_now, units))
     }
@@ -981,9 +980,7 @@ impl RedisGate {
             k.dry(),
         ]);
         pipe.cmd("DEL").arg(stale).ignore();
-        let n = layout.buckets as i64;
-        for b in 0..layout.buckets {
-            let share = units / n + i64::from((b as i64) < units % n);
+        for (b, share) in split_evenly(units, layout.buckets).into_iter().enumerate() {
             pipe.cmd("SET").arg(k.bucket(b)).arg(share).ignore();
         }
         let buyers: Vec<&RestoredOrder> = r

@@ -66,12 +66,19 @@ impl Layout {
     /// How `units` are split over the shards at warm-up (and restore):
     /// evenly, the first shards taking one more.
     pub fn split(self, units: i64) -> Vec<i64> {
-        let n = self.shards as i64;
-        let units = units.max(0);
-        (0..n)
-            .map(|s| units / n + i64::from(s < units % n))
-            .collect()
+        split_evenly(units, self.shards)
     }
+}
+
+/// `units` over `parts` parts (at least one), as evenly as can be: the
+/// first parts take one more. The buckets of a shard are split the same
+/// way (`warmup.lua`).
+pub fn split_evenly(units: i64, parts: usize) -> Vec<i64> {
+    let n = parts.max(1) as i64;
+    let units = units.max(0);
+    (0..n)
+        .map(|i| units / n + i64::from(i < units % n))
+        .collect()
 }
 
 fn splitmix64(x: u64) -> u64 {

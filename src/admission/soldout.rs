@@ -81,7 +81,10 @@ impl SoldOut {
     /// Runs off the request path; a second call while one is loading
     /// returns at once.
     pub async fn mark(&self, gate: &RedisGate, activity_id: i64, layout: Layout) {
-        if self.ttl.is_zero() || self.loading.swap(true, Ordering::AcqRel) {
+        if self.ttl.is_zero() || self.is_fresh(activity_id) {
+            return;
+        }
+        if self.loading.swap(true, Ordering::AcqRel) {
             return;
         }
         let result = self.load(gate, activity_id, layout).await;
@@ -122,6 +125,14 @@ impl SoldOut {
         );
         self.recount(&flags);
         Ok(())
+    }
+
+    fn is_fresh(&self, activity_id: i64) -> bool {
+        let flags = self.flags.read().unwrap_or_else(|e| e.into_inner());
+        flags
+            .get(&activity_id)
+            .and_then(|f| f.since)
+            .is_some_and(|t| t.elapsed() < self.ttl)
     }
 
     /// Stock of `activity_id` came back: its next purchase goes to Redis.

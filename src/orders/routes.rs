@@ -139,11 +139,10 @@ pub async fn place(
     if quantity > meta.per_user_limit {
         return Err(ApiError::bad_request("quantity exceeds the per-user limit"));
     }
+    let now_ms = Utc::now().timestamp_millis();
     // Sold out a moment ago, and this buyer has no order to be told about:
     // answered from memory (admission/soldout.rs).
-    if meta.is_open(Utc::now().timestamp_millis())
-        && state.sold_out.refuses(activity_id, user.user_id.get())
-    {
+    if meta.is_open(now_ms) && state.sold_out.refuses(activity_id, user.user_id.get()) {
         return Err(reject(
             &state,
             "sold_out_memory",
@@ -173,7 +172,6 @@ pub async fn place(
         .filter(|t| is_valid_key(t))
         .unwrap_or("");
 
-    let now_ms = Utc::now().timestamp_millis();
     // Backpressure before Redis is touched: the order consumers are too far
     // behind or stalled (a 202 now would stay PROCESSING for long), the
     // broker acknowledges nothing, or too many purchases await their
