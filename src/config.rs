@@ -157,6 +157,13 @@ pub struct OrderSettings {
     pub batch_size: usize,
     /// Longest wait for a batch to fill, in milliseconds.
     pub batch_wait_ms: u64,
+    /// Batches applied at once, each in its own transaction.
+    #[serde(default = "default_batches_in_flight")]
+    pub batches_in_flight: usize,
+}
+
+fn default_batches_in_flight() -> usize {
+    4
 }
 
 /// Process-level settings.

@@ -8,6 +8,7 @@
 //! Each consumer runs under a supervisor ([`super::watchdog`]) that checks
 //! its progress every second and rebuilds the client when it is stalled.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
@@ -35,6 +36,10 @@ pub struct Subscription {
     pub batch_size: usize,
     /// Longest wait to fill a batch.
     pub batch_wait: Duration,
+    /// Batches applied at once (at least 1). Their offsets are stored in the
+    /// order they were received, each only when it and every batch before
+    /// it are done, so a crash replays at most the batches in flight.
+    pub in_flight: usize,
 }
 
 /// Applies batches of messages.
@@ -250,44 +255,120 @@ async fn run<H: Handler>(
     shutdown: CancellationToken,
 ) {
     let max = sub.batch_size.max(1);
+    let depth = sub.in_flight.max(1);
+    // Batches being applied, oldest first.
+    let mut applying: VecDeque<Applying> = VecDeque::with_capacity(depth);
     loop {
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            m = consumer.recv() => m,
+        busy_since.store(
+            applying.front().map_or(0, |a| a.started_ms),
+            Ordering::Relaxed,
+        );
+        let next = tokio::select! {
+            _ = shutdown.cancelled() => Next::Stop,
+            r = oldest(&mut applying), if !applying.is_empty() => Next::Applied(r),
+            m = consumer.recv(), if applying.len() < depth => Next::Received(m.map(|m| m.detach())),
         };
-        let first = match first {
-            Ok(m) => m.detach(),
-            Err(e) => {
+        match next {
+            Next::Stop => break,
+            Next::Applied(result) => {
+                applying.pop_front();
+                if !stored(&consumer, result) {
+                    return; // shutting down mid-retry: these offsets stay uncommitted
+                }
+            }
+            Next::Received(Err(e)) => {
                 tracing::warn!(error = %e, group = sub.group, "receive failed");
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
             }
-        };
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + sub.batch_wait;
-        while batch.len() < max {
-            match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                Ok(Ok(m)) => batch.push(m.detach()),
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, group = sub.group, "receive failed");
-                    break;
+            Next::Received(Ok(first)) => {
+                let mut batch = vec![first];
+                let deadline = tokio::time::Instant::now() + sub.batch_wait;
+                while batch.len() < max {
+                    match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                        Ok(Ok(m)) => batch.push(m.detach()),
+                        Ok(Err(e)) => {
+                            tracing::warn!(error = %e, group = sub.group, "receive failed");
+                            break;
+                        }
+                        Err(_) => break,
+                    }
                 }
-                Err(_) => break,
-            }
-        }
-        busy_since.store(now_ms(), Ordering::Relaxed);
-        let done = handler.handle(&batch, &shutdown).await;
-        busy_since.store(0, Ordering::Relaxed);
-        if !done {
-            break; // shutting down mid-retry: these offsets stay uncommitted
-        }
-        for m in &batch {
-            if let Err(e) = consumer.store_offset(m.topic(), m.partition(), m.offset()) {
-                // Partition revoked meanwhile: its new owner replays, harmlessly.
-                tracing::debug!(error = %e, "offset not stored");
+                let (handler, stop) = (handler.clone(), shutdown.clone());
+                applying.push_back(Applying {
+                    started_ms: now_ms(),
+                    task: tokio::spawn(async move {
+                        let done = handler.handle(&batch, &stop).await;
+                        (batch, done)
+                    }),
+                });
             }
         }
     }
+    // Stopping: the batches in flight finish (a handler in a retry gives up
+    // at once) and the offsets of those done are stored.
+    while !applying.is_empty() {
+        let result = oldest(&mut applying).await;
+        applying.pop_front();
+        if !stored(&consumer, result) {
+            break;
+        }
+    }
+    busy_since.store(0, Ordering::Relaxed);
+}
+
+/// What the consumer loop does next.
+enum Next {
+    Stop,
+    Applied(Result<(Vec<OwnedMessage>, bool), tokio::task::JoinError>),
+    Received(rdkafka::error::KafkaResult<OwnedMessage>),
+}
+
+/// A batch being applied on a task of its own. Dropping it (the loop
+/// aborted for a rebuild) aborts the task, as the loop's own future would
+/// have been.
+struct Applying {
+    started_ms: i64,
+    task: tokio::task::JoinHandle<(Vec<OwnedMessage>, bool)>,
+}
+
+impl Drop for Applying {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Waits for the oldest batch in flight; never resolves when there is none.
+async fn oldest(
+    applying: &mut VecDeque<Applying>,
+) -> Result<(Vec<OwnedMessage>, bool), tokio::task::JoinError> {
+    match applying.front_mut() {
+        Some(a) => (&mut a.task).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Stores the offsets of an applied batch; false when its handler was
+/// interrupted by shutdown. A handler's panic goes on up, as it would
+/// have from the loop itself.
+fn stored(
+    consumer: &Client,
+    result: Result<(Vec<OwnedMessage>, bool), tokio::task::JoinError>,
+) -> bool {
+    let (batch, done) = match result {
+        Ok(r) => r,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => return false, // aborted: only while the loop itself is dropped
+    };
+    if !done {
+        return false;
+    }
+    for m in &batch {
+        if let Err(e) = consumer.store_offset(m.topic(), m.partition(), m.offset()) {
+            // Partition revoked meanwhile: its new owner replays, harmlessly.
+            tracing::debug!(error = %e, "offset not stored");
+        }
+    }
+    true
 }
 
 fn now_ms() -> i64 {

@@ -74,11 +74,25 @@ impl ConsumerDeps {
         batch_wait: Duration,
         handler: H,
     ) -> anyhow::Result<ConsumerHandle> {
+        self.subscribe_in_flight(group, topic, batch_size, batch_wait, 1, handler)
+    }
+
+    /// As [`Self::subscribe`], applying up to `in_flight` batches at once.
+    pub fn subscribe_in_flight<H: Handler>(
+        &self,
+        group: &'static str,
+        topic: &str,
+        batch_size: usize,
+        batch_wait: Duration,
+        in_flight: usize,
+        handler: H,
+    ) -> anyhow::Result<ConsumerHandle> {
         let sub = Subscription {
             group,
             topic: topic.to_owned(),
             batch_size,
             batch_wait,
+            in_flight,
         };
         runner::spawn(&self.settings.kafka, sub, handler, self.supervision.clone())
     }
@@ -88,11 +102,12 @@ impl ConsumerDeps {
 pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
     let orders = &deps.settings.orders;
     let wait = Duration::from_millis(orders.batch_wait_ms);
-    deps.subscribe(
+    deps.subscribe_in_flight(
         CONSUMER,
         &deps.topics.order_requested,
         orders.batch_size,
         wait,
+        orders.batches_in_flight,
         OrderCreator(deps.clone()),
     )
 }
@@ -216,12 +231,14 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
         .collect::<HashSet<_>>()
         .into_iter()
         .collect();
+    let started = std::time::Instant::now();
     // The layouts first: where each reservation lives in Redis.
     let terms = store::run(&deps.db, move |conn| {
         Ok(repo::activity_terms(conn, &activity_ids)?)
     })
     .await?;
     let released = released_reservations(&deps.gate, &terms, events).await?;
+    let db_started = std::time::Instant::now();
     let owned = events.to_vec();
     let (outcome, terms, statuses) = store::run(&deps.db, move |conn| {
         let outcome = repo::apply_batch(conn, CONSUMER, &owned, &terms, &released, Utc::now())?;
@@ -229,6 +246,7 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
         Ok((outcome, terms, repo::statuses(conn, &order_nos)?))
     })
     .await?;
+    let db = db_started.elapsed();
 
     // Reservations follow the rows: kept for live orders, released for
     // FAILED ones and for events that produced no row.
@@ -262,6 +280,7 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
             }
         }
     }
+    tracing::debug!(events = events.len(), total = ?started.elapsed(), db = ?db, "order batch applied");
     Ok(outcome)
 }
 

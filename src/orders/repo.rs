@@ -216,8 +216,12 @@ pub fn apply_batch(
             coupon_locked.iter().filter(|o| !inserted.contains(o)).copied().collect();
         unlock_coupons(conn, &orphaned)?;
 
-        // Stock for the inserted WAITING_PAY orders, per activity.
-        // Stock rows locked in id order: concurrent batches never deadlock.
+        // Stock for the inserted WAITING_PAY orders, per activity. Their
+        // LOCK rows go in first, before any stock row is locked: a
+        // concurrent batch of the same activity waits on that row only for
+        // the update, the limit check and the commit. The rows of orders
+        // that get no stock, or go over the limit, go again below (in this
+        // transaction, so no one ever sees them).
         let mut by_activity: BTreeMap<i64, Vec<(i64, i32)>> = BTreeMap::new();
         for i in 0..rows.order_no.len() {
             if inserted.contains(&rows.order_no[i]) && rows.status[i] == "WAITING_PAY" {
@@ -227,18 +231,20 @@ pub fn apply_batch(
                     .push((rows.order_no[i], rows.quantity[i]));
             }
         }
-        let mut locked: Vec<(i64, i64, i32)> = Vec::new();
+        let mut locked: Vec<(i64, i64, i32)> = by_activity
+            .iter()
+            .flat_map(|(&a, orders)| orders.iter().map(move |&(o, q)| (a, o, q)))
+            .collect();
+        insert_lock_flows(conn, &locked)?;
+        // Stock rows locked in id order: concurrent batches never deadlock.
         let mut unbacked: Vec<i64> = Vec::new();
         for (activity_id, orders) in by_activity {
             let units: i32 = orders.iter().map(|(_, q)| q).sum();
             if move_to_locked(conn, activity_id, units)? {
-                locked.extend(orders.iter().map(|&(o, q)| (activity_id, o, q)));
                 continue;
             }
             for (order_no, quantity) in orders {
-                if move_to_locked(conn, activity_id, quantity)? {
-                    locked.push((activity_id, order_no, quantity));
-                } else {
+                if !move_to_locked(conn, activity_id, quantity)? {
                     unbacked.push(order_no);
                 }
             }
@@ -249,6 +255,7 @@ pub fn apply_batch(
         // holds it even if Redis lost its holdings. The stock rows are locked
         // by now, so a concurrent batch of the same activity waits here and
         // then sees this one's rows.
+        locked.retain(|(_, o, _)| !unbacked.contains(o));
         let over = over_limit(conn, &locked)?;
         if !over.is_empty() {
             fail_orders(conn, &over.iter().map(|o| o.order_no).collect::<Vec<_>>(), LIMIT_EXCEEDED)?;
@@ -267,17 +274,15 @@ pub fn apply_batch(
             }
             locked.retain(|(_, o, _)| !over.iter().any(|v| v.order_no == *o));
         }
-        if !locked.is_empty() {
-            let (a, o, q): (Vec<i64>, Vec<i64>, Vec<i32>) = unzip3(&locked);
-            // No ON CONFLICT: a second LOCK for one order must abort the batch.
-            diesel::sql_query(
-                "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) \
-                 SELECT a, 'LOCK', o, q FROM unnest($1::bigint[], $2::bigint[], $3::int[]) AS t(a, o, q)",
-            )
-            .bind::<Array<BigInt>, _>(&a)
-            .bind::<Array<BigInt>, _>(&o)
-            .bind::<Array<Integer>, _>(&q)
-            .execute(conn)?;
+        let unlocked: Vec<i64> = unbacked
+            .iter()
+            .copied()
+            .chain(over.iter().map(|o| o.order_no))
+            .collect();
+        if !unlocked.is_empty() {
+            diesel::sql_query("DELETE FROM stock_flow WHERE biz_type = 'LOCK' AND biz_no = ANY($1)")
+                .bind::<Array<BigInt>, _>(&unlocked)
+                .execute(conn)?;
         }
         outcome.created = locked.len();
         outcome.failed = inserted.len() - locked.len();
@@ -439,6 +444,24 @@ fn move_to_locked(conn: &mut PgConn, activity_id: i64, units: i32) -> QueryResul
     .bind::<Integer, _>(units)
     .execute(conn)?;
     Ok(n == 1)
+}
+
+/// The LOCK rows of `orders` (activity, order_no, quantity). No ON
+/// CONFLICT: a second LOCK for one order must abort the batch.
+fn insert_lock_flows(conn: &mut PgConn, orders: &[(i64, i64, i32)]) -> QueryResult<()> {
+    if orders.is_empty() {
+        return Ok(());
+    }
+    let (a, o, q) = unzip3(orders);
+    diesel::sql_query(
+        "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) \
+         SELECT a, 'LOCK', o, q FROM unnest($1::bigint[], $2::bigint[], $3::int[]) AS t(a, o, q)",
+    )
+    .bind::<Array<BigInt>, _>(&a)
+    .bind::<Array<BigInt>, _>(&o)
+    .bind::<Array<Integer>, _>(&q)
+    .execute(conn)?;
+    Ok(())
 }
 
 fn unzip3(v: &[(i64, i64, i32)]) -> (Vec<i64>, Vec<i64>, Vec<i32>) {

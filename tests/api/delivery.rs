@@ -1,21 +1,24 @@
 //! Kafka delivery faults: duplicates, garbage, an unreachable broker and a
 //! consumer killed mid-stream (SPEC steps 2–3, I4, I5).
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::{StreamExt, stream};
 use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::Headers;
+use rdkafka::message::{Headers, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::bus::events::OrderRequested;
+use seckill::bus::runner::Handler;
 use seckill::bus::{Producer, PublishError, Topics, client_config};
 use seckill::config::Settings;
 use seckill::ids::OrderNo;
 use seckill::orders::consumer::{self, ConsumerDeps};
 use serde_json::json;
+use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{TestApp, eventually, heal_within_the_drain, json, spawn_app, spawn_app_with};
 use crate::wire::FaultProxy;
@@ -679,4 +682,102 @@ async fn a_purchase_whose_event_the_broker_refused_is_accepted_only_once_its_eve
     let stats = app.drained(activity, 2).await;
     app.assert_each_order_once(&stats, 2).await;
     assert_eq!(app.order_status(1, &order_no).await, "WAITING_PAY");
+}
+
+/// Holds (until shutdown) any batch with the topic's first message in it,
+/// as a handler stuck retrying a database would; records every message of
+/// the batches it applies.
+struct HoldTheFirst {
+    hold: bool,
+    applied: Arc<Mutex<Vec<i64>>>,
+}
+
+impl Handler for HoldTheFirst {
+    async fn handle(&self, batch: &[OwnedMessage], shutdown: &CancellationToken) -> bool {
+        if self.hold && batch.iter().any(|m| m.offset() == 0) {
+            shutdown.cancelled().await;
+            return false; // interrupted: its offsets must not be stored
+        }
+        self.applied
+            .lock()
+            .unwrap()
+            .extend(batch.iter().map(|m| m.offset()));
+        true
+    }
+}
+
+#[tokio::test]
+async fn batches_applied_at_once_store_offsets_in_order_so_a_batch_behind_a_stuck_one_is_replayed()
+{
+    let app = spawn_app_with(crate::helpers::without_order_consumer).await;
+    // A topic no consumer of the service reads, one partition of it.
+    let topic = Topics::new(&app.settings.kafka.topic_prefix).order_requested_dlq;
+    let producer = producer(&app);
+    for i in 0..10 {
+        let payload = format!("message {i}");
+        producer
+            .send(
+                FutureRecord::to(&topic)
+                    .key("k")
+                    .payload(&payload)
+                    .partition(0),
+                Timeout::After(Duration::from_secs(10)),
+            )
+            .await
+            .expect("produced");
+    }
+    let deps = ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let group = "in-flight-order";
+    let subscribe = |hold: bool, applied: Arc<Mutex<Vec<i64>>>| {
+        deps.subscribe_in_flight(
+            group,
+            &topic,
+            5,
+            Duration::from_millis(200),
+            3,
+            HoldTheFirst { hold, applied },
+        )
+        .unwrap()
+    };
+
+    // The first batch is stuck; the ones behind it are applied.
+    let applied = Arc::new(Mutex::new(Vec::new()));
+    let first = subscribe(true, applied.clone());
+    eventually(
+        "a batch behind the stuck one applied",
+        Duration::from_secs(60),
+        || async { (!applied.lock().unwrap().is_empty()).then_some(()) },
+    )
+    .await;
+    first.stop().await; // closing commits whatever offsets were stored
+    let behind = applied.lock().unwrap().clone();
+    assert!(behind.iter().all(|&o| o > 0), "{behind:?}");
+    let kafka = &app.settings.kafka;
+    let progress = Arc::new(
+        seckill::bus::progress::GroupProgress::new(
+            kafka,
+            &seckill::bus::group_id(kafka, group),
+            &topic,
+        )
+        .unwrap(),
+    );
+    assert_eq!(
+        progress.lag().await.unwrap(),
+        10,
+        "nothing committed past the stuck batch, though {behind:?} were applied"
+    );
+
+    // The next client replays them all, those applied before included.
+    let replayed = Arc::new(Mutex::new(Vec::new()));
+    let second = subscribe(false, replayed.clone());
+    let all = eventually("all ten applied again", Duration::from_secs(60), || async {
+        let mut seen = replayed.lock().unwrap().clone();
+        seen.sort_unstable();
+        (seen.len() >= 10).then_some(seen)
+    })
+    .await;
+    assert_eq!(all, (0..10).collect::<Vec<i64>>());
+    app.caught_up(group, "order.requested.dlq").await;
+    second.stop().await;
+    let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
 }
