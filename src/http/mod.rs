@@ -30,31 +30,54 @@ pub struct RequestId(pub String);
 pub fn routes(cfg: &mut web::ServiceConfig) {
     // `web::resource` (not `cfg.route`) so a known path with the wrong method
     // answers 405, not 404.
-    cfg.service(web::resource("/health/live").get(health::live))
-        .service(web::resource("/health/ready").get(health::ready))
-        .service(web::resource("/metrics").get(health::metrics))
-        .service(web::resource("/api/v1/openapi.json").get(openapi))
-        .service(web::resource("/api/v1/me").get(me))
-        .service(web::resource("/api/v1/admin/me").get(admin_me))
-        .service(web::resource("/api/v1/admin/activities").post(activities::create))
-        .service(web::resource("/api/v1/admin/activities/{id}/warmup").post(activities::warmup))
-        .service(web::resource("/api/v1/admin/activities/{id}/stats").get(activities::stats))
-        .service(web::resource("/api/v1/activities/{id}").get(activities::show))
-        .service(web::resource("/api/v1/activities/{id}/token").get(activities::token))
-        .service(web::resource("/api/v1/activities/{id}/orders").post(orders::place))
-        .service(web::resource("/api/v1/orders").get(orders::list))
-        .service(web::resource("/api/v1/orders/{order_no}").get(orders::show))
-        .service(web::resource("/api/v1/orders/{order_no}/cancel").post(orders::cancel))
-        .service(web::resource("/api/v1/orders/{order_no}/pay").post(payments::pay))
-        .service(web::resource("/api/v1/payments/notify").post(payments::notify))
-        .service(
-            web::resource("/api/v1/dev/payments/{payment_no}/simulate").post(payments::simulate),
-        )
-        .service(web::resource("/api/v1/admin/reconcile").post(crate::reconcile::route))
-        .service(web::resource("/api/v1/admin/coupons").post(coupons::create))
-        .service(web::resource("/api/v1/admin/coupons/{id}/stats").get(coupons::stats))
-        .service(web::resource("/api/v1/coupons/mine").get(coupons::mine))
-        .service(web::resource("/api/v1/coupons/{id}/claim").post(coupons::claim));
+    cfg.service(resource("/health/live").get(health::live))
+        .service(resource("/health/ready").get(health::ready))
+        .service(resource("/metrics").get(health::metrics))
+        .service(resource("/api/v1/openapi.json").get(openapi))
+        .service(resource("/api/v1/me").get(me))
+        .service(resource("/api/v1/admin/me").get(admin_me))
+        .service(resource("/api/v1/admin/activities").post(activities::create))
+        .service(resource("/api/v1/admin/activities/{id}/warmup").post(activities::warmup))
+        .service(resource("/api/v1/admin/activities/{id}/stats").get(activities::stats))
+        .service(resource("/api/v1/activities/{id}").get(activities::show))
+        .service(resource("/api/v1/activities/{id}/token").get(activities::token))
+        .service(resource("/api/v1/activities/{id}/orders").post(orders::place))
+        .service(resource("/api/v1/orders").get(orders::list))
+        .service(resource("/api/v1/orders/{order_no}").get(orders::show))
+        .service(resource("/api/v1/orders/{order_no}/cancel").post(orders::cancel))
+        .service(resource("/api/v1/orders/{order_no}/pay").post(payments::pay))
+        .service(resource("/api/v1/payments/notify").post(payments::notify))
+        .service(resource("/api/v1/dev/payments/{payment_no}/simulate").post(payments::simulate))
+        .service(resource("/api/v1/admin/reconcile").post(crate::reconcile::route))
+        .service(resource("/api/v1/admin/coupons").post(coupons::create))
+        .service(resource("/api/v1/admin/coupons/{id}/stats").get(coupons::stats))
+        .service(resource("/api/v1/coupons/mine").get(coupons::mine))
+        .service(resource("/api/v1/coupons/{id}/claim").post(coupons::claim));
+}
+
+/// The pattern of the resource a request was routed to: the route label
+/// of the HTTP metrics, set by the resource itself ([`resource`]) so the
+/// path is never matched against the router a second time.
+#[derive(Clone, Copy)]
+struct RouteLabel(&'static str);
+
+/// `web::resource(path)`, labelling its requests with `path`.
+fn resource(
+    path: &'static str,
+) -> actix_web::Resource<
+    impl actix_web::dev::ServiceFactory<
+        ServiceRequest,
+        Config = (),
+        Response = ServiceResponse,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    web::resource(path).wrap_fn(move |req, srv| {
+        req.extensions_mut().insert(RouteLabel(path));
+        tracing::Span::current().record("route", path);
+        srv.call(req)
+    })
 }
 
 /// Extractor configs whose failures answer in the API error shape.
@@ -98,24 +121,30 @@ where
         // Not a secret: a thread-local PRNG, no getrandom syscall per request.
         .unwrap_or_else(|| format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..)));
     req.extensions_mut().insert(RequestId(request_id.clone()));
-    let route = req
-        .match_pattern()
-        .unwrap_or_else(|| "unmatched".to_owned());
-    let method = req.method().as_str().to_owned();
-    let span =
-        tracing::info_span!("http", request_id = %request_id, method = %method, route = %route);
+    let method = req.method().clone();
+    let span = tracing::info_span!(
+        "http",
+        request_id = %request_id,
+        method = %method,
+        route = tracing::field::Empty
+    );
     let started = Instant::now();
     let call = srv.call(req).instrument(span);
     async move {
         let mut res = call.await?;
+        let route = res
+            .request()
+            .extensions()
+            .get::<RouteLabel>()
+            .map_or("unmatched", |r| r.0);
 
         metrics
             .http_duration
-            .with_label_values(&[route.as_str(), method.as_str()])
+            .with_label_values(&[route, method.as_str()])
             .observe(started.elapsed().as_secs_f64());
         metrics
             .http_requests
-            .with_label_values(&[route.as_str(), method.as_str(), res.status().as_str()])
+            .with_label_values(&[route, method.as_str(), res.status().as_str()])
             .inc();
         if let Ok(value) = HeaderValue::from_str(&request_id) {
             res.headers_mut().insert(REQUEST_ID, value);
