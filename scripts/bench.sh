@@ -9,7 +9,8 @@
 # Rows (see BENCHMARKS.md):
 #   1 ceiling: redis-benchmark running our reserve script (EVALSHA)
 #   2 ceiling: a trivial actix-web handler (examples/plain.rs) under the load generator
-#   3 ceiling: pgbench inserting order-shaped rows, one per transaction and 100 per transaction
+#   3 ceiling: pgbench inserting order-shaped rows, one per transaction and 100 per transaction;
+#     3c: the three rows one order of the drain writes, 100 orders per transaction
 #   4 the naive baseline (examples/naive.rs) under the load generator
 #   5 our admission path under the load generator
 #   5c an open loop (fixed arrival rate, latency from the intended send
@@ -61,7 +62,8 @@ $BIN migrate >/dev/null
 
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
+# At the end, this run's Redis keys go too (reservations live for days).
+trap 'cleanup; scripts/services.sh forget "$RUN:" >/dev/null 2>&1 || true' EXIT
 # start NAME PORT CMD...: runs CMD in the background, waits for the port.
 start() {
   local name=$1 port=$2; shift 2
@@ -77,6 +79,22 @@ stop_all() { cleanup; PIDS=(); }
 # The load generator's JSON report (its last line).
 loadgen() { $BIN loadgen --json "$@" 2>/dev/null | tee -a "$OUT/loadgen.txt" | tail -n 1; }
 field() { python3 -c "import json,sys; print(json.loads(sys.argv[1])$2)" "$1"; }
+
+# --profile: perf samples (cpu-clock: this kind of machine has no hardware
+# counters) of one process with DWARF call stacks, a flat report and a
+# flame graph (inferno, installed from crates.io when missing).
+profile_start() {
+  perf record -e cpu-clock -F 499 --call-graph dwarf,16384 -p "$2" -o "$OUT/$1.perf" >/dev/null 2>&1 &
+  PERF=$!
+}
+profile_stop() {
+  kill -INT "$PERF"; wait "$PERF" 2>/dev/null || true
+  perf report -i "$OUT/$1.perf" --stdio --no-children --sort dso,symbol 2>/dev/null \
+    | grep -E '^ +[0-9]' | head -n 60 >"$OUT/$1-profile.txt" || true
+  command -v inferno-flamegraph >/dev/null || cargo install --quiet --locked inferno >&2
+  perf script -i "$OUT/$1.perf" 2>/dev/null | inferno-collapse-perf >"$OUT/$1.folded"
+  inferno-flamegraph --title "seckill $1 ($(git rev-parse --short HEAD))" <"$OUT/$1.folded" >"$OUT/$1.svg"
+}
 
 # Row 7: one hot activity on the 3-master cluster, SHARDS STOCK FIRST_USER.
 # Its report gets `master_cpu`: each master's CPU seconds over the run's wall
@@ -154,10 +172,22 @@ INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount
 SELECT n, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes'
 FROM (SELECT nextval('bench_seq') AS n FROM generate_series(1, 100)) s;
 EOF
+# What one order of the drain writes, 100 orders per transaction: its row,
+# its consume_log row and its stock_flow LOCK row (the stock row update is
+# per batch, left out).
+cat >"$OUT/batch3.sql" <<EOF
+WITH s AS (SELECT nextval('bench_seq') AS n FROM generate_series(1, 100)),
+o AS (INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
+  SELECT n, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes' FROM s RETURNING order_no),
+c AS (INSERT INTO consume_log (event_id, consumer) SELECT 'e' || order_no, 'pgbench' FROM o)
+INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) SELECT $AID, 'LOCK', order_no, 1 FROM o;
+EOF
 pgb() { pgbench -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -n -c 16 -j 2 -T "$PG_SECONDS" -f "$1" "$DB" 2>&1 \
   | grep -E '^tps' | head -n 1 | grep -oE '[0-9]+\.[0-9]+' | head -n 1; }
 PG_SINGLE_TPS=$(pgb "$OUT/single.sql")
 PG_BATCH_TPS=$(pgb "$OUT/batch.sql")
+PG_ORDER_TPS=$(pgb "$OUT/batch3.sql")
+PG_ORDERS=$(python3 -c "print(round($PG_ORDER_TPS * 100))")
 PG_SINGLE=$(python3 -c "print(round($PG_SINGLE_TPS))")
 PG_BATCH=$(python3 -c "print(round($PG_BATCH_TPS * 100))")
 
@@ -168,15 +198,9 @@ stop_all
 
 say "5/7 seckill admission: $USERS buyers, $STOCK units, concurrency $CONC"
 start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
-if [ "$PROFILE" = 1 ]; then
-  perf record -e cpu-clock -F 499 -g -p "${PIDS[-1]}" -o "$OUT/perf.data" >/dev/null 2>&1 &
-  PERF=$!
-fi
+[ "$PROFILE" = 1 ] && profile_start admission "${PIDS[-1]}"
 OURS=$(loadgen --url http://127.0.0.1:18080 --users "$USERS" --stock "$STOCK" --concurrency "$CONC" --first-user 1000000)
-if [ "$PROFILE" = 1 ]; then
-  kill -INT "$PERF"; wait "$PERF" 2>/dev/null || true
-  perf report -i "$OUT/perf.data" --stdio --no-children --sort dso,symbol 2>/dev/null | grep -E '^ +[0-9]' | head -n 40 >"$OUT/profile.txt" || true
-fi
+[ "$PROFILE" = 1 ] && profile_stop admission
 stop_all
 
 HALF=$(python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['per_sec'] / 2))" "$OURS")
@@ -212,12 +236,14 @@ stats() { curl -s "http://127.0.0.1:18080/api/v1/admin/activities/$ACT/stats" -H
 T0=$(date +%s.%N)
 $BIN consume >"$OUT/consume.log" 2>&1 &
 PIDS+=($!)
+[ "$PROFILE" = 1 ] && profile_start drain "${PIDS[-1]}"
 while :; do
   done_=$(stats | python3 -c "import json,sys; d=json.load(sys.stdin); print(int(d['orders']['WAITING_PAY']==$DRAIN and d['reservations_open']==0))")
   [ "$done_" = 1 ] && break
   sleep 0.05
 done
 T1=$(date +%s.%N)
+[ "$PROFILE" = 1 ] && profile_stop drain
 DRAIN_RATE=$(python3 -c "print(round($DRAIN / ($T1 - $T0)))")
 DRAIN_SECS=$(python3 -c "print(round($T1 - $T0, 2))")
 stop_all
@@ -229,11 +255,12 @@ HOT1F=$(hot 1 "$USERS" 7200000)
 HOT3F=$(hot 3 "$USERS" 7300000)
 
 python3 - "$REDIS_RPS" "$PLAIN" "$PG_SINGLE" "$PG_BATCH" "$NAIVE" "$OURS" "$DRAIN_RATE" "$DRAIN_SECS" "$DRAIN" "$USERS" "$STOCK" "$CONC" "$TWO" \
-  "$HOT1" "$HOT3" "$HOT1F" "$HOT3F" "$OPEN" <<'EOF'
+  "$HOT1" "$HOT3" "$HOT1F" "$HOT3F" "$OPEN" "$PG_ORDERS" <<'EOF'
 import json, sys
 redis, plain, pg1, pgb, naive, ours, drain, drain_s, drain_n, users, stock, conc, two = sys.argv[1:14]
 plain, naive, ours, two = json.loads(plain), json.loads(naive), json.loads(ours), json.loads(two)
 hot1, hot3, hot1f, hot3f, opn = (json.loads(a) for a in sys.argv[14:19])
+pgo = int(sys.argv[19])
 redis, pg1, pgb, drain = float(redis), int(pg1), int(pgb), int(drain)
 def lat(r): return f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"
 def hotput(r): return f"{r['per_sec']:,.0f} purchases/s; masters' CPU {'/'.join(str(c) for c in r['master_cpu'])} of a core"
@@ -243,6 +270,7 @@ rows = [
   ("2 ceiling: trivial actix-web handler, same load generator", f"{plain['per_sec']:,.0f} req/s", lat(plain), "-"),
   ("3 ceiling: pgbench order inserts, 1 row/txn", f"{pg1:,} rows/s", "-", "-"),
   ("3 ceiling: pgbench order inserts, 100 rows/txn", f"{pgb:,} rows/s", "-", "-"),
+  ("3c ceiling: pgbench, an order's three rows (orders, consume_log, stock_flow), 100 orders/txn", f"{pgo:,} orders/s", "-", "-"),
   ("4 naive baseline (sync DB transaction per purchase)", f"{naive['per_sec']:,.0f} purchases/s", lat(naive), ok(naive)),
   ("5 seckill admission (Redis Lua + Kafka)", f"{ours['per_sec']:,.0f} purchases/s", lat(ours), ok(ours)),
   (f"5c open loop at {opn['rate']:,.0f}/s (half of 5), {opn['requests']:,} buyers; p50 / p99 / p99.9 ms from the intended send time", f"{opn['per_sec']:,.0f} purchases/s", f"{opn['p50_ms']:.1f} / {opn['p99_ms']:.1f} / {opn['p999_ms']:.1f}", ok(opn)),
@@ -267,9 +295,10 @@ print(f"| 2 instances / 1 instance | {two['per_sec']/ours['per_sec']:.2f}x |")
 print(f"| hot activity, 3 shards / 1 shard | {hot3['per_sec']/hot1['per_sec']:.2f}x |")
 print(f"| hot activity, every buyer served, 3 shards / 1 shard | {hot3f['per_sec']/hot1f['per_sec']:.2f}x |")
 print(f"| drain / pgbench batched insert ceiling | {drain/pgb:.0%} |")
+print(f"| drain / pgbench three-row order ceiling (3c) | {drain/pgo:.0%} |")
 print(f"| drain / pgbench single-row insert ceiling | {drain/pg1:.1f}x |")
 EOF
 echo
 echo "logs and raw output: $OUT"
-[ "$PROFILE" = 1 ] && echo "profile of the admission run: $OUT/profile.txt"
+[ "$PROFILE" = 1 ] && echo "profiles: $OUT/{admission,drain}-profile.txt, flame graphs: $OUT/{admission,drain}.svg"
 exit 0

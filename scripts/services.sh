@@ -5,6 +5,7 @@
 #   scripts/services.sh up --redis-cluster
 #                                    also a 3-master Redis Cluster (Redis port + 1000..1002);
 #                                    `scripts/services.sh cluster-url` prints its redis.url
+#   scripts/services.sh forget PREFIX  unlink the Redis keys under PREFIX (SCAN, not KEYS)
 #   scripts/services.sh down         stop what this script started (nothing else)
 #   scripts/services.sh stop NAME    stop one of them: redis, postgres or kafka
 #   scripts/services.sh status       where each listens, where its log is
@@ -363,6 +364,20 @@ case "${1:-}" in
   cluster-url)
     load_settings
     cluster_url
+    ;;
+  forget)
+    # forget PREFIX: unlink every key starting with PREFIX on the server
+    # and on each running cluster master, with SCAN (never KEYS, which
+    # stops the server for everyone while it walks a big keyspace).
+    load_settings
+    prefix=${2:?forget PREFIX}
+    for port in "$REDIS_PORT" $(cluster_ports); do
+      redis-cli -h "$REDIS_HOST" -p "$port" PING >/dev/null 2>&1 || continue
+      # One UNLINK per key: a cluster master refuses keys of several slots
+      # in one command.
+      redis-cli -h "$REDIS_HOST" -p "$port" --scan --pattern "$prefix*" \
+        | sed 's/^/UNLINK /' | redis-cli -h "$REDIS_HOST" -p "$port" >/dev/null
+    done
     ;;
   down)
     load_settings
