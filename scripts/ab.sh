@@ -2,7 +2,7 @@
 # One side of an A/B: runs a `seckill` binary (this one, or an older build
 # with its own config folder) under the load generator of this checkout.
 #
-#   scripts/ab.sh admission BIN [CONFIG_DIR] [STOCK]  # BIN serve, then loadgen: 20 000 buyers
+#   scripts/ab.sh admission BIN [CONFIG_DIR] [STOCK]  # BIN serve, then loadgen: 20 000 buyers (AB_USERS=N: N)
 #   scripts/ab.sh drain BIN [CONFIG_DIR]              # 50 000 queued orders, then time BIN consume
 #
 # An older build: `git worktree add /tmp/old REV && (cd /tmp/old &&
@@ -39,7 +39,7 @@ serve() { # PORT BIN CONFIG_DIR ARGS...: serve in the background until ready
 case "$MODE" in
   admission)
     serve 18091 "$BIN" "$CONF"
-    $NEW loadgen --url http://127.0.0.1:18091 --users 20000 --stock "$STOCK" --concurrency 256 --json 2>/dev/null \
+    $NEW loadgen --url http://127.0.0.1:18091 --users "${AB_USERS:-20000}" --stock "$STOCK" --concurrency 256 --json 2>/dev/null \
       | tail -1 | python3 -c "import json,sys; r=json.load(sys.stdin); print('$BIN', round(r['per_sec']), 'purchases/s, p50', round(r['p50_ms'],1), 'ms, p99', round(r['p99_ms'],1), 'ms, invariants', r['invariants_ok'])"
     ;;
   drain)

@@ -3,7 +3,8 @@
 # this machine and against the naive synchronous design, in ONE run.
 #
 #   scripts/bench.sh [--users N] [--stock S] [--concurrency C] [--drain N]
-#                    [--pg-seconds S] [--profile]
+#                    [--pg-seconds S]
+#   scripts/bench.sh --profile      # perf profiles and flame graphs of admission and drain, no table
 #   scripts/bench.sh --hot-only N   # rows 7a-7d only, N times, alternating
 #
 # Rows (see BENCHMARKS.md):
@@ -89,8 +90,8 @@ profile_start() {
 }
 profile_stop() {
   kill -INT "$PERF"; wait "$PERF" 2>/dev/null || true
-  perf report -i "$OUT/$1.perf" --stdio --no-children --sort dso,symbol 2>/dev/null \
-    | grep -E '^ +[0-9]' | head -n 60 >"$OUT/$1-profile.txt" || true
+  perf report -i "$OUT/$1.perf" --stdio --no-children -g none --sort dso,symbol 2>/dev/null \
+    | grep -E '^ +[0-9]' | sed 's/ *$//' | head -n 60 >"$OUT/$1-profile.txt" || true
   command -v inferno-flamegraph >/dev/null || cargo install --quiet --locked inferno >&2
   perf script -i "$OUT/$1.perf" 2>/dev/null | inferno-collapse-perf >"$OUT/$1.folded"
   inferno-flamegraph --title "seckill $1 ($(git rev-parse --short HEAD))" <"$OUT/$1.folded" >"$OUT/$1.svg"
@@ -122,6 +123,44 @@ masters_cpu() {
     redis-cli -h 127.0.0.1 -p "$port" INFO cpu | awk -F: '/^used_cpu_(sys|user):/ {s += $2} END {printf "%.3f ", s}'
   done
 }
+if [ "$PROFILE" = 1 ]; then
+  # Profiles only (perf slows what it watches: no table from this run).
+  # Admission: ten times the buyers of row 5, so the sold-out steady state
+  # gets thousands of samples. Drain: row 6's queue.
+  P_USERS=$((USERS * 10))
+  say "profile: admission, $P_USERS buyers, $STOCK units, concurrency $CONC"
+  start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
+  # Sampled from the purchases on: the token phase before them is not
+  # the admission path.
+  SERVE_PID=${PIDS[-1]}
+  $BIN loadgen --json --url http://127.0.0.1:18080 --users "$P_USERS" --stock "$STOCK" --concurrency "$CONC" \
+    --first-user 20000000 >"$OUT/profile-loadgen.json" 2>"$OUT/profile-loadgen.err" &
+  LG=$!
+  until grep -q '^buying:' "$OUT/profile-loadgen.err"; do sleep 0.05; done
+  profile_start admission "$SERVE_PID"
+  wait "$LG"
+  profile_stop admission
+  tail -n 1 "$OUT/profile-loadgen.json" >&2
+  stop_all
+  say "profile: drain of $DRAIN queued orders"
+  start serve 18080 env SECKILL__APP__PORT=18080 SECKILL__ADMISSION__MAX_CONSUMER_LAG=0 \
+    SECKILL__KAFKA__CONSUMER_STALL_SECS=0 $BIN serve --no-consumer
+  QUEUED=$(loadgen --url http://127.0.0.1:18080 --users "$DRAIN" --stock "$DRAIN" --concurrency "$CONC" --first-user 30000000 --no-check)
+  ACT=$(field "$QUEUED" "['activity_id']")
+  ADMIN=$($BIN token --admin)
+  $BIN consume >"$OUT/consume.log" 2>&1 &
+  PIDS+=($!)
+  profile_start drain "${PIDS[-1]}"
+  until curl -s "http://127.0.0.1:18080/api/v1/admin/activities/$ACT/stats" -H "Authorization: Bearer $ADMIN" \
+      | python3 -c "import json,sys; d=json.load(sys.stdin); sys.exit(0 if d['orders']['WAITING_PAY']==$DRAIN and d['reservations_open']==0 else 1)"; do
+    sleep 0.1
+  done
+  profile_stop drain
+  stop_all
+  echo "profiles: $OUT/{admission,drain}-profile.txt; flame graphs: $OUT/{admission,drain}.svg"
+  exit 0
+fi
+
 if [ "$HOT_ONLY" != 0 ]; then
   say "rows 7a-7d, $HOT_ONLY times, alternating 1 and 3 shards"
   echo "| run | 7a 1 shard | 7b 3 shards | 7b/7a | 7c 1 shard, all served | 7d 3 shards, all served | 7d/7c |"
@@ -198,9 +237,7 @@ stop_all
 
 say "5/7 seckill admission: $USERS buyers, $STOCK units, concurrency $CONC"
 start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
-[ "$PROFILE" = 1 ] && profile_start admission "${PIDS[-1]}"
 OURS=$(loadgen --url http://127.0.0.1:18080 --users "$USERS" --stock "$STOCK" --concurrency "$CONC" --first-user 1000000)
-[ "$PROFILE" = 1 ] && profile_stop admission
 stop_all
 
 HALF=$(python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['per_sec'] / 2))" "$OURS")
@@ -236,14 +273,12 @@ stats() { curl -s "http://127.0.0.1:18080/api/v1/admin/activities/$ACT/stats" -H
 T0=$(date +%s.%N)
 $BIN consume >"$OUT/consume.log" 2>&1 &
 PIDS+=($!)
-[ "$PROFILE" = 1 ] && profile_start drain "${PIDS[-1]}"
 while :; do
   done_=$(stats | python3 -c "import json,sys; d=json.load(sys.stdin); print(int(d['orders']['WAITING_PAY']==$DRAIN and d['reservations_open']==0))")
   [ "$done_" = 1 ] && break
   sleep 0.05
 done
 T1=$(date +%s.%N)
-[ "$PROFILE" = 1 ] && profile_stop drain
 DRAIN_RATE=$(python3 -c "print(round($DRAIN / ($T1 - $T0)))")
 DRAIN_SECS=$(python3 -c "print(round($T1 - $T0, 2))")
 stop_all
@@ -300,5 +335,4 @@ print(f"| drain / pgbench single-row insert ceiling | {drain/pg1:.1f}x |")
 EOF
 echo
 echo "logs and raw output: $OUT"
-[ "$PROFILE" = 1 ] && echo "profiles: $OUT/{admission,drain}-profile.txt, flame graphs: $OUT/{admission,drain}.svg"
 exit 0

@@ -407,7 +407,8 @@ impl Application {
         workers.lease = Some(state.lease.clone().spawn());
 
         let server = HttpServer::new(move || {
-            let metrics = state.metrics.clone();
+            // Shared, not cloned per request: a Metrics is a few dozen handles.
+            let metrics = std::sync::Arc::new(state.metrics.clone());
             // Runs on each worker's thread: the worker's own Redis connection.
             let gate = state.gate.on_own_connection().unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "worker Redis connection; sharing the main one");

@@ -219,6 +219,9 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
         .collect::<anyhow::Result<_>>()?;
     progress.finish();
 
+    // A mark for whoever watches from outside (bench.sh --profile starts
+    // its sampling here, after the token phase).
+    eprintln!("buying: {} purchases", tokens.len());
     let progress = Progress::start("purchases", tokens.len() as u64);
     let started = Instant::now();
     let buy = |(user, jwt, token): (i64, String, String), t0: Instant| {
