@@ -192,7 +192,7 @@ async fn main() -> anyhow::Result<()> {
     let state = web::Data::new(state);
     tracing::info!(%address, started = %Utc::now(), "naive baseline serving");
     HttpServer::new(move || {
-        let metrics = state.metrics.clone();
+        let metrics = std::sync::Arc::new(state.metrics.clone());
         App::new()
             .app_data(state.clone())
             .app_data(keys.clone())
