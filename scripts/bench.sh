@@ -84,13 +84,20 @@ field() { python3 -c "import json,sys; print(json.loads(sys.argv[1])$2)" "$1"; }
 # --profile: perf samples (cpu-clock: this kind of machine has no hardware
 # counters) of one process with DWARF call stacks, a flat report and a
 # flame graph (inferno, installed from crates.io when missing).
+# profile_start NAME PID: one process, DWARF stacks. profile_start NAME all:
+# every process of the machine (frame-pointer stacks, enough to tell the
+# processes apart: the drain's time is mostly PostgreSQL's, not ours).
 profile_start() {
-  perf record -e cpu-clock -F 499 --call-graph dwarf,16384 -p "$2" -o "$OUT/$1.perf" >/dev/null 2>&1 &
+  if [ "$2" = all ]; then
+    perf record -a -e cpu-clock -F 499 -g -o "$OUT/$1.perf" >/dev/null 2>&1 &
+  else
+    perf record -e cpu-clock -F 499 --call-graph dwarf,16384 -p "$2" -o "$OUT/$1.perf" >/dev/null 2>&1 &
+  fi
   PERF=$!
 }
 profile_stop() {
   kill -INT "$PERF"; wait "$PERF" 2>/dev/null || true
-  perf report -i "$OUT/$1.perf" --stdio --no-children -g none --sort dso,symbol 2>/dev/null \
+  perf report -i "$OUT/$1.perf" --stdio --no-children -g none --sort comm,dso,symbol 2>/dev/null \
     | grep -E '^ +[0-9]' | sed 's/ *$//' | head -n 60 >"$OUT/$1-profile.txt" || true
   command -v inferno-flamegraph >/dev/null || cargo install --quiet --locked inferno >&2
   perf script -i "$OUT/$1.perf" 2>/dev/null | inferno-collapse-perf >"$OUT/$1.folded"
@@ -150,7 +157,7 @@ if [ "$PROFILE" = 1 ]; then
   ADMIN=$($BIN token --admin)
   $BIN consume >"$OUT/consume.log" 2>&1 &
   PIDS+=($!)
-  profile_start drain "${PIDS[-1]}"
+  profile_start drain all
   until curl -s "http://127.0.0.1:18080/api/v1/admin/activities/$ACT/stats" -H "Authorization: Bearer $ADMIN" \
       | python3 -c "import json,sys; d=json.load(sys.stdin); sys.exit(0 if d['orders']['WAITING_PAY']==$DRAIN and d['reservations_open']==0 else 1)"; do
     sleep 0.1

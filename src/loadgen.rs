@@ -88,6 +88,10 @@ pub struct Report {
     pub p99_ms: f64,
     pub p999_ms: f64,
     pub max_ms: f64,
+    /// p99 of the accepted purchases alone (202), and of all the others:
+    /// where a tail comes from.
+    pub p99_accepted_ms: f64,
+    pub p99_refused_ms: f64,
     /// The arrival rate asked for (open loop), purchases per second.
     pub rate: Option<f64>,
     pub drain_seconds: Option<f64>,
@@ -435,18 +439,27 @@ fn summarize(activity_id: i64, outcomes: &[Outcome], seconds: f64) -> Report {
     let count =
         |f: &dyn Fn(u16, &str) -> bool| outcomes.iter().filter(|o| f(o.0, &o.1)).count() as u64;
     // Microseconds, 3 significant digits, up to ten minutes.
-    let mut latencies = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)
-        .expect("valid histogram bounds");
+    let histogram = || {
+        hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)
+            .expect("valid histogram bounds")
+    };
+    let (mut latencies, mut accepted_ms, mut refused_ms) = (histogram(), histogram(), histogram());
     for o in outcomes {
-        let us = u64::try_from(o.3.as_micros()).unwrap_or(u64::MAX);
-        latencies.saturating_record(us.max(1));
+        let us = u64::try_from(o.3.as_micros()).unwrap_or(u64::MAX).max(1);
+        latencies.saturating_record(us);
+        if o.0 == 202 {
+            accepted_ms.saturating_record(us);
+        } else {
+            refused_ms.saturating_record(us);
+        }
     }
-    let pct = |q: f64| -> f64 {
-        if latencies.is_empty() {
+    let at = |h: &hdrhistogram::Histogram<u64>, q: f64| -> f64 {
+        if h.is_empty() {
             return 0.0;
         }
-        latencies.value_at_quantile(q) as f64 / 1000.0
+        h.value_at_quantile(q) as f64 / 1000.0
     };
+    let pct = |q: f64| at(&latencies, q);
     let accepted = count(&|s, _| s == 202);
     let sold_out = count(&|s, c| s == 409 && c == "SOLD_OUT");
     let limited = count(&|s, c| (s == 409 && c == "LIMIT_EXCEEDED") || s == 429);
@@ -464,6 +477,8 @@ fn summarize(activity_id: i64, outcomes: &[Outcome], seconds: f64) -> Report {
         p99_ms: pct(0.99),
         p999_ms: pct(0.999),
         max_ms: latencies.max() as f64 / 1000.0,
+        p99_accepted_ms: at(&accepted_ms, 0.99),
+        p99_refused_ms: at(&refused_ms, 0.99),
         rate: None,
         drain_seconds: None,
         invariants_ok: None,
@@ -483,6 +498,10 @@ fn print_report(r: &Report, codes: &BTreeMap<String, u64>) {
     println!(
         "latency ms      p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
         r.p50_ms, r.p90_ms, r.p99_ms, r.p999_ms, r.max_ms
+    );
+    println!(
+        "p99 ms          accepted {:.2}  refused {:.2}",
+        r.p99_accepted_ms, r.p99_refused_ms
     );
 }
 

@@ -1,12 +1,12 @@
 //! Degradation: Redis down, rate limits, backpressure, and a consumer
 //! process killed with SIGKILL (SPEC "Reconciliation and degradation", I4).
 
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 
 use futures_util::{StreamExt, stream};
 use serde_json::json;
 
-use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
+use crate::helpers::{KillOnDrop, TestApp, json, spawn_app, spawn_app_with};
 
 #[tokio::test]
 async fn with_redis_down_a_purchase_is_503_retry_later() {
@@ -198,13 +198,15 @@ async fn while_the_order_consumers_lag_past_the_limit_purchases_get_503_busy_and
 }
 
 /// `seckill consume` as a separate process on this test's namespace.
-fn consumer_process(app: &TestApp) -> Child {
-    app.seckill_command(&["consume"])
-        .env("SECKILL__ORDERS__BATCH_SIZE", "5")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("seckill consume starts")
+fn consumer_process(app: &TestApp) -> KillOnDrop {
+    KillOnDrop(
+        app.seckill_command(&["consume"])
+            .env("SECKILL__ORDERS__BATCH_SIZE", "5")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("seckill consume starts"),
+    )
 }
 
 #[tokio::test]
@@ -227,17 +229,16 @@ async fn a_consumer_process_killed_with_sigkill_mid_stream_loses_and_duplicates_
         s["orders"]["WAITING_PAY"].as_i64().unwrap() >= 20
     })
     .await;
-    first.kill().expect("SIGKILL"); // no shutdown path runs: a crash
-    first.wait().expect("reaped");
+    first.0.kill().expect("SIGKILL"); // no shutdown path runs: a crash
+    first.0.wait().expect("reaped");
     let created = app.stats(activity).await["orders"]["WAITING_PAY"]
         .as_i64()
         .unwrap();
     assert!(created < 400, "killed mid-stream ({created} created)");
 
-    let mut second = consumer_process(&app);
+    let second = consumer_process(&app);
     let stats = app.drained(activity, 400).await;
-    second.kill().ok();
-    second.wait().ok();
+    drop(second);
     app.assert_each_order_once(&stats, 400).await;
     assert_eq!(stats["db_available"], 0);
 }

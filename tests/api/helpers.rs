@@ -177,6 +177,17 @@ impl TestApp {
     }
 }
 
+/// A process a test started, killed (SIGKILL) and reaped when dropped: a
+/// test that fails half-way leaves nothing running behind it.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 impl Drop for TestApp {
     fn drop(&mut self) {
         if std::env::var_os("SECKILL_TEST_KEEP").is_some() {
