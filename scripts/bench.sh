@@ -60,6 +60,7 @@ psql_bench() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d "$DB" -qtA "$@"
 psql_admin -c "drop database if exists $DB with (force)"
 psql_admin -c "create database $DB"
 $BIN migrate >/dev/null
+ADMIN=$($BIN token --admin)
 
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -85,6 +86,23 @@ loadgen() { $BIN loadgen --json "$@" 2>/dev/null | tee -a "$OUT/loadgen.txt" | t
 # it timed.
 drained() {
   [[ $1 == *"\"WAITING_PAY\":$2"[,\}]* && $1 == *'"reservations_open":0'[,\}]* ]]
+}
+# queue_orders FIRST_USER: an API-only server with $DRAIN accepted orders on
+# the topic and no consumer; sets ACT (their activity). The point is a
+# queue: consumer backpressure (the lag limit, and the stall check that
+# would answer BUSY once nothing has consumed for kafka.consumer_stall_secs)
+# off.
+queue_orders() {
+  start serve 18080 env SECKILL__APP__PORT=18080 SECKILL__ADMISSION__MAX_CONSUMER_LAG=0 \
+    SECKILL__KAFKA__CONSUMER_STALL_SECS=0 $BIN serve --no-consumer
+  local queued
+  queued=$(loadgen --url http://127.0.0.1:18080 --users "$DRAIN" --stock "$DRAIN" --concurrency "$CONC" \
+    --first-user "$1" --no-check)
+  ACT=$(field "$queued" "['activity_id']")
+}
+# The activity's stats, from the server queue_orders started.
+stats() {
+  curl -s "http://127.0.0.1:18080/api/v1/admin/activities/$ACT/stats" -H "Authorization: Bearer $ADMIN"
 }
 field() { python3 -c "import json,sys; print(json.loads(sys.argv[1])$2)" "$1"; }
 
@@ -157,17 +175,11 @@ if [ "$PROFILE" = 1 ]; then
   tail -n 1 "$OUT/profile-loadgen.json" >&2
   stop_all
   say "profile: drain of $DRAIN queued orders"
-  start serve 18080 env SECKILL__APP__PORT=18080 SECKILL__ADMISSION__MAX_CONSUMER_LAG=0 \
-    SECKILL__KAFKA__CONSUMER_STALL_SECS=0 $BIN serve --no-consumer
-  QUEUED=$(loadgen --url http://127.0.0.1:18080 --users "$DRAIN" --stock "$DRAIN" --concurrency "$CONC" --first-user 30000000 --no-check)
-  ACT=$(field "$QUEUED" "['activity_id']")
-  ADMIN=$($BIN token --admin)
+  queue_orders 30000000
   $BIN consume >"$OUT/consume.log" 2>&1 &
   PIDS+=($!)
   profile_start drain all
-  until drained "$(curl -s "http://127.0.0.1:18080/api/v1/admin/activities/$ACT/stats" -H "Authorization: Bearer $ADMIN")" "$DRAIN"; do
-    sleep 0.05
-  done
+  until drained "$(stats)" "$DRAIN"; do sleep 0.05; done
   profile_stop drain
   stop_all
   echo "profiles: $OUT/{admission,drain}-profile.txt; flame graphs: $OUT/{admission,drain}.svg"
@@ -274,15 +286,7 @@ TWO=$(loadgen --url http://127.0.0.1:18083 --url http://127.0.0.1:18084 --users 
 stop_all
 
 say "6/7 consumer drain: $DRAIN accepted orders queued, then a worker-only consumer"
-# The point is a queue: consumer backpressure (the lag limit, and the stall
-# check that would answer BUSY once nothing has consumed for
-# kafka.consumer_stall_secs) off.
-start serve 18080 env SECKILL__APP__PORT=18080 SECKILL__ADMISSION__MAX_CONSUMER_LAG=0 \
-  SECKILL__KAFKA__CONSUMER_STALL_SECS=0 $BIN serve --no-consumer
-QUEUED=$(loadgen --url http://127.0.0.1:18080 --users "$DRAIN" --stock "$DRAIN" --concurrency "$CONC" --first-user 5000000 --no-check)
-ACT=$(field "$QUEUED" "['activity_id']")
-ADMIN=$($BIN token --admin)
-stats() { curl -s "http://127.0.0.1:18080/api/v1/admin/activities/$ACT/stats" -H "Authorization: Bearer $ADMIN"; }
+queue_orders 5000000
 T0=$(date +%s.%N)
 $BIN consume >"$OUT/consume.log" 2>&1 &
 PIDS+=($!)
