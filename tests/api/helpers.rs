@@ -727,13 +727,20 @@ impl TestApp {
     ) -> Vec<String> {
         let mut order_nos = Vec::new();
         for user in users {
-            let token = self.purchase_token(user, activity_id).await;
-            let body = serde_json::json!({"request_id": format!("r{user}"), "token": token});
-            let (status, body) = self.order_retrying(user, activity_id, &body).await;
+            let (status, body) = self.order_as_r_user(activity_id, user).await;
             assert_eq!(status, 202, "{body}");
             order_nos.push(body["order_no"].as_str().unwrap().to_owned());
         }
         order_nos
+    }
+
+    /// One purchase by `user` with request_id `r<user>` and a fresh token,
+    /// retried as the API says (`order_retrying`): a first purchase, or
+    /// the replay of one `buy_as_r_user` made.
+    pub async fn order_as_r_user(&self, activity_id: i64, user: i64) -> (u16, serde_json::Value) {
+        let token = self.purchase_token(user, activity_id).await;
+        let body = serde_json::json!({"request_id": format!("r{user}"), "token": token});
+        self.order_retrying(user, activity_id, &body).await
     }
 
     /// Deletes every Redis key of an activity, as a Redis restarted empty

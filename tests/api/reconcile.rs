@@ -610,10 +610,7 @@ async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_
     // Restored by itself: the database's stock, replays and limits.
     app.wait_for_stats(activity, 60, |s| s["redis_available"] == 16)
         .await;
-    let token = app.purchase_token(2, activity).await;
-    let (status, replay) = app
-        .order_retrying(2, activity, &json!({"request_id": "r2", "token": token}))
-        .await;
+    let (status, replay) = app.order_as_r_user(activity, 2).await;
     assert_eq!(status, 200, "{replay}");
     assert_eq!(replay["order_no"], order_nos[1].as_str());
     assert_eq!(replay["status"], "WAITING_PAY");

@@ -188,9 +188,7 @@ async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_an
     app.wait_for_stats(activity, 60, |s| s["redis_available"] == 6)
         .await;
     for user in 1..=3 {
-        let token = app.purchase_token(user, activity).await;
-        let body = json!({"request_id": format!("r{user}"), "token": token});
-        let (status, replay) = app.order_retrying(user, activity, &body).await;
+        let (status, replay) = app.order_as_r_user(activity, user).await;
         assert_eq!(status, 200, "{replay}");
         assert_eq!(replay["order_no"], order_nos[user as usize - 1].as_str());
         assert_eq!(replay["status"], "WAITING_PAY");

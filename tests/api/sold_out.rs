@@ -6,8 +6,6 @@
 
 use std::time::Duration;
 
-use serde_json::json;
-
 use crate::helpers::{TestApp, eventually, spawn_app_with};
 
 const FROM_MEMORY: &str = "seckill_admission_total{outcome=\"sold_out_memory\"}";
@@ -60,10 +58,7 @@ async fn sold_out_answers_come_from_memory_without_a_redis_call_and_buyers_with_
 
     // A buyer with an order: the replay gets it, a new purchase hears
     // LIMIT_EXCEEDED; both from Redis.
-    let token = app.purchase_token(1, activity).await;
-    let (status, replay) = app
-        .order_retrying(1, activity, &json!({"request_id": "r1", "token": token}))
-        .await;
+    let (status, replay) = app.order_as_r_user(activity, 1).await;
     assert_eq!(status, 200, "{replay}");
     assert_eq!(replay["order_no"], orders[0].as_str());
     let (status, body) = app.buy(2, activity).await;
