@@ -17,9 +17,9 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use serde::Deserialize;
 use serde_json::json;
 
-use seckill::app::AppState;
 use seckill::config::Settings;
 use seckill::http::{self, auth::AuthUser, auth::JwtKeys, error::ApiError, error::ErrorCode};
+use seckill::state::AppState;
 use seckill::store::{self, PgConn};
 
 #[derive(Debug, Deserialize)]
@@ -199,8 +199,8 @@ async fn main() -> anyhow::Result<()> {
             .configure(http::extractor_configs)
             // Registered before the real routes, so it wins for this path.
             .service(web::resource("/api/v1/activities/{id}/orders").post(place))
-            .configure(http::routes)
-            .default_service(web::to(http::not_found))
+            .configure(http::routes::configure)
+            .default_service(web::to(http::routes::not_found))
             .wrap(http::error_handlers())
             .wrap_fn(move |req, srv| http::observe(req, srv, metrics.clone()))
     })

@@ -4,6 +4,7 @@
 pub mod activities;
 pub mod admission;
 pub mod app;
+pub mod auth;
 pub mod bus;
 pub mod config;
 pub mod coupons;
@@ -16,6 +17,7 @@ pub mod orders;
 pub mod outbox;
 pub mod payments;
 pub mod reconcile;
+pub mod state;
 pub mod store;
 pub mod telemetry;
 pub mod worker;

@@ -14,8 +14,8 @@ use anyhow::{Context, bail};
 use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
 
+use crate::auth::{JwtKeys, Role};
 use crate::config::Settings;
-use crate::http::auth::{JwtKeys, Role};
 
 /// What to run.
 #[derive(Debug, Clone, clap::Args)]

@@ -6,8 +6,8 @@ use diesel::{Connection, PgConnection};
 use secrecy::ExposeSecret;
 
 use seckill::app::Application;
+use seckill::auth::{JwtKeys, Role};
 use seckill::config::Settings;
-use seckill::http::auth::{JwtKeys, Role};
 
 #[derive(Parser)]
 #[command(name = "seckill", version, about = "Flash-sale order service")]
@@ -133,7 +133,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Consume { which } => consume(settings, which.all_if_none()).await,
         Command::Reconcile => {
-            let state = seckill::app::AppState::connect(settings)?;
+            let state = seckill::state::AppState::connect(settings)?;
             let reports = state.reconciler().run().await?;
             println!(
                 "{}",

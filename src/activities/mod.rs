@@ -4,7 +4,6 @@
 
 pub mod cache;
 pub mod repo;
-pub mod routes;
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;

@@ -13,4 +13,3 @@
 pub mod consumer;
 pub mod gate;
 pub mod repo;
-pub mod routes;

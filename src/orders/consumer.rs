@@ -56,14 +56,6 @@ pub struct ConsumerDeps {
 }
 
 impl ConsumerDeps {
-    /// Deps with clients of their own (a worker-only process, or a test that
-    /// runs consumers beside an API-only server).
-    pub fn connect(settings: Settings) -> anyhow::Result<Self> {
-        Ok(crate::app::AppState::connect(settings)?.consumer_deps())
-    }
-}
-
-impl ConsumerDeps {
     /// Starts `handler` on `topic` in consumer group `group`, on the current
     /// runtime: what every subscriber of this service does the same way.
     pub fn subscribe<H: Handler>(

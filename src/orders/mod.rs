@@ -6,5 +6,4 @@ pub mod consumer;
 pub mod publish;
 pub mod releaser;
 pub mod repo;
-pub mod routes;
 pub mod transitions;

@@ -3,5 +3,4 @@
 
 pub mod provider;
 pub mod repo;
-pub mod routes;
 pub mod signature;

@@ -41,35 +41,6 @@ use crate::worker::WorkerHandle;
 /// completes it: a lending call takes milliseconds; a minute means it died.
 const TRANSFER_GRACE_MS: i64 = 60_000;
 
-/// `POST /api/v1/admin/reconcile`: reconciles every recent activity now,
-/// waiting a little for the lease if another run holds it.
-pub async fn route(
-    _admin: crate::http::auth::AdminUser,
-    state: actix_web::web::Data<crate::app::AppState>,
-) -> Result<actix_web::HttpResponse, crate::http::error::ApiError> {
-    use crate::http::error::{ApiError, ErrorCode};
-    let reconciler = state.reconciler();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        match reconciler.run().await.map_err(ApiError::unavailable)? {
-            Some(reports) => {
-                return Ok(
-                    actix_web::HttpResponse::Ok().json(serde_json::json!({"activities": reports}))
-                );
-            }
-            None if std::time::Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            None => {
-                return Err(ApiError::new(
-                    ErrorCode::RetryLater,
-                    "another instance is reconciling; retry shortly",
-                ));
-            }
-        }
-    }
-}
-
 /// Why a voided order failed.
 pub const RESERVATION_EXPIRED: &str = "RESERVATION_EXPIRED";
 

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use diesel::{Connection, PgConnection, RunQueryDsl};
 use seckill::app::Application;
+use seckill::auth::{JwtKeys, Role};
 use seckill::config::Settings;
-use seckill::http::auth::{JwtKeys, Role};
 use secrecy::ExposeSecret;
 
 /// A running server and what a test needs to talk to it.

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use seckill::app::AppState;
 use seckill::bus::{Topics, client_config};
 use seckill::outbox::relay;
+use seckill::state::AppState;
 
 use crate::helpers::{TestApp, eventually, spawn_app_with};
 

@@ -570,7 +570,7 @@ async fn only_the_holder_of_the_lease_reconciles() {
         assert!(std::time::Instant::now() < deadline, "lease never free");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let reconciler = seckill::app::AppState::connect(app.settings.clone())
+    let reconciler = seckill::state::AppState::connect(app.settings.clone())
         .unwrap()
         .reconciler();
     assert!(reconciler.run().await.unwrap().is_none(), "held elsewhere");

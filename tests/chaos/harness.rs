@@ -9,8 +9,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
+use seckill::auth::{JwtKeys, Role};
 use seckill::config::Settings;
-use seckill::http::auth::{JwtKeys, Role};
 use secrecy::ExposeSecret;
 use serde_json::{Value, json};
 

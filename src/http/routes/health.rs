@@ -7,8 +7,8 @@ use deadpool_redis::redis;
 use diesel::RunQueryDsl;
 use serde_json::json;
 
-use crate::app::AppState;
 use crate::http::error::ApiError;
+use crate::state::AppState;
 
 /// How long one dependency may take to answer the readiness probe.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);

@@ -5,13 +5,13 @@ use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::cache::Lookup;
-use super::repo::{self, NewActivity};
-use super::{Activity, Lifecycle};
+use crate::activities::cache::Lookup;
+use crate::activities::repo::{self, NewActivity};
+use crate::activities::{Activity, Lifecycle};
 use crate::admission::Layout;
-use crate::app::AppState;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode};
+use crate::state::AppState;
 use crate::store;
 
 /// More buckets than this only adds keys to every admission call.

@@ -10,16 +10,16 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::publish::{Confirmation, Published};
-use super::repo::{self, Order};
 use crate::activities::cache::Lookup;
 use crate::admission::{Admission, Layout, ReserveRequest, WorkerGate};
-use crate::app::AppState;
 use crate::bus::PublishError;
 use crate::bus::events::OrderRequested;
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode};
 use crate::ids::OrderNo;
+use crate::orders::publish::{Confirmation, Published};
+use crate::orders::repo::{self, Order};
+use crate::state::AppState;
 use crate::store;
 
 /// Longest accepted `request_id` (and purchase token).
@@ -485,7 +485,7 @@ pub async fn cancel(
     state: web::Data<AppState>,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    use super::transitions::{self, ReleaseTo};
+    use crate::orders::transitions::{self, ReleaseTo};
     let order_no = crate::http::id_in_path(&path, "no such order")?;
     let user_id = user.user_id.get();
     let outcome = store::run(&state.db, move |conn| {

@@ -5,12 +5,12 @@ use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::gate::Claim;
-use super::repo::{self, NewCoupon};
-use crate::app::AppState;
 use crate::bus::{PublishError, events::CouponClaimed};
+use crate::coupons::gate::Claim;
+use crate::coupons::repo::{self, NewCoupon};
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode};
+use crate::state::AppState;
 use crate::store;
 
 /// `POST /api/v1/admin/coupons` body.

@@ -7,13 +7,13 @@ use secrecy::ExposeSecret;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::provider::Callback;
-use super::repo::{self, CallbackOutcome, PayIntent};
-use super::signature;
-use crate::app::AppState;
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode};
 use crate::ids::OrderNo;
+use crate::payments::provider::Callback;
+use crate::payments::repo::{self, CallbackOutcome, PayIntent};
+use crate::payments::signature;
+use crate::state::AppState;
 use crate::store;
 
 /// `POST /api/v1/orders/{order_no}/pay`: the pending payment of a
