@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use crate::auth::{JwtKeys, Role};
 use crate::config::Settings;
+use crate::orders::OrderStatus;
 
 /// What to run.
 #[derive(Debug, Clone, clap::Args)]
@@ -357,7 +358,8 @@ async fn purchase(
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         }
-        let accepted_late = pending && status == 200 && answer["status"] != "FAILED";
+        let accepted_late =
+            pending && status == 200 && answer["status"] != OrderStatus::Failed.as_str();
         return Ok((if accepted_late { 202 } else { status }, answer));
     }
 }
@@ -527,9 +529,9 @@ async fn drain(
     let deadline = Instant::now() + Duration::from_secs(timeout);
     loop {
         let s = stats(client, admin, activity_id).await?;
-        let rows = ["WAITING_PAY", "PAID", "CANCELLED", "CLOSED", "FAILED"]
+        let rows = OrderStatus::STORED
             .iter()
-            .map(|k| s["orders"][k].as_u64().unwrap_or(0))
+            .map(|k| s["orders"][k.as_str()].as_u64().unwrap_or(0))
             .sum::<u64>();
         if s["reservations_open"] == 0 && rows >= accepted {
             return Ok(s);
@@ -554,7 +556,13 @@ fn check(s: &Value, accepted: u64, distinct_order_nos: u64, db_only: bool) -> Ve
     );
     let redis = n(&s["redis_available"]);
     let o = &s["orders"];
-    let (waiting, paid, failed) = (n(&o["WAITING_PAY"]), n(&o["PAID"]), n(&o["FAILED"]));
+    let count = |status: OrderStatus| n(&o[status.as_str()]);
+    let (waiting, paid, failed) = (
+        count(OrderStatus::WaitingPay),
+        count(OrderStatus::Paid),
+        count(OrderStatus::Failed),
+    );
+    let processing = count(OrderStatus::Processing);
     let mut failures = Vec::new();
     let mut expect = |ok: bool, what: String| {
         if !ok {
@@ -585,8 +593,8 @@ fn check(s: &Value, accepted: u64, distinct_order_nos: u64, db_only: bool) -> Ve
         ),
     );
     expect(
-        n(&o["PROCESSING"]) == 0,
-        format!("I4: {} still PROCESSING", n(&o["PROCESSING"])),
+        processing == 0,
+        format!("I4: {processing} still PROCESSING"),
     );
     expect(
         total == avail + locked + sold,
@@ -651,8 +659,13 @@ mod tests {
 
     fn stats(total: i64, avail: i64, locked: i64, redis: i64, waiting: i64) -> Value {
         json!({"stock_total": total, "db_available": avail, "db_locked": locked, "db_sold": 0,
-               "redis_available": redis,
-               "orders": {"PROCESSING": 0, "WAITING_PAY": waiting, "PAID": 0, "FAILED": 0}})
+        "redis_available": redis,
+        "orders": {
+            OrderStatus::Processing.as_str(): 0,
+            OrderStatus::WaitingPay.as_str(): waiting,
+            OrderStatus::Paid.as_str(): 0,
+            OrderStatus::Failed.as_str(): 0,
+        }})
     }
 
     #[test]

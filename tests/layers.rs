@@ -8,6 +8,10 @@
 //! - `store/` (database and Redis connections, the schema) imports nothing
 //!   above it but the settings.
 //!
+//! - order states are named by `OrderStatus` (and payment states by
+//!   `PaymentStatus`): no quoted state name in SQL or code outside the
+//!   `status.rs` that defines them.
+//!
 //! The scan reads `crate::x` paths, grouped imports (`crate::{x, y}`)
 //! included, and ignores comments.
 
@@ -186,4 +190,52 @@ fn the_scan_catches_each_kind_of_breach() {
     assert!(check("app.rs", "use crate::http; use actix_web::App;").is_empty());
     assert!(check("state.rs", "use crate::orders::consumer::ConsumerDeps;").is_empty());
     assert!(check("store/mod.rs", "use crate::config::PostgresSettings;").is_empty());
+}
+
+/// The order states' names, as they would appear quoted in code or SQL.
+const STATES: [&str; 6] = [
+    "PROCESSING",
+    "WAITING_PAY",
+    "PAID",
+    "CANCELLED",
+    "CLOSED",
+    "FAILED",
+];
+
+/// The quoted state names a file's code spells out.
+fn state_literals(text: &str) -> Vec<String> {
+    let code: String = text.lines().map(code).collect::<Vec<_>>().join("\n");
+    let mut found = Vec::new();
+    for state in STATES {
+        for quote in ['"', '\''] {
+            let literal = format!("{quote}{state}{quote}");
+            if code.contains(&literal) {
+                found.push(literal);
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn order_states_are_named_only_by_their_enum() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&root, &root, &mut files);
+    let mut broken = Vec::new();
+    for file in files.iter().filter(|f| !f.ends_with("status.rs")) {
+        let text = std::fs::read_to_string(root.join(file)).expect("readable source");
+        for literal in state_literals(&text) {
+            broken.push(format!("src/{}: {literal}", file.display()));
+        }
+    }
+    assert!(broken.is_empty(), "state literals:\n{}", broken.join("\n"));
+    // The scan itself: SQL and Rust literals are caught, prose is not.
+    assert_eq!(
+        state_literals("sql(\"... WHERE status = 'WAITING_PAY'\")"),
+        ["'WAITING_PAY'"]
+    );
+    assert_eq!(state_literals("if s == \"PAID\" {}"), ["\"PAID\""]);
+    assert!(state_literals("bad_request(\"only a WAITING_PAY order\")").is_empty());
+    assert!(state_literals("// \"CLOSED\" in a comment").is_empty());
 }

@@ -2,12 +2,13 @@
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel::sql_types::BigInt;
+use diesel::sql_types::{BigInt, Text};
 
 use super::Activity;
 use crate::admission::Layout;
+use crate::orders::OrderStatus;
+use crate::store::PgConn;
 use crate::store::schema::{activities, stock};
-use crate::store::{PgConn, StatusCount};
 
 /// A new activity, validated by the route.
 #[derive(Debug, Insertable)]
@@ -88,8 +89,15 @@ pub fn mark_warmed(conn: &mut PgConn, id: i64) -> QueryResult<()> {
 }
 
 /// Number of orders per status for one activity.
-pub fn order_counts(conn: &mut PgConn, id: i64) -> QueryResult<Vec<(String, i64)>> {
-    let rows: Vec<StatusCount> = diesel::sql_query(
+pub fn order_counts(conn: &mut PgConn, id: i64) -> QueryResult<Vec<(OrderStatus, i64)>> {
+    #[derive(QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = Text)]
+        status: OrderStatus,
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let rows: Vec<Count> = diesel::sql_query(
         "SELECT status, count(*) AS n FROM orders WHERE activity_id = $1 GROUP BY status",
     )
     .bind::<BigInt, _>(id)

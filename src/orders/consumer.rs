@@ -17,6 +17,7 @@ use rdkafka::Message;
 use rdkafka::message::OwnedMessage;
 use tokio_util::sync::CancellationToken;
 
+use super::OrderStatus;
 use super::repo::{self, BatchOutcome};
 use crate::admission::Layout;
 use crate::admission::gate::Status;
@@ -250,8 +251,8 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
     {
         let order_no = e.order_no.get();
         let layout = layout_of(&terms, e.activity_id);
-        match statuses.get(&order_no).map(String::as_str) {
-            Some("FAILED") | None => {
+        match statuses.get(&order_no) {
+            Some(OrderStatus::Failed) | None => {
                 deps.gate
                     .release(e.activity_id, order_no, layout, ReleaseReason::OrderFailed)
                     .await?;
@@ -263,7 +264,7 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
         let layout = layout_of(&terms, activity_id);
         let conflicts = deps.gate.commit(activity_id, layout, &order_nos).await?;
         for order_no in conflicts {
-            if statuses.get(&order_no).map(String::as_str) == Some("WAITING_PAY") {
+            if statuses.get(&order_no) == Some(&OrderStatus::WaitingPay) {
                 tracing::error!(
                     order_no,
                     activity_id,
@@ -344,8 +345,8 @@ async fn void_dead_lettered(
         let Some(layout) = terms.get(&activity_id).map(|t| t.layout) else {
             return Ok(()); // no such activity: no reservation either
         };
-        match status.as_deref() {
-            Some("FAILED") | None => {
+        match status {
+            Some(OrderStatus::Failed) | None => {
                 deps.gate
                     .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
                     .await?;

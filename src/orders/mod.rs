@@ -6,4 +6,7 @@ pub mod consumer;
 pub mod publish;
 pub mod releaser;
 pub mod repo;
+pub mod status;
 pub mod transitions;
+
+pub use status::OrderStatus;

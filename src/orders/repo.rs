@@ -8,6 +8,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
 use serde::Serialize;
 
+use super::OrderStatus;
 use crate::admission::Layout;
 use crate::bus::events::OrderRequested;
 use crate::store::PgConn;
@@ -25,7 +26,7 @@ pub struct Order {
     pub quantity: i32,
     pub amount_cents: i64,
     pub coupon_id: Option<i64>,
-    pub status: String,
+    pub status: OrderStatus,
     pub failure_reason: Option<String>,
     pub pay_deadline: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
@@ -50,7 +51,7 @@ pub fn find_for_user(conn: &mut PgConn, order_no: i64, user_id: i64) -> QueryRes
 pub fn list_for_user(
     conn: &mut PgConn,
     user_id: i64,
-    status: Option<&str>,
+    status: Option<OrderStatus>,
     cursor: Option<i64>,
     limit: i64,
 ) -> QueryResult<Vec<Order>> {
@@ -61,7 +62,7 @@ pub fn list_for_user(
         .limit(limit)
         .into_boxed();
     if let Some(status) = status {
-        query = query.filter(orders::status.eq(status.to_owned()));
+        query = query.filter(orders::status.eq(status));
     }
     if let Some(cursor) = cursor {
         query = query.filter(orders::order_no.lt(cursor));
@@ -161,6 +162,7 @@ pub fn apply_batch(
     released: &HashSet<i64>,
     now: DateTime<Utc>,
 ) -> QueryResult<BatchOutcome> {
+    use OrderStatus::{Failed, WaitingPay};
     conn.transaction(|conn| {
         let mut outcome = BatchOutcome::default();
         let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
@@ -196,17 +198,17 @@ pub fn apply_batch(
             let gross = t.price_cents.saturating_mul(i64::from(e.quantity));
             let deadline = Some(now + Duration::seconds(i64::from(t.pay_timeout_secs)));
             let (status, reason, deadline, amount) = if released.contains(&order_no) {
-                ("FAILED", Some(RESERVATION_RELEASED), None, gross)
+                (Failed, Some(RESERVATION_RELEASED), None, gross)
             } else if let Some(coupon_id) = e.coupon_id {
                 match lock_coupon(conn, coupon_id, e.user_id, order_no, gross)? {
                     Some(discount) => {
                         coupon_locked.push(order_no);
-                        ("WAITING_PAY", None, deadline, gross.saturating_sub(discount).max(0))
+                        (WaitingPay, None, deadline, gross.saturating_sub(discount).max(0))
                     }
-                    None => ("FAILED", Some(COUPON_UNAVAILABLE), None, gross),
+                    None => (Failed, Some(COUPON_UNAVAILABLE), None, gross),
                 }
             } else {
-                ("WAITING_PAY", None, deadline, gross)
+                (WaitingPay, None, deadline, gross)
             };
             rows.push(e, amount, status, reason, deadline);
         }
@@ -224,7 +226,7 @@ pub fn apply_batch(
         // transaction, so no one ever sees them).
         let mut by_activity: BTreeMap<i64, Vec<(i64, i32)>> = BTreeMap::new();
         for i in 0..rows.order_no.len() {
-            if inserted.contains(&rows.order_no[i]) && rows.status[i] == "WAITING_PAY" {
+            if inserted.contains(&rows.order_no[i]) && rows.status[i] == WaitingPay {
                 by_activity
                     .entry(rows.activity_id[i])
                     .or_default()
@@ -353,10 +355,12 @@ fn fail_orders(conn: &mut PgConn, order_nos: &[i64], reason: &str) -> QueryResul
     if order_nos.is_empty() {
         return Ok(());
     }
-    diesel::sql_query(
-        "UPDATE orders SET status = 'FAILED', failure_reason = $2, updated_at = now() \
-         WHERE order_no = ANY($1) AND status = 'WAITING_PAY'",
-    )
+    diesel::sql_query(format!(
+        "UPDATE orders SET status = {}, failure_reason = $2, updated_at = now() \
+         WHERE order_no = ANY($1) AND status = {}",
+        OrderStatus::Failed.sql(),
+        OrderStatus::WaitingPay.sql()
+    ))
     .bind::<Array<BigInt>, _>(order_nos)
     .bind::<Text, _>(reason)
     .execute(conn)?;
@@ -381,15 +385,16 @@ fn over_limit(conn: &mut PgConn, batch: &[(i64, i64, i32)]) -> QueryResult<Vec<O
         return Ok(Vec::new());
     }
     let nos: Vec<i64> = batch.iter().map(|(_, o, _)| *o).collect();
-    diesel::sql_query(
+    diesel::sql_query(format!(
         "SELECT o.order_no, o.activity_id, o.quantity FROM orders o \
          JOIN activities a ON a.id = o.activity_id \
          WHERE o.order_no = ANY($1) AND a.per_user_limit < ( \
            SELECT COALESCE(sum(p.quantity), 0) FROM orders p \
            WHERE p.user_id = o.user_id AND p.activity_id = o.activity_id \
-             AND p.status IN ('WAITING_PAY', 'PAID') \
+             AND p.status IN ({}) \
              AND (p.order_no <> ALL($1) OR p.order_no <= o.order_no))",
-    )
+        OrderStatus::sql_list(&OrderStatus::HOLDING)
+    ))
     .bind::<Array<BigInt>, _>(&nos)
     .load(conn)
 }
@@ -488,7 +493,7 @@ struct OrderColumns {
     quantity: Vec<i32>,
     amount_cents: Vec<i64>,
     coupon_id: Vec<Option<i64>>,
-    status: Vec<&'static str>,
+    status: Vec<OrderStatus>,
     failure_reason: Vec<Option<&'static str>>,
     pay_deadline: Vec<Option<DateTime<Utc>>>,
 }
@@ -498,7 +503,7 @@ impl OrderColumns {
         &mut self,
         e: &OrderRequested,
         amount_cents: i64,
-        status: &'static str,
+        status: OrderStatus,
         reason: Option<&'static str>,
         deadline: Option<DateTime<Utc>>,
     ) {
@@ -542,8 +547,8 @@ impl OrderColumns {
 }
 
 /// Current status of each of `order_nos` that has a row.
-pub fn statuses(conn: &mut PgConn, order_nos: &[i64]) -> QueryResult<HashMap<i64, String>> {
-    let rows: Vec<(i64, String)> = orders::table
+pub fn statuses(conn: &mut PgConn, order_nos: &[i64]) -> QueryResult<HashMap<i64, OrderStatus>> {
+    let rows: Vec<(i64, OrderStatus)> = orders::table
         .filter(orders::order_no.eq_any(order_nos))
         .select((orders::order_no, orders::status))
         .load(conn)?;
@@ -562,13 +567,14 @@ pub fn insert_failed(
     conn: &mut PgConn,
     e: &OrderRequested,
     reason: &str,
-) -> QueryResult<Option<String>> {
+) -> QueryResult<Option<OrderStatus>> {
     let order_no = e.order_no.get();
-    diesel::sql_query(
+    diesel::sql_query(format!(
         "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, failure_reason) \
-         SELECT $1, $2, $3, $4, $5, a.price_cents * $5, 'FAILED', $6 FROM activities a WHERE a.id = $3 \
+         SELECT $1, $2, $3, $4, $5, a.price_cents * $5, {}, $6 FROM activities a WHERE a.id = $3 \
          ON CONFLICT DO NOTHING",
-    )
+        OrderStatus::Failed.sql()
+    ))
     .bind::<BigInt, _>(order_no)
     .bind::<Text, _>(&e.request_id)
     .bind::<BigInt, _>(e.activity_id)

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Integer, Text};
 
+use super::OrderStatus;
 use crate::bus::events::StockReleased;
 use crate::ids::OrderNo;
 use crate::outbox;
@@ -44,10 +45,10 @@ pub enum ReleaseTo {
 }
 
 impl ReleaseTo {
-    fn status(self) -> &'static str {
+    fn status(self) -> OrderStatus {
         match self {
-            Self::Cancelled => "CANCELLED",
-            Self::Closed => "CLOSED",
+            Self::Cancelled => OrderStatus::Cancelled,
+            Self::Closed => OrderStatus::Closed,
         }
     }
 }
@@ -60,10 +61,11 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
         return Ok(Vec::new());
     }
     let nos: Vec<i64> = orders.iter().map(|o| o.order_no).collect();
-    let moved: Vec<i64> = diesel::sql_query(
+    let moved: Vec<i64> = diesel::sql_query(format!(
         "UPDATE orders SET status = $2, closed_at = now(), updated_at = now() \
-         WHERE order_no = ANY($1) AND status = 'WAITING_PAY' RETURNING order_no",
-    )
+         WHERE order_no = ANY($1) AND status = {} RETURNING order_no",
+        OrderStatus::WaitingPay.sql()
+    ))
     .bind::<Array<BigInt>, _>(&nos)
     .bind::<Text, _>(to.status())
     .load::<Moved>(conn)?
@@ -132,7 +134,7 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
             quantity: w.quantity,
             buckets: layouts.get(&w.activity_id).map_or(1, |l| l.0),
             shards: layouts.get(&w.activity_id).map_or(1, |l| l.1),
-            reason: to.status().to_owned(),
+            reason: to.status().as_str().to_owned(),
         };
         outbox::enqueue(
             conn,
@@ -148,11 +150,14 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
 /// closer or a payment holds) and closes them. Returns how many it closed.
 pub fn close_overdue(conn: &mut PgConn, limit: i64) -> QueryResult<usize> {
     conn.transaction(|conn| {
-        let overdue: Vec<Releasable> = diesel::sql_query(
+        // The literal state (not a parameter) lets the planner use the
+        // partial index `orders_waiting_deadline`.
+        let overdue: Vec<Releasable> = diesel::sql_query(format!(
             "SELECT order_no, activity_id, user_id, quantity FROM orders \
-             WHERE status = 'WAITING_PAY' AND pay_deadline < now() \
+             WHERE status = {} AND pay_deadline < now() \
              ORDER BY pay_deadline LIMIT $1 FOR UPDATE SKIP LOCKED",
-        )
+            OrderStatus::WaitingPay.sql()
+        ))
         .bind::<BigInt, _>(limit)
         .load(conn)?;
         Ok(release(conn, &overdue, ReleaseTo::Closed)?.len())
@@ -164,13 +169,13 @@ pub fn lock_for_user(
     conn: &mut PgConn,
     order_no: i64,
     user_id: i64,
-) -> QueryResult<Option<(Releasable, String)>> {
+) -> QueryResult<Option<(Releasable, OrderStatus)>> {
     #[derive(QueryableByName)]
     struct Row {
         #[diesel(embed)]
         r: Releasable,
         #[diesel(sql_type = Text)]
-        status: String,
+        status: OrderStatus,
     }
     let row: Option<Row> = diesel::sql_query(
         "SELECT order_no, activity_id, user_id, quantity, status FROM orders \

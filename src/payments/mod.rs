@@ -4,3 +4,6 @@
 pub mod provider;
 pub mod repo;
 pub mod signature;
+pub mod status;
+
+pub use status::PaymentStatus;

@@ -9,7 +9,9 @@ use serde::Serialize;
 use super::provider::Callback;
 use crate::bus::events::OrderPaid;
 use crate::ids::OrderNo;
+use crate::orders::OrderStatus;
 use crate::outbox;
+use crate::payments::PaymentStatus;
 use crate::store::PgConn;
 use crate::store::schema::{orders, payments};
 
@@ -53,7 +55,7 @@ pub fn create_or_get(
     provider: &str,
 ) -> QueryResult<PayIntent> {
     conn.transaction(|conn| {
-        let order: Option<(String, i64)> = orders::table
+        let order: Option<(OrderStatus, i64)> = orders::table
             .find(order_no)
             .filter(orders::user_id.eq(user_id))
             .select((orders::status, orders::amount_cents))
@@ -63,12 +65,12 @@ pub fn create_or_get(
         let Some((status, amount)) = order else {
             return Ok(PayIntent::NotFound);
         };
-        if status != "WAITING_PAY" {
+        if !status.can_become(OrderStatus::Paid) {
             return Ok(PayIntent::InvalidState);
         }
         let pending: Option<Payment> = payments::table
             .filter(payments::order_no.eq(order_no))
-            .filter(payments::status.eq("PENDING"))
+            .filter(payments::status.eq(PaymentStatus::Pending.as_str()))
             .select(Payment::as_select())
             .first(conn)
             .optional()?;
@@ -178,21 +180,27 @@ pub fn apply_callback(
         if payment.amount_cents != cb.amount_cents {
             return Ok(CallbackOutcome::AmountMismatch);
         }
-        if cb.status == "FAILED" {
-            let n = diesel::update(payments::table.find(payment_no).filter(payments::status.eq("PENDING")))
-                .set((payments::status.eq("FAILED"), payments::updated_at.eq(diesel::dsl::now)))
+        if PaymentStatus::parse(&cb.status) == Some(PaymentStatus::Failed) {
+            let pending = payments::status.eq(PaymentStatus::Pending.as_str());
+            let n = diesel::update(payments::table.find(payment_no).filter(pending))
+                .set((
+                    payments::status.eq(PaymentStatus::Failed.as_str()),
+                    payments::updated_at.eq(diesel::dsl::now),
+                ))
                 .execute(conn)?;
             return Ok(if n == 1 { CallbackOutcome::MarkedFailed } else { CallbackOutcome::Duplicate });
         }
-        if matches!(payment.status.as_str(), "SUCCESS" | "REFUND_REQUIRED") {
+        if PaymentStatus::parse(&payment.status).is_some_and(PaymentStatus::is_settled) {
             return Ok(CallbackOutcome::Duplicate);
         }
         let paid_at = cb.paid_at.unwrap_or_else(Utc::now);
-        let paid: Option<PaidOrder> = diesel::sql_query(
-            "UPDATE orders SET status = 'PAID', paid_at = $2, updated_at = now() \
-             WHERE order_no = $1 AND status = 'WAITING_PAY' \
+        let paid: Option<PaidOrder> = diesel::sql_query(format!(
+            "UPDATE orders SET status = {}, paid_at = $2, updated_at = now() \
+             WHERE order_no = $1 AND status = {} \
              RETURNING activity_id, user_id, quantity, amount_cents",
-        )
+            OrderStatus::Paid.sql(),
+            OrderStatus::WaitingPay.sql()
+        ))
         .bind::<BigInt, _>(order_no)
         .bind::<Timestamptz, _>(paid_at)
         .get_result(conn)
@@ -200,10 +208,12 @@ pub fn apply_callback(
         let Some(order) = paid else {
             // Closed, cancelled, or paid by another payment: never revived,
             // never charged twice.
-            settle(conn, payment_no, "REFUND_REQUIRED", cb.provider_txn_id.as_deref(), None)?;
+            let txn = cb.provider_txn_id.as_deref();
+            settle(conn, payment_no, PaymentStatus::RefundRequired, txn, None)?;
             return Ok(CallbackOutcome::RefundRequired);
         };
-        settle(conn, payment_no, "SUCCESS", cb.provider_txn_id.as_deref(), Some(paid_at))?;
+        let txn = cb.provider_txn_id.as_deref();
+        settle(conn, payment_no, PaymentStatus::Success, txn, Some(paid_at))?;
         diesel::sql_query(
             "UPDATE stock SET locked = locked - $2, sold = sold + $2, updated_at = now() \
              WHERE activity_id = $1",
@@ -248,7 +258,7 @@ pub fn apply_callback(
 fn settle(
     conn: &mut PgConn,
     payment_no: i64,
-    status: &str,
+    status: PaymentStatus,
     txn: Option<&str>,
     paid_at: Option<DateTime<Utc>>,
 ) -> QueryResult<()> {
@@ -257,7 +267,7 @@ fn settle(
          paid_at = $4, updated_at = now() WHERE payment_no = $1",
     )
     .bind::<BigInt, _>(payment_no)
-    .bind::<Text, _>(status)
+    .bind::<Text, _>(status.as_str())
     .bind::<Nullable<Text>, _>(txn)
     .bind::<Nullable<Timestamptz>, _>(paid_at)
     .execute(conn)?;

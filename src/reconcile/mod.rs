@@ -33,6 +33,7 @@ use crate::bus::progress::GroupProgress;
 use crate::bus::{Producer, Topics};
 use crate::config::Settings;
 use crate::metrics::Metrics;
+use crate::orders::OrderStatus;
 use crate::orders::repo as orders;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
@@ -369,13 +370,14 @@ impl Reconciler {
         let ttl =
             i64::try_from(self.settings.admission.reservation_ttl_secs).unwrap_or(i64::MAX / 2);
         let released: Vec<Released> = store::run(&self.db, move |conn| {
-            Ok(diesel::sql_query(
+            Ok(diesel::sql_query(format!(
                 "SELECT order_no, user_id, quantity, \
                    created_at > now() - make_interval(secs => $2) + interval '1 day' AS record_alive \
                  FROM orders \
-                 WHERE activity_id = $1 AND status IN ('CANCELLED', 'CLOSED') \
+                 WHERE activity_id = $1 AND status IN ({}) \
                    AND closed_at > now() - make_interval(secs => $2)",
-            )
+                OrderStatus::sql_list(&[OrderStatus::Cancelled, OrderStatus::Closed])
+            ))
             .bind::<BigInt, _>(activity_id)
             .bind::<diesel::sql_types::Double, _>(ttl as f64)
             .load(conn)?)
@@ -459,10 +461,10 @@ impl Reconciler {
                 Ok(orders::insert_failed(conn, &event, RESERVATION_EXPIRED)?)
             })
             .await?;
-            match status.as_deref() {
+            match status {
                 // No row: the same (user, request_id) already has another
                 // order; this reservation backs nothing.
-                Some("FAILED") | None => {
+                Some(OrderStatus::Failed) | None => {
                     self.gate
                         .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
                         .await?;
@@ -499,7 +501,7 @@ impl Reconciler {
             Ok(orders::statuses(conn, &[order_no])?.remove(&order_no))
         })
         .await?;
-        match status.as_deref() {
+        match status {
             None => {
                 let event = r.event(activity_id, order_no).encode();
                 self.producer
@@ -517,7 +519,7 @@ impl Reconciler {
                      (acknowledged, but the consumers never got it)"
                 ));
             }
-            Some("FAILED") => {
+            Some(OrderStatus::Failed) => {
                 self.gate
                     .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
                     .await?;
@@ -608,12 +610,14 @@ fn unsent_releases(conn: &mut PgConn, activity_id: i64) -> QueryResult<i64> {
 }
 
 fn figures(conn: &mut PgConn, activity_id: i64) -> QueryResult<Figures> {
-    diesel::sql_query(
+    diesel::sql_query(format!(
         "SELECT s.total, s.available, s.locked, s.sold, \
-           (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders WHERE activity_id = $1 AND status = 'WAITING_PAY') AS waiting_units, \
-           (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders WHERE activity_id = $1 AND status = 'PAID') AS paid_units \
+           (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders WHERE activity_id = $1 AND status = {}) AS waiting_units, \
+           (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders WHERE activity_id = $1 AND status = {}) AS paid_units \
          FROM stock s WHERE s.activity_id = $1",
-    )
+        OrderStatus::WaitingPay.sql(),
+        OrderStatus::Paid.sql()
+    ))
     .bind::<BigInt, _>(activity_id)
     .get_result(conn)
 }

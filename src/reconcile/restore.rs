@@ -24,6 +24,7 @@ use diesel::sql_types::{BigInt, Integer, Text, Timestamptz};
 
 use super::{Cutoff, Reconciler, Report};
 use crate::admission::gate::{Restore, RestoredOrder, RestoredState};
+use crate::orders::OrderStatus;
 use crate::store::{self, PgConn};
 
 #[derive(QueryableByName)]
@@ -37,7 +38,7 @@ struct Row {
     #[diesel(sql_type = Integer)]
     quantity: i32,
     #[diesel(sql_type = Text)]
-    status: String,
+    status: OrderStatus,
     #[diesel(sql_type = Timestamptz)]
     created_at: chrono::DateTime<Utc>,
     /// Cancelled or closed recently enough that a release of it may still
@@ -135,10 +136,12 @@ fn snapshot(conn: &mut PgConn, activity_id: i64, ttl_secs: f64) -> QueryResult<O
             user_id: r.user_id,
             quantity: r.quantity,
             reserved_at_ms: r.created_at.timestamp_millis(),
-            holds: matches!(r.status.as_str(), "WAITING_PAY" | "PAID"),
-            state: match r.status.as_str() {
-                "WAITING_PAY" => RestoredState::Live,
-                "CANCELLED" | "CLOSED" if r.recently_closed => RestoredState::Released,
+            holds: r.status.holds_units(),
+            state: match r.status {
+                OrderStatus::WaitingPay => RestoredState::Live,
+                OrderStatus::Cancelled | OrderStatus::Closed if r.recently_closed => {
+                    RestoredState::Released
+                }
                 _ => RestoredState::Settled,
             },
             request_id: r.request_id,

@@ -11,6 +11,7 @@ use crate::activities::{Activity, Lifecycle};
 use crate::admission::Layout;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode};
+use crate::orders::OrderStatus;
 use crate::state::AppState;
 use crate::store;
 
@@ -250,12 +251,14 @@ pub async fn stats(
         .open_reservations(id, activity.layout())
         .await
         .map_err(redis_err)?;
-    let mut orders = json!({
-        "PROCESSING": open, "WAITING_PAY": 0, "PAID": 0,
-        "CANCELLED": 0, "CLOSED": 0, "FAILED": 0,
-    });
+    // Every state, the ones with no order too.
+    let mut orders = serde_json::Map::new();
+    orders.insert(OrderStatus::Processing.to_string(), json!(open));
+    for status in OrderStatus::STORED {
+        orders.insert(status.to_string(), json!(0));
+    }
     for (status, n) in counts {
-        orders[status] = json!(n);
+        orders.insert(status.to_string(), json!(n));
     }
     Ok(HttpResponse::Ok().json(json!({
         "activity_id": id,

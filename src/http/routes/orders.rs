@@ -17,6 +17,7 @@ use crate::bus::events::OrderRequested;
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode};
 use crate::ids::OrderNo;
+use crate::orders::OrderStatus;
 use crate::orders::publish::{Confirmation, Published};
 use crate::orders::repo::{self, Order};
 use crate::state::AppState;
@@ -319,7 +320,7 @@ pub async fn place(
             Ok(HttpResponse::Accepted().json(json!({
                 "order_no": order_no.to_string(),
                 "request_id": body.request_id,
-                "status": "PROCESSING",
+                "status": OrderStatus::Processing,
             })))
         }
         Published::NotDelivered(PublishError::QueueFull) => Err(reject(
@@ -380,7 +381,7 @@ async fn replay(
         .map_err(|e| ApiError::unavailable(e.into()))?;
     let (code, status) = match confirmation {
         Confirmation::Pending => return Err(pending(state, order_no)),
-        Confirmation::ConfirmedNow => (StatusCode::ACCEPTED, "PROCESSING".to_owned()),
+        Confirmation::ConfirmedNow => (StatusCode::ACCEPTED, OrderStatus::Processing),
         Confirmation::Settled => (
             StatusCode::OK,
             current_status(state, (activity_id, layout), order_no, user.user_id.get()).await?,
@@ -399,7 +400,7 @@ async fn current_status(
     (activity_id, layout): (i64, Layout),
     order_no: i64,
     user_id: i64,
-) -> Result<String, ApiError> {
+) -> Result<OrderStatus, ApiError> {
     let row = store::run(&state.db, move |conn| {
         Ok(repo::find_for_user(conn, order_no, user_id)?)
     })
@@ -414,8 +415,8 @@ async fn current_status(
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
     Ok(match reservation {
-        Some(r) if r.released() => "FAILED".into(),
-        _ => "PROCESSING".into(),
+        Some(r) if r.released() => OrderStatus::Failed,
+        _ => OrderStatus::Processing,
     })
 }
 
@@ -467,7 +468,7 @@ pub async fn show(
             "quantity": r.quantity,
             "amount_cents": null,
             "coupon_id": null,
-            "status": if r.released() { "FAILED" } else { "PROCESSING" },
+            "status": if r.released() { OrderStatus::Failed } else { OrderStatus::Processing },
             "pay_deadline": null,
             "created_at": null,
             "paid_at": null,
@@ -494,7 +495,7 @@ pub async fn cancel(
             let Some((order, status)) = transitions::lock_for_user(conn, order_no, user_id)? else {
                 return Ok::<_, diesel::result::Error>(None);
             };
-            if status == "WAITING_PAY" {
+            if status == OrderStatus::WaitingPay {
                 transitions::release(conn, &[order], ReleaseTo::Cancelled)?;
             }
             repo::find_for_user(conn, order_no, user_id)
@@ -503,7 +504,7 @@ pub async fn cancel(
     .await
     .map_err(ApiError::unavailable)?;
     let order = outcome.ok_or_else(|| ApiError::not_found("no such order"))?;
-    if order.status != "CANCELLED" {
+    if order.status != OrderStatus::Cancelled {
         return Err(ApiError::new(
             ErrorCode::InvalidState,
             "only a WAITING_PAY order can be cancelled",
@@ -521,8 +522,6 @@ pub struct ListQuery {
     cursor: Option<String>,
 }
 
-const STATUSES: [&str; 5] = ["WAITING_PAY", "PAID", "CANCELLED", "CLOSED", "FAILED"];
-
 /// `GET /api/v1/orders?status=&limit=&cursor=`: the caller's orders, newest first.
 pub async fn list(
     user: AuthUser,
@@ -536,12 +535,14 @@ pub async fn list(
     }
     let status = match q.status.as_deref().filter(|s| !s.is_empty()) {
         None => None,
-        Some("PROCESSING") => {
-            // PROCESSING orders live in Redis only; none is listed here.
-            return Ok(HttpResponse::Ok().json(json!({"orders": [], "next_cursor": null})));
-        }
-        Some(s) if STATUSES.contains(&s) => Some(s.to_owned()),
-        Some(_) => return Err(ApiError::bad_request("unknown status")),
+        Some(s) => match OrderStatus::parse(s) {
+            Some(OrderStatus::Processing) => {
+                // PROCESSING orders live in Redis only; none is listed here.
+                return Ok(HttpResponse::Ok().json(json!({"orders": [], "next_cursor": null})));
+            }
+            Some(status) => Some(status),
+            None => return Err(ApiError::bad_request("unknown status")),
+        },
     };
     let cursor = match q.cursor.as_deref().filter(|c| !c.is_empty()) {
         None => None,
@@ -553,13 +554,7 @@ pub async fn list(
     };
     let user_id = user.user_id.get();
     let orders = store::run(&state.db, move |conn| {
-        Ok(repo::list_for_user(
-            conn,
-            user_id,
-            status.as_deref(),
-            cursor,
-            limit,
-        )?)
+        Ok(repo::list_for_user(conn, user_id, status, cursor, limit)?)
     })
     .await
     .map_err(ApiError::unavailable)?;

@@ -10,6 +10,7 @@ use serde_json::json;
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode};
 use crate::ids::OrderNo;
+use crate::payments::PaymentStatus;
 use crate::payments::provider::Callback;
 use crate::payments::repo::{self, CallbackOutcome, PayIntent};
 use crate::payments::signature;
@@ -78,7 +79,7 @@ pub async fn notify(
     }
     let cb: Callback = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("invalid callback body: {e}")))?;
-    if !matches!(cb.status.as_str(), "SUCCESS" | "FAILED") {
+    if !PaymentStatus::is_callback_status(&cb.status) {
         return Err(ApiError::bad_request("status must be SUCCESS or FAILED"));
     }
     let (Some(payment_no), Some(order_no)) =
@@ -116,7 +117,9 @@ pub async fn notify(
         CallbackOutcome::Applied
         | CallbackOutcome::Duplicate
         | CallbackOutcome::RefundRequired
-        | CallbackOutcome::MarkedFailed => Ok(HttpResponse::Ok().json(json!({"code": "SUCCESS"}))),
+        | CallbackOutcome::MarkedFailed => {
+            Ok(HttpResponse::Ok().json(json!({"code": PaymentStatus::Success.as_str()})))
+        }
         CallbackOutcome::UnknownPayment => Err(ApiError::not_found("no such payment")),
         CallbackOutcome::OrderMismatch => Err(ApiError::bad_request(
             "order_no is not this payment's order",
@@ -142,7 +145,7 @@ pub struct Simulate {
 }
 
 fn success() -> String {
-    "SUCCESS".into()
+    PaymentStatus::Success.as_str().into()
 }
 
 fn one() -> u32 {
@@ -161,7 +164,7 @@ pub async fn simulate(
         return Err(ApiError::not_found("no such route"));
     };
     let body = body.into_inner();
-    if !matches!(body.status.as_str(), "SUCCESS" | "FAILED") {
+    if !PaymentStatus::is_callback_status(&body.status) {
         return Err(ApiError::bad_request("status must be SUCCESS or FAILED"));
     }
     if !(1..=20).contains(&body.times) {
