@@ -18,6 +18,7 @@ pub mod outbox;
 pub mod payments;
 pub mod reconcile;
 pub mod state;
+pub mod stock;
 pub mod store;
 pub mod telemetry;
 pub mod worker;

@@ -2,7 +2,7 @@
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Text};
+use diesel::sql_types::{Array, BigInt, Text};
 use serde::Serialize;
 
 use crate::bus::events::CouponClaimed;
@@ -167,4 +167,56 @@ pub fn apply_claims(
         }
         Ok(out)
     })
+}
+
+/// Locks the user's UNUSED coupon of batch `coupon_id` for `order_no`, if
+/// the batch is still valid and the order reaches its minimum; returns the
+/// discount. The conditional update makes one coupon back one order (I8).
+pub fn lock_for_order(
+    conn: &mut PgConn,
+    coupon_id: i64,
+    user_id: i64,
+    order_no: i64,
+    gross_cents: i64,
+) -> QueryResult<Option<i64>> {
+    #[derive(QueryableByName)]
+    struct Discount {
+        #[diesel(sql_type = BigInt)]
+        discount_cents: i64,
+    }
+    let locked: Option<Discount> = diesel::sql_query(
+        "UPDATE user_coupons uc SET status = 'LOCKED', order_no = $3, updated_at = now()          FROM coupons c          WHERE uc.coupon_id = $1 AND uc.user_id = $2 AND uc.status = 'UNUSED'            AND c.id = uc.coupon_id AND c.valid_until > now() AND c.min_amount_cents <= $4          RETURNING c.discount_cents",
+    )
+    .bind::<BigInt, _>(coupon_id)
+    .bind::<BigInt, _>(user_id)
+    .bind::<BigInt, _>(order_no)
+    .bind::<BigInt, _>(gross_cents)
+    .get_result(conn)
+    .optional()?;
+    Ok(locked.map(|d| d.discount_cents))
+}
+
+/// Returns the coupons locked by `order_nos` to UNUSED (their orders
+/// failed, or were cancelled or closed).
+pub fn unlock_for_orders(conn: &mut PgConn, order_nos: &[i64]) -> QueryResult<()> {
+    if order_nos.is_empty() {
+        return Ok(());
+    }
+    diesel::sql_query(
+        "UPDATE user_coupons SET status = 'UNUSED', order_no = NULL, updated_at = now()          WHERE order_no = ANY($1) AND status = 'LOCKED'",
+    )
+    .bind::<Array<BigInt>, _>(order_nos)
+    .execute(conn)?;
+    Ok(())
+}
+
+/// Marks the coupon locked by a paid order USED.
+pub fn use_for_order(conn: &mut PgConn, order_no: i64) -> QueryResult<()> {
+    diesel::sql_query(
+        "UPDATE user_coupons SET status = 'USED', updated_at = now() \
+         WHERE order_no = $1 AND status = 'LOCKED'",
+    )
+    .bind::<BigInt, _>(order_no)
+    .execute(conn)?;
+    Ok(())
 }

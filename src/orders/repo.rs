@@ -1,7 +1,7 @@
 //! Order rows: the batch that creates them (SPEC step 3) and the reads
 //! behind the status routes.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Duration, Utc};
 use diesel::prelude::*;
@@ -11,6 +11,8 @@ use serde::Serialize;
 use super::OrderStatus;
 use crate::admission::Layout;
 use crate::bus::events::OrderRequested;
+use crate::coupons::repo as coupons;
+use crate::stock::{self, Units};
 use crate::store::PgConn;
 use crate::store::schema::{activities, orders};
 
@@ -200,10 +202,15 @@ pub fn apply_batch(
             let (status, reason, deadline, amount) = if released.contains(&order_no) {
                 (Failed, Some(RESERVATION_RELEASED), None, gross)
             } else if let Some(coupon_id) = e.coupon_id {
-                match lock_coupon(conn, coupon_id, e.user_id, order_no, gross)? {
+                match coupons::lock_for_order(conn, coupon_id, e.user_id, order_no, gross)? {
                     Some(discount) => {
                         coupon_locked.push(order_no);
-                        (WaitingPay, None, deadline, gross.saturating_sub(discount).max(0))
+                        (
+                            WaitingPay,
+                            None,
+                            deadline,
+                            gross.saturating_sub(discount).max(0),
+                        )
                     }
                     None => (Failed, Some(COUPON_UNAVAILABLE), None, gross),
                 }
@@ -214,78 +221,31 @@ pub fn apply_batch(
         }
         let inserted: HashSet<i64> = rows.insert(conn)?;
         // A coupon locked for an order whose row already existed goes back.
-        let orphaned: Vec<i64> =
-            coupon_locked.iter().filter(|o| !inserted.contains(o)).copied().collect();
-        unlock_coupons(conn, &orphaned)?;
-
-        // Stock for the inserted WAITING_PAY orders, per activity. Their
-        // LOCK rows go in first, before any stock row is locked: a
-        // concurrent batch of the same activity waits on that row only for
-        // the update, the limit check and the commit. The rows of orders
-        // that get no stock, or go over the limit, go again below (in this
-        // transaction, so no one ever sees them).
-        let mut by_activity: BTreeMap<i64, Vec<(i64, i32)>> = BTreeMap::new();
-        for i in 0..rows.order_no.len() {
-            if inserted.contains(&rows.order_no[i]) && rows.status[i] == WaitingPay {
-                by_activity
-                    .entry(rows.activity_id[i])
-                    .or_default()
-                    .push((rows.order_no[i], rows.quantity[i]));
-            }
-        }
-        let mut locked: Vec<(i64, i64, i32)> = by_activity
+        let orphaned: Vec<i64> = coupon_locked
             .iter()
-            .flat_map(|(&a, orders)| orders.iter().map(move |&(o, q)| (a, o, q)))
+            .filter(|o| !inserted.contains(o))
+            .copied()
             .collect();
-        insert_lock_flows(conn, &locked)?;
-        // Stock rows locked in id order: concurrent batches never deadlock.
-        let mut unbacked: Vec<i64> = Vec::new();
-        for (activity_id, orders) in by_activity {
-            let units: i32 = orders.iter().map(|(_, q)| q).sum();
-            if move_to_locked(conn, activity_id, units)? {
-                continue;
-            }
-            for (order_no, quantity) in orders {
-                if !move_to_locked(conn, activity_id, quantity)? {
-                    unbacked.push(order_no);
-                }
-            }
-        }
+        coupons::unlock_for_orders(conn, &orphaned)?;
+
+        // Stock for the inserted WAITING_PAY orders (the ledger writes
+        // their LOCK rows before it locks any stock row). Orders the stock
+        // cannot back fail, and hold nothing.
+        let mut locked = rows.created(&inserted);
+        let unbacked = stock::lock(conn, &locked)?;
         fail_orders(conn, &unbacked, STOCK_UNAVAILABLE)?;
+        locked.retain(|o| !unbacked.contains(&o.order_no));
 
         // I2's last guard. Redis enforces the per-user limit atomically; this
         // holds it even if Redis lost its holdings. The stock rows are locked
         // by now, so a concurrent batch of the same activity waits here and
-        // then sees this one's rows.
-        locked.retain(|(_, o, _)| !unbacked.contains(o));
+        // then sees this one's rows. Their lock is undone in this
+        // transaction, so no one ever sees it.
         let over = over_limit(conn, &locked)?;
-        if !over.is_empty() {
-            fail_orders(conn, &over.iter().map(|o| o.order_no).collect::<Vec<_>>(), LIMIT_EXCEEDED)?;
-            let mut units: BTreeMap<i64, i32> = BTreeMap::new();
-            for o in &over {
-                *units.entry(o.activity_id).or_default() += o.quantity;
-            }
-            for (activity_id, n) in units {
-                diesel::sql_query(
-                    "UPDATE stock SET available = available + $2, locked = locked - $2, updated_at = now() \
-                     WHERE activity_id = $1",
-                )
-                .bind::<BigInt, _>(activity_id)
-                .bind::<Integer, _>(n)
-                .execute(conn)?;
-            }
-            locked.retain(|(_, o, _)| !over.iter().any(|v| v.order_no == *o));
-        }
-        let unlocked: Vec<i64> = unbacked
-            .iter()
-            .copied()
-            .chain(over.iter().map(|o| o.order_no))
-            .collect();
-        if !unlocked.is_empty() {
-            diesel::sql_query("DELETE FROM stock_flow WHERE biz_type = 'LOCK' AND biz_no = ANY($1)")
-                .bind::<Array<BigInt>, _>(&unlocked)
-                .execute(conn)?;
-        }
+        let over_nos: Vec<i64> = over.iter().map(|o| o.order_no).collect();
+        fail_orders(conn, &over_nos, LIMIT_EXCEEDED)?;
+        stock::unlock(conn, &over)?;
+        locked.retain(|o| !over_nos.contains(&o.order_no));
         outcome.created = locked.len();
         outcome.failed = inserted.len() - locked.len();
         Ok(outcome)
@@ -364,27 +324,17 @@ fn fail_orders(conn: &mut PgConn, order_nos: &[i64], reason: &str) -> QueryResul
     .bind::<Array<BigInt>, _>(order_nos)
     .bind::<Text, _>(reason)
     .execute(conn)?;
-    unlock_coupons(conn, order_nos)
+    coupons::unlock_for_orders(conn, order_nos)
 }
 
-#[derive(QueryableByName)]
-struct OverLimit {
-    #[diesel(sql_type = BigInt)]
-    order_no: i64,
-    #[diesel(sql_type = BigInt)]
-    activity_id: i64,
-    #[diesel(sql_type = Integer)]
-    quantity: i32,
-}
-
-/// The orders of `batch` (activity, order_no, quantity) that would put their
-/// buyer over the activity's per-user limit, counting every other live order
-/// of that buyer and this batch's earlier ones (by order_no).
-fn over_limit(conn: &mut PgConn, batch: &[(i64, i64, i32)]) -> QueryResult<Vec<OverLimit>> {
+/// The orders of `batch` that would put their buyer over the activity's
+/// per-user limit, counting every other live order of that buyer and this
+/// batch's earlier ones (by order_no).
+fn over_limit(conn: &mut PgConn, batch: &[Units]) -> QueryResult<Vec<Units>> {
     if batch.is_empty() {
         return Ok(Vec::new());
     }
-    let nos: Vec<i64> = batch.iter().map(|(_, o, _)| *o).collect();
+    let nos: Vec<i64> = batch.iter().map(|o| o.order_no).collect();
     diesel::sql_query(format!(
         "SELECT o.order_no, o.activity_id, o.quantity FROM orders o \
          JOIN activities a ON a.id = o.activity_id \
@@ -397,90 +347,6 @@ fn over_limit(conn: &mut PgConn, batch: &[(i64, i64, i32)]) -> QueryResult<Vec<O
     ))
     .bind::<Array<BigInt>, _>(&nos)
     .load(conn)
-}
-
-/// Locks the user's UNUSED coupon of batch `coupon_id` for `order_no`, if
-/// the batch is still valid and the order reaches its minimum; returns the
-/// discount. The conditional update makes one coupon back one order (I8).
-fn lock_coupon(
-    conn: &mut PgConn,
-    coupon_id: i64,
-    user_id: i64,
-    order_no: i64,
-    gross_cents: i64,
-) -> QueryResult<Option<i64>> {
-    #[derive(QueryableByName)]
-    struct Discount {
-        #[diesel(sql_type = BigInt)]
-        discount_cents: i64,
-    }
-    let locked: Option<Discount> = diesel::sql_query(
-        "UPDATE user_coupons uc SET status = 'LOCKED', order_no = $3, updated_at = now()          FROM coupons c          WHERE uc.coupon_id = $1 AND uc.user_id = $2 AND uc.status = 'UNUSED'            AND c.id = uc.coupon_id AND c.valid_until > now() AND c.min_amount_cents <= $4          RETURNING c.discount_cents",
-    )
-    .bind::<BigInt, _>(coupon_id)
-    .bind::<BigInt, _>(user_id)
-    .bind::<BigInt, _>(order_no)
-    .bind::<BigInt, _>(gross_cents)
-    .get_result(conn)
-    .optional()?;
-    Ok(locked.map(|d| d.discount_cents))
-}
-
-/// Returns the coupons locked by `order_nos` to UNUSED.
-fn unlock_coupons(conn: &mut PgConn, order_nos: &[i64]) -> QueryResult<()> {
-    if order_nos.is_empty() {
-        return Ok(());
-    }
-    diesel::sql_query(
-        "UPDATE user_coupons SET status = 'UNUSED', order_no = NULL, updated_at = now()          WHERE order_no = ANY($1) AND status = 'LOCKED'",
-    )
-    .bind::<Array<BigInt>, _>(order_nos)
-    .execute(conn)?;
-    Ok(())
-}
-
-/// `available → locked` for `units`, only if that many are available.
-fn move_to_locked(conn: &mut PgConn, activity_id: i64, units: i32) -> QueryResult<bool> {
-    let n = diesel::sql_query(
-        "UPDATE stock SET available = available - $2, locked = locked + $2, updated_at = now() \
-         WHERE activity_id = $1 AND available >= $2",
-    )
-    .bind::<BigInt, _>(activity_id)
-    .bind::<Integer, _>(units)
-    .execute(conn)?;
-    Ok(n == 1)
-}
-
-/// The LOCK rows of `orders` (activity, order_no, quantity). No ON
-/// CONFLICT: a second LOCK for one order must abort the batch.
-fn insert_lock_flows(conn: &mut PgConn, orders: &[(i64, i64, i32)]) -> QueryResult<()> {
-    if orders.is_empty() {
-        return Ok(());
-    }
-    let (a, o, q) = unzip3(orders);
-    diesel::sql_query(
-        "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) \
-         SELECT a, 'LOCK', o, q FROM unnest($1::bigint[], $2::bigint[], $3::int[]) AS t(a, o, q)",
-    )
-    .bind::<Array<BigInt>, _>(&a)
-    .bind::<Array<BigInt>, _>(&o)
-    .bind::<Array<Integer>, _>(&q)
-    .execute(conn)?;
-    Ok(())
-}
-
-fn unzip3(v: &[(i64, i64, i32)]) -> (Vec<i64>, Vec<i64>, Vec<i32>) {
-    let mut out = (
-        Vec::with_capacity(v.len()),
-        Vec::with_capacity(v.len()),
-        Vec::with_capacity(v.len()),
-    );
-    for &(a, b, c) in v {
-        out.0.push(a);
-        out.1.push(b);
-        out.2.push(c);
-    }
-    out
 }
 
 /// Column-wise order rows, inserted with one `unnest` statement.
@@ -517,6 +383,20 @@ impl OrderColumns {
         self.status.push(status);
         self.failure_reason.push(reason);
         self.pay_deadline.push(deadline);
+    }
+
+    /// The units of the rows inserted as WAITING_PAY.
+    fn created(&self, inserted: &HashSet<i64>) -> Vec<Units> {
+        (0..self.order_no.len())
+            .filter(|&i| {
+                inserted.contains(&self.order_no[i]) && self.status[i] == OrderStatus::WaitingPay
+            })
+            .map(|i| Units {
+                activity_id: self.activity_id[i],
+                order_no: self.order_no[i],
+                quantity: self.quantity[i],
+            })
+            .collect()
     }
 
     /// Inserts every row not already there; returns the order_nos inserted.

@@ -4,29 +4,29 @@
 //! wins it writes the RELEASE flow row, moves stock `locked → available`,
 //! returns the coupon and enqueues `stock.released`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use diesel::prelude::*;
-use diesel::sql_types::{Array, BigInt, Integer, Text};
+use diesel::sql_types::{Array, BigInt, Text};
 
 use super::OrderStatus;
 use crate::bus::events::StockReleased;
+use crate::coupons::repo as coupons;
 use crate::ids::OrderNo;
 use crate::outbox;
+use crate::stock::{self, Units};
 use crate::store::PgConn;
 use crate::store::schema::activities;
 
 /// What a release needs of an order.
 #[derive(Debug, Clone, Copy, QueryableByName)]
 pub struct Releasable {
-    #[diesel(sql_type = BigInt)]
-    pub order_no: i64,
-    #[diesel(sql_type = BigInt)]
-    pub activity_id: i64,
+    /// Its units (activity, order_no, quantity).
+    #[diesel(embed)]
+    pub units: Units,
+    /// Its buyer.
     #[diesel(sql_type = BigInt)]
     pub user_id: i64,
-    #[diesel(sql_type = Integer)]
-    pub quantity: i32,
 }
 
 #[derive(QueryableByName)]
@@ -60,7 +60,7 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
     if orders.is_empty() {
         return Ok(Vec::new());
     }
-    let nos: Vec<i64> = orders.iter().map(|o| o.order_no).collect();
+    let nos: Vec<i64> = orders.iter().map(|o| o.units.order_no).collect();
     let moved: Vec<i64> = diesel::sql_query(format!(
         "UPDATE orders SET status = $2, closed_at = now(), updated_at = now() \
          WHERE order_no = ANY($1) AND status = {} RETURNING order_no",
@@ -77,48 +77,13 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
     }
     let winners: Vec<&Releasable> = orders
         .iter()
-        .filter(|o| moved.contains(&o.order_no))
+        .filter(|o| moved.contains(&o.units.order_no))
         .collect();
+    let units: Vec<Units> = winners.iter().map(|w| w.units).collect();
+    stock::release(conn, &units)?;
+    coupons::unlock_for_orders(conn, &moved)?;
 
-    // One RELEASE per order, ever: a second one aborts this transaction.
-    let (a, o, q): (Vec<i64>, Vec<i64>, Vec<i32>) = (
-        winners.iter().map(|w| w.activity_id).collect(),
-        winners.iter().map(|w| w.order_no).collect(),
-        winners.iter().map(|w| w.quantity).collect(),
-    );
-    diesel::sql_query(
-        "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) \
-         SELECT a, 'RELEASE', o, q FROM unnest($1::bigint[], $2::bigint[], $3::int[]) AS t(a, o, q)",
-    )
-    .bind::<Array<BigInt>, _>(&a)
-    .bind::<Array<BigInt>, _>(&o)
-    .bind::<Array<Integer>, _>(&q)
-    .execute(conn)?;
-
-    // Stock rows locked in id order, so two transactions never wait on each
-    // other's rows in opposite orders (no deadlock).
-    let mut units: BTreeMap<i64, i32> = BTreeMap::new();
-    for w in &winners {
-        *units.entry(w.activity_id).or_default() += w.quantity;
-    }
-    for (&activity_id, &n) in &units {
-        // The CHECKs refuse a negative `locked`: a release never double-counts.
-        diesel::sql_query(
-            "UPDATE stock SET locked = locked - $2, available = available + $2, updated_at = now() \
-             WHERE activity_id = $1",
-        )
-        .bind::<BigInt, _>(activity_id)
-        .bind::<Integer, _>(n)
-        .execute(conn)?;
-    }
-    diesel::sql_query(
-        "UPDATE user_coupons SET status = 'UNUSED', order_no = NULL, updated_at = now() \
-         WHERE order_no = ANY($1) AND status = 'LOCKED'",
-    )
-    .bind::<Array<BigInt>, _>(&moved)
-    .execute(conn)?;
-
-    let ids: Vec<i64> = units.keys().copied().collect();
+    let ids: Vec<i64> = units.iter().map(|u| u.activity_id).collect();
     let layouts: HashMap<i64, (i32, i32)> = activities::table
         .filter(activities::id.eq_any(&ids))
         .select((activities::id, (activities::buckets, activities::shards)))
@@ -126,22 +91,19 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
         .into_iter()
         .collect();
     for w in winners {
+        let u = w.units;
         let event = StockReleased {
-            event_id: format!("release-{}", w.order_no),
-            order_no: OrderNo::new(w.order_no),
-            activity_id: w.activity_id,
+            event_id: format!("release-{}", u.order_no),
+            order_no: OrderNo::new(u.order_no),
+            activity_id: u.activity_id,
             user_id: w.user_id,
-            quantity: w.quantity,
-            buckets: layouts.get(&w.activity_id).map_or(1, |l| l.0),
-            shards: layouts.get(&w.activity_id).map_or(1, |l| l.1),
+            quantity: u.quantity,
+            buckets: layouts.get(&u.activity_id).map_or(1, |l| l.0),
+            shards: layouts.get(&u.activity_id).map_or(1, |l| l.1),
             reason: to.status().as_str().to_owned(),
         };
-        outbox::enqueue(
-            conn,
-            outbox::STOCK_RELEASED,
-            &w.order_no.to_string(),
-            &event,
-        )?;
+        let key = u.order_no.to_string();
+        outbox::enqueue(conn, outbox::STOCK_RELEASED, &key, &event)?;
     }
     Ok(moved)
 }

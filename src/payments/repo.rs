@@ -3,15 +3,17 @@
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{BigInt, Integer, Nullable, Text, Timestamptz};
+use diesel::sql_types::{BigInt, Nullable, Text, Timestamptz};
 use serde::Serialize;
 
 use super::provider::Callback;
 use crate::bus::events::OrderPaid;
+use crate::coupons::repo as coupons;
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
 use crate::outbox;
 use crate::payments::PaymentStatus;
+use crate::stock::{self, Units};
 use crate::store::PgConn;
 use crate::store::schema::{orders, payments};
 
@@ -145,14 +147,29 @@ impl CallbackOutcome {
 
 #[derive(QueryableByName)]
 struct PaidOrder {
-    #[diesel(sql_type = BigInt)]
-    activity_id: i64,
+    #[diesel(embed)]
+    units: Units,
     #[diesel(sql_type = BigInt)]
     user_id: i64,
-    #[diesel(sql_type = Integer)]
-    quantity: i32,
     #[diesel(sql_type = BigInt)]
     amount_cents: i64,
+}
+
+/// A FAILED callback: the pending payment becomes FAILED (the order still
+/// awaits payment); a payment already settled is a duplicate.
+fn mark_failed(conn: &mut PgConn, payment_no: i64) -> QueryResult<CallbackOutcome> {
+    let pending = payments::status.eq(PaymentStatus::Pending.as_str());
+    let n = diesel::update(payments::table.find(payment_no).filter(pending))
+        .set((
+            payments::status.eq(PaymentStatus::Failed.as_str()),
+            payments::updated_at.eq(diesel::dsl::now),
+        ))
+        .execute(conn)?;
+    Ok(if n == 1 {
+        CallbackOutcome::MarkedFailed
+    } else {
+        CallbackOutcome::Duplicate
+    })
 }
 
 /// Applies a verified callback in ONE transaction (SPEC step 5). The
@@ -181,14 +198,7 @@ pub fn apply_callback(
             return Ok(CallbackOutcome::AmountMismatch);
         }
         if PaymentStatus::parse(&cb.status) == Some(PaymentStatus::Failed) {
-            let pending = payments::status.eq(PaymentStatus::Pending.as_str());
-            let n = diesel::update(payments::table.find(payment_no).filter(pending))
-                .set((
-                    payments::status.eq(PaymentStatus::Failed.as_str()),
-                    payments::updated_at.eq(diesel::dsl::now),
-                ))
-                .execute(conn)?;
-            return Ok(if n == 1 { CallbackOutcome::MarkedFailed } else { CallbackOutcome::Duplicate });
+            return mark_failed(conn, payment_no);
         }
         if PaymentStatus::parse(&payment.status).is_some_and(PaymentStatus::is_settled) {
             return Ok(CallbackOutcome::Duplicate);
@@ -197,7 +207,7 @@ pub fn apply_callback(
         let paid: Option<PaidOrder> = diesel::sql_query(format!(
             "UPDATE orders SET status = {}, paid_at = $2, updated_at = now() \
              WHERE order_no = $1 AND status = {} \
-             RETURNING activity_id, user_id, quantity, amount_cents",
+             RETURNING order_no, activity_id, user_id, quantity, amount_cents",
             OrderStatus::Paid.sql(),
             OrderStatus::WaitingPay.sql()
         ))
@@ -205,39 +215,20 @@ pub fn apply_callback(
         .bind::<Timestamptz, _>(paid_at)
         .get_result(conn)
         .optional()?;
+        let txn = cb.provider_txn_id.as_deref();
         let Some(order) = paid else {
             // Closed, cancelled, or paid by another payment: never revived,
             // never charged twice.
-            let txn = cb.provider_txn_id.as_deref();
             settle(conn, payment_no, PaymentStatus::RefundRequired, txn, None)?;
             return Ok(CallbackOutcome::RefundRequired);
         };
-        let txn = cb.provider_txn_id.as_deref();
         settle(conn, payment_no, PaymentStatus::Success, txn, Some(paid_at))?;
-        diesel::sql_query(
-            "UPDATE stock SET locked = locked - $2, sold = sold + $2, updated_at = now() \
-             WHERE activity_id = $1",
-        )
-        .bind::<BigInt, _>(order.activity_id)
-        .bind::<Integer, _>(order.quantity)
-        .execute(conn)?;
-        diesel::sql_query(
-            "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) VALUES ($1, 'CONFIRM', $2, $3)",
-        )
-        .bind::<BigInt, _>(order.activity_id)
-        .bind::<BigInt, _>(order_no)
-        .bind::<Integer, _>(order.quantity)
-        .execute(conn)?;
-        diesel::sql_query(
-            "UPDATE user_coupons SET status = 'USED', updated_at = now() \
-             WHERE order_no = $1 AND status = 'LOCKED'",
-        )
-        .bind::<BigInt, _>(order_no)
-        .execute(conn)?;
+        stock::confirm(conn, order.units)?;
+        coupons::use_for_order(conn, order_no)?;
         let event = OrderPaid {
             event_id: format!("paid-{order_no}"),
             order_no: OrderNo::new(order_no),
-            activity_id: order.activity_id,
+            activity_id: order.units.activity_id,
             user_id: order.user_id,
             amount_cents: order.amount_cents,
             payment_no: payment_no.to_string(),
