@@ -11,7 +11,7 @@ use actix_web::dev::Server;
 use actix_web::{App, HttpServer, web};
 use anyhow::Context;
 
-use crate::admission::WorkerGate;
+use crate::admission::ThreadGate;
 use crate::bus::{self, progress};
 use crate::config::Settings;
 use crate::http;
@@ -159,7 +159,7 @@ impl Application {
                 (*state.gate).clone()
             });
             App::new()
-                .app_data(web::Data::new(WorkerGate(gate)))
+                .app_data(web::Data::new(ThreadGate(gate)))
                 .app_data(state.clone())
                 .app_data(keys.clone())
                 .configure(http::extractor_configs)

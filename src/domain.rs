@@ -31,9 +31,50 @@ impl fmt::Display for UserId {
     }
 }
 
+/// A client's idempotency key (a purchase's or a coupon claim's
+/// `request_id`): 1..=64 printable ASCII characters.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RequestId(String);
+
+impl RequestId {
+    /// Longest accepted.
+    pub const MAX_LEN: usize = 64;
+
+    /// The key, if `raw` is one.
+    pub fn parse(raw: &str) -> Option<Self> {
+        let valid = !raw.is_empty()
+            && raw.len() <= Self::MAX_LEN
+            && raw.bytes().all(|b| b.is_ascii_graphic());
+        valid.then(|| Self(raw.to_owned()))
+    }
+
+    /// The key.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_ids_are_one_to_sixty_four_printable_ascii_characters() {
+        assert_eq!(
+            RequestId::parse("r-1").map(|r| r.to_string()),
+            Some("r-1".into())
+        );
+        assert!(RequestId::parse(&"x".repeat(64)).is_some());
+        for bad in ["", "has space", "tab\t", "é", &"x".repeat(65)] {
+            assert!(RequestId::parse(bad).is_none(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn user_id_accepts_only_positive_decimal_integers() {

@@ -11,9 +11,11 @@ use tokio::sync::{Notify, Semaphore};
 use crate::activities::cache::ActivityCache;
 use crate::admission::RedisGate;
 use crate::admission::acks::Acks;
+use crate::admission::admit::Admitter;
 use crate::admission::limits::{KeyedLimiter, Limits};
+use crate::admission::publish::{Breaker, Publisher};
 use crate::admission::soldout::SoldOut;
-use crate::bus::progress::{self, GroupProgress};
+use crate::bus::progress::GroupProgress;
 use crate::bus::runner::Supervision;
 use crate::bus::watchdog::Registry;
 use crate::bus::{self, Producer, Topics};
@@ -22,7 +24,6 @@ use crate::coupons::gate::CouponGate;
 use crate::ids::{IdGenerator, InstanceLease, LeasedIds};
 use crate::metrics::Metrics;
 use crate::orders::consumer::ConsumerDeps;
-use crate::orders::publish::{Breaker, Publisher};
 use crate::outbox::relay::Relay;
 use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
 use crate::reconcile::Reconciler;
@@ -44,15 +45,13 @@ pub struct AppState {
     /// Whether the topics this service uses exist (readiness waits for it).
     pub topics_created: Arc<std::sync::atomic::AtomicBool>,
     /// Warmed activities' windows and limits, cached in process.
-    pub activities: ActivityCache,
+    pub activities: Arc<ActivityCache>,
     /// Activities Redis said are sold out, answered from memory.
     pub sold_out: Arc<SoldOut>,
     /// Coupon scripts (same multiplexed connection as the gate).
     pub coupons: Arc<CouponGate>,
-    /// In-process token buckets (per activity, per client IP).
-    pub limits: Limits,
-    /// Purchases awaiting their delivery report; empty → 503 BUSY.
-    pub in_flight: Arc<Semaphore>,
+    /// The purchase pipeline (SPEC steps 1–2), sharing these clients.
+    pub admission: Admitter,
     /// Snowflake order numbers, made only under a leased instance id.
     pub ids: Arc<dyn IdGenerator>,
     /// The lease behind `ids`; taken by `Application::build`.
@@ -118,26 +117,47 @@ impl AppState {
             budget: Duration::from_millis(a.publish_budget_ms.max(1)),
             breaker: Breaker::default(),
         });
+        let coupons = Arc::new(CouponGate::new(gate.conn(), &settings.redis.key_prefix));
+        let activities = Arc::new(ActivityCache::default());
+        let sold_out = Arc::new(SoldOut::new(
+            Duration::from_millis(a.sold_out_ttl_ms),
+            metrics.sold_out_activities.clone(),
+        ));
+        let restore_wanted = Arc::new(Notify::new());
+        let db = store::pool(&settings.postgres);
+        let limits = Limits {
+            activity: KeyedLimiter::new(a.activity_rate_per_sec, a.activity_burst),
+            ip: KeyedLimiter::new(a.ip_rate_per_sec, a.ip_burst),
+        };
+        let in_flight = Arc::new(Semaphore::new(a.max_in_flight.max(1)));
+        let settings = Arc::new(settings);
+        let admission = Admitter {
+            settings: settings.clone(),
+            limits,
+            activities: activities.clone(),
+            sold_out: sold_out.clone(),
+            coupons: coupons.clone(),
+            in_flight,
+            ids: leased.clone(),
+            publisher: publisher.clone(),
+            gate: gate.clone(),
+            db: db.clone(),
+            restore_wanted: restore_wanted.clone(),
+            metrics: metrics.clone(),
+        };
         Ok(Self {
-            coupons: Arc::new(CouponGate::new(gate.conn(), &settings.redis.key_prefix)),
+            coupons,
             publisher,
-            restore_wanted: Arc::new(Notify::new()),
+            restore_wanted,
             consumers: Arc::new(Registry::default()),
             topics_created: Arc::default(),
             gate,
-            activities: ActivityCache::default(),
-            sold_out: Arc::new(SoldOut::new(
-                Duration::from_millis(a.sold_out_ttl_ms),
-                metrics.sold_out_activities.clone(),
-            )),
-            limits: Limits {
-                activity: KeyedLimiter::new(a.activity_rate_per_sec, a.activity_burst),
-                ip: KeyedLimiter::new(a.ip_rate_per_sec, a.ip_burst),
-            },
-            in_flight: Arc::new(Semaphore::new(a.max_in_flight.max(1))),
+            activities,
+            sold_out,
+            admission,
             ids: leased,
             lease,
-            db: store::pool(&settings.postgres),
+            db,
             public_db: store::public_pool(&settings.postgres),
             producer,
             metrics,
@@ -164,7 +184,7 @@ impl AppState {
                 loopback(&settings.app.host),
                 settings.app.port
             ),
-            settings: Arc::new(settings),
+            settings,
             background: tokio::runtime::Handle::current(),
         })
     }
@@ -192,28 +212,10 @@ impl AppState {
         )
     }
 
-    /// Why purchases should get 503 BUSY because of the order consumers
-    /// (SPEC step 2), if they should: too many messages behind, or stalled
-    /// (messages waiting, nothing committed) for `kafka.consumer_stall_secs`.
-    /// Both are sampled every second by the lag sampler.
-    pub fn consumer_backpressure(&self) -> Option<&'static str> {
-        let lag = self.metrics.order_consumer_lag.get();
-        if progress::lag_over(lag, self.settings.admission.max_consumer_lag) {
-            return Some("orders are being written; retry shortly");
-        }
-        if self.order_consumers_stalled().is_some() {
-            return Some("the order consumers are stalled; retry shortly");
-        }
-        None
-    }
-
-    /// How long the order consumers (wherever they run) have had messages
-    /// waiting and committed nothing, once that reaches
-    /// `kafka.consumer_stall_secs`.
+    /// How long the order consumers have been stalled, once that reaches
+    /// `kafka.consumer_stall_secs` (readiness reads it).
     pub fn order_consumers_stalled(&self) -> Option<i64> {
-        let stall = i64::try_from(self.settings.kafka.consumer_stall_secs).unwrap_or(i64::MAX);
-        let stalled = self.metrics.order_consumer_stalled_seconds.get();
-        (stall > 0 && stalled >= stall).then_some(stalled)
+        self.admission.order_consumers_stalled()
     }
 
     /// What the outbox relay needs, sharing this state's clients.

@@ -1180,8 +1180,9 @@ fn by_shard(
     groups
 }
 
-/// The gate of one HTTP worker (its own multiplexed connection).
-pub struct WorkerGate(pub RedisGate);
+/// The gate of one HTTP server thread (actix calls it a worker): its own
+/// multiplexed connection, so the threads do not queue on one socket.
+pub struct ThreadGate(pub RedisGate);
 
 /// A lost activity, as the database knows it (see [`RedisGate::restore`]).
 #[derive(Debug, Clone)]

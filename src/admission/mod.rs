@@ -1,13 +1,18 @@
-//! Admission (SPEC step 1): the hot path from a purchase request to a Redis
-//! reservation, with no database access. In-process limits
-//! ([`limits`]) first, then one `EVALSHA` ([`gate`]) that does the replay
-//! check, token consumption, per-user limit, stock and reservation at once.
+//! Admission (SPEC steps 1–2): the hot path from a purchase to an order the
+//! broker has, with no database access. [`admit`] is the pipeline:
+//! in-process limits ([`limits`]), the sold-out flag ([`soldout`]),
+//! back-pressure, then one `EVALSHA` ([`gate`]) that does the replay check,
+//! token consumption, per-user limit, stock and reservation at once, then
+//! the publish with its three-valued outcome ([`publish`]) and the queued
+//! acknowledgement ([`acks`]).
 
 pub mod acks;
+pub mod admit;
 pub mod gate;
 pub mod keys;
 pub mod limits;
+pub mod publish;
 pub mod soldout;
 
-pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, WarmSpec, WorkerGate};
+pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, ThreadGate, WarmSpec};
 pub use keys::Layout;

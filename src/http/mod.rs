@@ -19,9 +19,10 @@ use routes::RouteLabel;
 /// The request-id header, echoed when valid, generated otherwise.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-/// The request id of the current request, in its extensions.
+/// The `X-Request-Id` of the current request (tracing and logs; not the
+/// purchase's idempotency key, `domain::RequestId`), in its extensions.
 #[derive(Debug, Clone)]
-pub struct RequestId(pub String);
+pub struct TraceId(pub String);
 
 /// Extractor configs whose failures answer in the API error shape.
 pub fn extractor_configs(cfg: &mut web::ServiceConfig) {
@@ -63,7 +64,7 @@ where
         .map(str::to_owned)
         // Not a secret: a thread-local PRNG, no getrandom syscall per request.
         .unwrap_or_else(|| format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..)));
-    req.extensions_mut().insert(RequestId(request_id.clone()));
+    req.extensions_mut().insert(TraceId(request_id.clone()));
     let method = req.method().clone();
     let span = tracing::info_span!(
         "http",

@@ -3,7 +3,6 @@
 
 pub mod closer;
 pub mod consumer;
-pub mod publish;
 pub mod releaser;
 pub mod repo;
 pub mod status;

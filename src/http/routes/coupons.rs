@@ -8,6 +8,7 @@ use serde_json::json;
 use crate::bus::{PublishError, events::CouponClaimed};
 use crate::coupons::gate::Claim;
 use crate::coupons::repo::{self, NewCoupon};
+use crate::domain::RequestId;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode};
 use crate::state::AppState;
@@ -106,15 +107,12 @@ pub async fn claim(
     body: web::Json<ClaimBody>,
 ) -> Result<HttpResponse, ApiError> {
     let coupon_id = path.into_inner();
-    let request_id = body.into_inner().request_id;
-    if request_id.is_empty()
-        || request_id.len() > 64
-        || !request_id.bytes().all(|b| b.is_ascii_graphic())
-    {
-        return Err(ApiError::bad_request(
-            "request_id must be 1..=64 printable ASCII characters",
-        ));
-    }
+    let request_id = RequestId::parse(&body.into_inner().request_id)
+        .ok_or_else(|| {
+            ApiError::bad_request("request_id must be 1..=64 printable ASCII characters")
+        })?
+        .as_str()
+        .to_owned();
     let user_id = user.user_id.get();
     // The claim and its publish-or-undo run in a task of their own, on the
     // main runtime: a dropped request (a client gone, a shutdown out of

@@ -2,7 +2,6 @@
 //! order status routes.
 
 use std::net::IpAddr;
-use std::time::Instant;
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpRequest, HttpResponse, web};
@@ -10,21 +9,16 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::activities::cache::Lookup;
-use crate::admission::{Admission, Layout, ReserveRequest, WorkerGate};
-use crate::bus::PublishError;
-use crate::bus::events::OrderRequested;
+use crate::admission::admit::{Admitted, Purchase, Refusal};
+use crate::admission::{Layout, ThreadGate};
+use crate::domain::{RequestId, UserId};
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode};
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
-use crate::orders::publish::{Confirmation, Published};
 use crate::orders::repo::{self, Order};
 use crate::state::AppState;
 use crate::store;
-
-/// Longest accepted `request_id` (and purchase token).
-const MAX_ID_LEN: usize = 64;
 
 /// The purchase body.
 #[derive(Debug, Deserialize)]
@@ -36,8 +30,27 @@ pub struct PlaceOrder {
     coupon_id: Option<i64>,
 }
 
-fn is_valid_key(v: &str) -> bool {
-    !v.is_empty() && v.len() <= MAX_ID_LEN && v.bytes().all(|b| b.is_ascii_graphic())
+impl PlaceOrder {
+    /// The purchase this body asks for (400 if its request_id is not one).
+    fn purchase(
+        self,
+        activity_id: i64,
+        user_id: UserId,
+        client_ip: Option<IpAddr>,
+    ) -> Result<Purchase, ApiError> {
+        let request_id = RequestId::parse(&self.request_id).ok_or_else(|| {
+            ApiError::bad_request("request_id must be 1..=64 printable ASCII characters")
+        })?;
+        Ok(Purchase {
+            activity_id,
+            user_id,
+            client_ip,
+            request_id,
+            quantity: self.quantity.unwrap_or(1),
+            token: self.token,
+            coupon_id: self.coupon_id,
+        })
+    }
 }
 
 /// The client address: the `X-Forwarded-For` entry `hops` from the right
@@ -71,336 +84,91 @@ fn forwarded_client(values: &[&str], hops: usize) -> Option<IpAddr> {
         .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
 }
 
-fn outcome(state: &AppState, name: &str) {
-    state.metrics.admission.with_label_values(&[name]).inc();
-}
-
-fn reject(state: &AppState, name: &str, code: ErrorCode, message: &'static str) -> ApiError {
-    outcome(state, name);
-    ApiError::new(code, message)
-}
-
-/// SPEC steps 1–2: limits, one `EVALSHA`, publish, answer. No database.
+/// SPEC steps 1–2 (`admission::admit`): 202 once the broker has the
+/// order; a replayed request_id answers with its order's status.
 pub async fn place(
     user: AuthUser,
     state: web::Data<AppState>,
-    gate: web::Data<WorkerGate>,
+    gate: web::Data<ThreadGate>,
     path: web::Path<i64>,
     req: HttpRequest,
     body: web::Json<PlaceOrder>,
 ) -> Result<HttpResponse, ApiError> {
     let activity_id = path.into_inner();
-    let body = body.into_inner();
-    if !is_valid_key(&body.request_id) {
-        return Err(ApiError::bad_request(
-            "request_id must be 1..=64 printable ASCII characters",
-        ));
-    }
-    let quantity = body.quantity.unwrap_or(1);
-    if quantity < 1 {
-        return Err(ApiError::bad_request("quantity must be at least 1"));
-    }
-    // The client's own bucket first: one address flooding requests must
-    // not drain the activity's bucket for everyone else.
-    if let Some(ip) = client_ip(&req, state.settings.forwarded_hops())
-        && !state.limits.ip.try_acquire(ip)
-    {
-        return Err(reject(
-            &state,
-            "rate_limited",
-            ErrorCode::RateLimited,
-            "too many requests from this address",
-        ));
-    }
-    if !state.limits.activity.try_acquire(activity_id) {
-        return Err(reject(
-            &state,
-            "rate_limited",
-            ErrorCode::RateLimited,
-            "too many requests for this activity",
-        ));
-    }
-    let meta = match state
-        .activities
-        .lookup(&gate.0, &state.db, activity_id)
-        .await
-        .map_err(ApiError::unavailable)?
-    {
-        Lookup::Warm(meta) => meta,
-        Lookup::Restoring => return Err(restoring(&state)),
-        Lookup::NotActive => {
-            return Err(reject(
-                &state,
-                "not_active",
-                ErrorCode::NotActive,
-                "the sale is not open",
-            ));
+    let ip = client_ip(&req, state.settings.forwarded_hops());
+    let purchase = body.into_inner().purchase(activity_id, user.user_id, ip)?;
+    let request_id = purchase.request_id.clone();
+    let (code, order_no, status) = match state.admission.admit(&gate.0, purchase).await {
+        Ok(Admitted::Accepted(no)) => (StatusCode::ACCEPTED, no, OrderStatus::Processing),
+        Ok(Admitted::Replayed {
+            order_no,
+            confirmed_now: true,
+            ..
+        }) => (StatusCode::ACCEPTED, order_no, OrderStatus::Processing),
+        Ok(Admitted::Replayed {
+            order_no, layout, ..
+        }) => {
+            let status = current_status(&state, (activity_id, layout), order_no, user.user_id);
+            (StatusCode::OK, order_no, status.await?)
         }
-    };
-    if quantity > meta.per_user_limit {
-        return Err(ApiError::bad_request("quantity exceeds the per-user limit"));
-    }
-    let now_ms = Utc::now().timestamp_millis();
-    // Sold out a moment ago, and this buyer has no order to be told about:
-    // answered from memory (admission/soldout.rs).
-    if meta.is_open(now_ms) && state.sold_out.refuses(activity_id, user.user_id.get()) {
-        return Err(reject(
-            &state,
-            "sold_out_memory",
-            ErrorCode::SoldOut,
-            "sold out",
-        ));
-    }
-    if let Some(coupon_id) = body.coupon_id {
-        // A cheap membership check; the coupon is locked (or the order
-        // fails) in the order-creating transaction.
-        let holds = coupon_id >= 1
-            && state
-                .coupons
-                .holds(coupon_id, user.user_id.get())
-                .await
-                .map_err(|e| ApiError::unavailable(e.into()))?;
-        if !holds {
-            return Err(ApiError::new(
-                ErrorCode::CouponInvalid,
-                "you hold no such coupon",
-            ));
-        }
-    }
-    let token = body
-        .token
-        .as_deref()
-        .filter(|t| is_valid_key(t))
-        .unwrap_or("");
-
-    // Backpressure before Redis is touched: the order consumers are too far
-    // behind or stalled (a 202 now would stay PROCESSING for long), the
-    // broker acknowledges nothing, or too many purchases await their
-    // delivery report.
-    if let Some(why) = state.consumer_backpressure() {
-        return Err(reject(&state, "busy", ErrorCode::Busy, why));
-    }
-    if !state.publisher.breaker.admits(now_ms) {
-        return Err(reject(
-            &state,
-            "busy",
-            ErrorCode::Busy,
-            "the broker is not acknowledging orders; retry shortly",
-        ));
-    }
-    if !state.publisher.acks.has_room() {
-        return Err(reject(
-            &state,
-            "busy",
-            ErrorCode::Busy,
-            "acknowledgements are waiting on Redis; retry shortly",
-        ));
-    }
-    let Ok(permit) = state.in_flight.clone().try_acquire_owned() else {
-        return Err(reject(
-            &state,
-            "busy",
-            ErrorCode::Busy,
-            "too many purchases in flight; retry shortly",
-        ));
-    };
-    // A sharded activity's order carries its buyer's shard in its number.
-    let layout = meta.layout;
-    let minted = if layout.is_sharded() {
-        let shard = layout.shard_of_user(user.user_id.get());
-        state.ids.next_id_with_gene(shard as u8)
-    } else {
-        state.ids.next_id()
-    };
-    let Some(order_no) = minted else {
-        return Err(reject(
-            &state,
-            "retry_later",
-            ErrorCode::RetryLater,
-            "no order number can be made right now; retry shortly",
-        ));
-    };
-    let reserve = ReserveRequest {
-        activity_id,
-        user_id: user.user_id.get(),
-        request_id: &body.request_id,
-        token,
-        quantity,
-        order_no,
-        layout,
-        now_ms,
-        coupon_id: body.coupon_id,
-    };
-    let started = Instant::now();
-    let admission = gate.0.reserve(&reserve).await.map_err(|e| {
-        outcome(&state, "retry_later");
-        ApiError::unavailable(e.into())
-    })?;
-    state
-        .metrics
-        .lua_duration
-        .observe(started.elapsed().as_secs_f64());
-
-    let order_no = match admission {
-        Admission::Accepted(order_no) => order_no,
-        Admission::Duplicate(order_no) => {
-            drop(permit);
-            outcome(&state, "duplicate");
-            return replay(
-                &state,
-                (activity_id, layout),
-                order_no,
-                &user,
-                &body.request_id,
-            )
-            .await;
-        }
-        Admission::SoldOut => {
-            let (flags, gate) = (state.sold_out.clone(), state.gate.clone());
-            tokio::spawn(async move { flags.mark(&gate, activity_id, layout).await });
-            return Err(reject(&state, "sold_out", ErrorCode::SoldOut, "sold out"));
-        }
-        Admission::LimitExceeded => {
-            return Err(reject(
-                &state,
-                "limit_exceeded",
-                ErrorCode::LimitExceeded,
-                "you already hold the per-user limit",
-            ));
-        }
-        Admission::InvalidToken => {
-            return Err(reject(
-                &state,
-                "invalid_token",
-                ErrorCode::InvalidToken,
-                "purchase token missing, used, expired or not yours",
-            ));
-        }
-        Admission::NotActive => {
-            return Err(reject(
-                &state,
-                "not_active",
-                ErrorCode::NotActive,
-                "the sale is not open",
-            ));
-        }
-        Admission::NumberTaken => {
-            tracing::error!(
-                order_no,
-                activity_id,
-                "order number already reserved: two instances share an instance id"
-            );
-            return Err(reject(
-                &state,
-                "number_taken",
-                ErrorCode::RetryLater,
-                "the order number was taken; retry",
-            ));
-        }
-        Admission::NotWarm => {
-            // Warm a moment ago (the cache said so): Redis lost it.
-            state.activities.forget(activity_id);
-            return Err(restoring(&state));
-        }
-    };
-
-    let event = OrderRequested {
-        event_id: order_no.to_string(),
-        order_no: OrderNo::new(order_no),
-        activity_id,
-        user_id: user.user_id.get(),
-        request_id: body.request_id.clone(),
-        quantity,
-        coupon_id: body.coupon_id,
-        reserved_at_ms: now_ms,
-    };
-    match state.publisher.publish(event, layout, permit).await {
-        Published::Delivered => {
-            outcome(&state, "accepted");
-            Ok(HttpResponse::Accepted().json(json!({
-                "order_no": order_no.to_string(),
-                "request_id": body.request_id,
-                "status": OrderStatus::Processing,
-            })))
-        }
-        Published::NotDelivered(PublishError::QueueFull) => Err(reject(
-            &state,
-            "busy",
-            ErrorCode::Busy,
-            "the order queue is full; retry shortly",
-        )),
-        Published::NotDelivered(_) => Err(reject(
-            &state,
-            "retry_later",
-            ErrorCode::RetryLater,
-            "the order could not be queued; nothing was kept",
-        )),
-        Published::Pending => Err(pending(&state, order_no)),
-    }
-}
-
-/// 503 RETRY_LATER while Redis lost an activity and reconciliation restores
-/// it from the database; wakes the local reconciler.
-fn restoring(state: &AppState) -> ApiError {
-    state.restore_wanted.notify_one();
-    reject(
-        state,
-        "retry_later",
-        ErrorCode::RetryLater,
-        "the sale is being restored; retry shortly",
-    )
-}
-
-/// 503 RETRY_LATER for a purchase whose delivery is not confirmed yet: its
-/// reservation and order_no are kept, and a retry with the same request_id
-/// gets that order_no.
-fn pending(state: &AppState, order_no: i64) -> ApiError {
-    reject(
-        state,
-        "pending",
-        ErrorCode::RetryLater,
-        "the order is not confirmed yet; retry with the same request_id",
-    )
-    .with_order_no(order_no)
-}
-
-/// A purchase retried with a request_id already bound to `order_no`: 202
-/// when this retry confirmed its delivery, 200 with the order's status once
-/// it was confirmed before (or settled otherwise), 503 while still unknown.
-async fn replay(
-    state: &web::Data<AppState>,
-    (activity_id, layout): (i64, Layout),
-    order_no: i64,
-    user: &AuthUser,
-    request_id: &str,
-) -> Result<HttpResponse, ApiError> {
-    let confirmation = state
-        .publisher
-        .confirm(activity_id, layout, order_no)
-        .await
-        .map_err(|e| ApiError::unavailable(e.into()))?;
-    let (code, status) = match confirmation {
-        Confirmation::Pending => return Err(pending(state, order_no)),
-        Confirmation::ConfirmedNow => (StatusCode::ACCEPTED, OrderStatus::Processing),
-        Confirmation::Settled => (
-            StatusCode::OK,
-            current_status(state, (activity_id, layout), order_no, user.user_id.get()).await?,
-        ),
+        Err(refusal) => return Err(refused(refusal)),
     };
     Ok(HttpResponse::build(code).json(json!({
         "order_no": order_no.to_string(),
-        "request_id": request_id,
+        "request_id": request_id.as_str(),
         "status": status,
     })))
+}
+
+/// The one mapping from a refused purchase to its answer.
+fn refused(refusal: Refusal) -> ApiError {
+    use ErrorCode::{Busy, RetryLater};
+    match refusal {
+        Refusal::Invalid(why) => ApiError::bad_request(why),
+        Refusal::RateLimited(why) => ApiError::new(ErrorCode::RateLimited, why),
+        Refusal::NotActive => ApiError::new(ErrorCode::NotActive, "the sale is not open"),
+        Refusal::Restoring => {
+            ApiError::new(RetryLater, "the sale is being restored; retry shortly")
+        }
+        Refusal::SoldOut { .. } => ApiError::new(ErrorCode::SoldOut, "sold out"),
+        Refusal::CouponInvalid => {
+            ApiError::new(ErrorCode::CouponInvalid, "you hold no such coupon")
+        }
+        Refusal::Busy(why) => ApiError::new(Busy, why),
+        Refusal::NoOrderNumber => ApiError::new(
+            RetryLater,
+            "no order number can be made right now; retry shortly",
+        ),
+        Refusal::LimitExceeded => ApiError::new(
+            ErrorCode::LimitExceeded,
+            "you already hold the per-user limit",
+        ),
+        Refusal::InvalidToken => ApiError::new(
+            ErrorCode::InvalidToken,
+            "purchase token missing, used, expired or not yours",
+        ),
+        Refusal::NumberTaken => ApiError::new(RetryLater, "the order number was taken; retry"),
+        Refusal::NotQueued => ApiError::new(
+            RetryLater,
+            "the order could not be queued; nothing was kept",
+        ),
+        Refusal::Pending(order_no) => ApiError::new(
+            RetryLater,
+            "the order is not confirmed yet; retry with the same request_id",
+        )
+        .with_order_no(order_no.get()),
+        Refusal::ReserveFailed(e) | Refusal::Unavailable(e) => ApiError::unavailable(e),
+    }
 }
 
 /// The status of an order the caller owns: its row, else its reservation.
 async fn current_status(
     state: &AppState,
     (activity_id, layout): (i64, Layout),
-    order_no: i64,
-    user_id: i64,
+    order_no: OrderNo,
+    user_id: UserId,
 ) -> Result<OrderStatus, ApiError> {
+    let (order_no, user_id) = (order_no.get(), user_id.get());
     let row = store::run(&state.db, move |conn| {
         Ok(repo::find_for_user(conn, order_no, user_id)?)
     })

@@ -1,0 +1,414 @@
+//! The purchase pipeline (SPEC steps 1–2): from a parsed purchase to an
+//! accepted order or a refusal saying why, with no database access on the
+//! way (unless the activity cache misses and Redis has no meta for it).
+//!
+//! The order of the checks is the design: the caller's own rate bucket
+//! first (one address flooding must not drain the activity's bucket for
+//! everyone), then the activity's; the sale window from the in-process
+//! cache; the sold-out flag (answered from memory); the coupon's
+//! membership; back-pressure before Redis is touched (consumers behind or
+//! stalled, a broker that acknowledges nothing, acknowledgements waiting,
+//! too many purchases in flight); a number; ONE reservation script; then
+//! the publish and its three-valued outcome ([`super::publish`]).
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use chrono::Utc;
+use tokio::sync::{Notify, Semaphore};
+
+use super::gate::Meta as ActivityMeta;
+use super::limits::Limits;
+use super::publish::{Confirmation, Published, Publisher};
+use super::soldout::SoldOut;
+use super::{Admission, Layout, RedisGate, ReserveRequest};
+use crate::activities::cache::{ActivityCache, Lookup};
+use crate::bus::PublishError;
+use crate::bus::events::OrderRequested;
+use crate::bus::progress;
+use crate::config::Settings;
+use crate::coupons::gate::CouponGate;
+use crate::domain::{RequestId, UserId};
+use crate::ids::{IdGenerator, OrderNo};
+use crate::metrics::Metrics;
+use crate::store::PgPool;
+
+/// A purchase as the buyer asked for it, its request id already valid.
+#[derive(Debug, Clone)]
+pub struct Purchase {
+    /// The activity.
+    pub activity_id: i64,
+    /// The buyer.
+    pub user_id: UserId,
+    /// The client's address, when known (its own rate bucket).
+    pub client_ip: Option<IpAddr>,
+    /// The buyer's idempotency key.
+    pub request_id: RequestId,
+    /// Units wanted (default 1).
+    pub quantity: i32,
+    /// The one-time purchase token, if the activity asked for one.
+    pub token: Option<String>,
+    /// A coupon of the buyer's to use.
+    pub coupon_id: Option<i64>,
+}
+
+/// A purchase the broker has: 202, or (a replay) the order's status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admitted {
+    /// Reserved and delivered now.
+    Accepted(OrderNo),
+    /// The request id was already bound to this order, whose delivery this
+    /// retry confirmed just now (`confirmed_now`), or which was confirmed
+    /// or settled before (answer with its current status).
+    Replayed {
+        /// The order the request id is bound to.
+        order_no: OrderNo,
+        /// Its activity's layout (where its reservation is).
+        layout: Layout,
+        /// Whether this retry's send made it accepted.
+        confirmed_now: bool,
+    },
+}
+
+/// Why a purchase was not accepted (each one answers differently).
+#[derive(Debug)]
+pub enum Refusal {
+    /// The body is wrong (400).
+    Invalid(&'static str),
+    /// A token bucket is empty (429); says whose.
+    RateLimited(&'static str),
+    /// The sale is not open (409).
+    NotActive,
+    /// Redis lost the activity and reconciliation is restoring it (503).
+    Restoring,
+    /// Sold out (409); `from_memory` when the sold-out flag answered.
+    SoldOut {
+        /// Answered from the in-process flag, Redis not asked.
+        from_memory: bool,
+    },
+    /// The buyer holds no such coupon (422).
+    CouponInvalid,
+    /// Back-pressure (503 BUSY); says which.
+    Busy(&'static str),
+    /// No instance id is leased, so no number can be made (503).
+    NoOrderNumber,
+    /// The buyer already holds the per-user limit (409).
+    LimitExceeded,
+    /// The purchase token is missing, used, expired or not the buyer's.
+    InvalidToken,
+    /// The number made was already reserved: two instances share an id.
+    NumberTaken,
+    /// The broker definitely does not have it; nothing was kept (503).
+    NotQueued,
+    /// The delivery is not confirmed yet: retry with the same request id
+    /// (503, with the order_no).
+    Pending(OrderNo),
+    /// Redis failed during the reservation (503); counted.
+    ReserveFailed(anyhow::Error),
+    /// A dependency failed before anything was reserved (503).
+    Unavailable(anyhow::Error),
+}
+
+impl Refusal {
+    /// The `seckill_admission_total` outcome label, for those counted.
+    pub fn outcome(&self) -> Option<&'static str> {
+        Some(match self {
+            Self::RateLimited(_) => "rate_limited",
+            Self::NotActive => "not_active",
+            Self::Restoring | Self::NoOrderNumber | Self::NotQueued | Self::ReserveFailed(_) => {
+                "retry_later"
+            }
+            Self::SoldOut { from_memory: true } => "sold_out_memory",
+            Self::SoldOut { from_memory: false } => "sold_out",
+            Self::Busy(_) => "busy",
+            Self::LimitExceeded => "limit_exceeded",
+            Self::InvalidToken => "invalid_token",
+            Self::NumberTaken => "number_taken",
+            Self::Pending(_) => "pending",
+            Self::Invalid(_) | Self::CouponInvalid | Self::Unavailable(_) => return None,
+        })
+    }
+}
+
+/// Longest accepted purchase token.
+const MAX_TOKEN_LEN: usize = 64;
+
+/// What the pipeline needs; built once per process, shared by every HTTP
+/// worker (each passes its own Redis connection to [`Admitter::admit`]).
+pub struct Admitter {
+    /// Admission and Kafka settings (limits, back-pressure).
+    pub settings: Arc<Settings>,
+    /// In-process token buckets (per activity, per client IP).
+    pub limits: Limits,
+    /// Warmed activities' windows and limits.
+    pub activities: Arc<ActivityCache>,
+    /// Activities Redis said are sold out.
+    pub sold_out: Arc<SoldOut>,
+    /// Coupon membership.
+    pub coupons: Arc<CouponGate>,
+    /// Purchases awaiting their delivery report; empty → 503 BUSY.
+    pub in_flight: Arc<Semaphore>,
+    /// Snowflake order numbers.
+    pub ids: Arc<dyn IdGenerator>,
+    /// Publishes accepted purchases (SPEC step 2).
+    pub publisher: Arc<Publisher>,
+    /// The shared gate (sold-out marking in the background).
+    pub gate: Arc<RedisGate>,
+    /// The database, for a cache miss Redis cannot answer.
+    pub db: PgPool,
+    /// Wakes the local reconciler when Redis lost an activity.
+    pub restore_wanted: Arc<Notify>,
+    /// Outcomes and script latency.
+    pub metrics: Metrics,
+}
+
+impl Admitter {
+    /// Runs `purchase` through the pipeline on `gate` (the HTTP worker's
+    /// own connection) and counts its outcome.
+    pub async fn admit(&self, gate: &RedisGate, purchase: Purchase) -> Result<Admitted, Refusal> {
+        let result = self.run(gate, purchase).await;
+        let outcome = match &result {
+            Ok(Admitted::Accepted(_)) => Some("accepted"),
+            Ok(Admitted::Replayed { .. }) => None, // counted as "duplicate" on the way
+            Err(refusal) => refusal.outcome(),
+        };
+        if let Some(outcome) = outcome {
+            self.count(outcome);
+        }
+        result
+    }
+
+    fn count(&self, outcome: &str) {
+        self.metrics.admission.with_label_values(&[outcome]).inc();
+    }
+
+    async fn run(&self, gate: &RedisGate, p: Purchase) -> Result<Admitted, Refusal> {
+        if p.quantity < 1 {
+            return Err(Refusal::Invalid("quantity must be at least 1"));
+        }
+        self.within_rate(&p)?;
+        let meta = self.open_activity(gate, p.activity_id).await?;
+        if p.quantity > meta.per_user_limit {
+            return Err(Refusal::Invalid("quantity exceeds the per-user limit"));
+        }
+        let now_ms = Utc::now().timestamp_millis();
+        // Sold out a moment ago, and this buyer has no order to be told
+        // about: answered from memory (soldout.rs).
+        if meta.is_open(now_ms) && self.sold_out.refuses(p.activity_id, p.user_id.get()) {
+            return Err(Refusal::SoldOut { from_memory: true });
+        }
+        self.holds_coupon(&p).await?;
+        self.not_overloaded(now_ms)?;
+        let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
+            return Err(Refusal::Busy("too many purchases in flight; retry shortly"));
+        };
+        let layout = meta.layout;
+        let order_no = self.number(layout, p.user_id)?;
+        let token = p
+            .token
+            .as_deref()
+            .filter(|t| is_valid_token(t))
+            .unwrap_or("");
+        let reserve = ReserveRequest {
+            activity_id: p.activity_id,
+            user_id: p.user_id.get(),
+            request_id: p.request_id.as_str(),
+            token,
+            quantity: p.quantity,
+            order_no,
+            layout,
+            now_ms,
+            coupon_id: p.coupon_id,
+        };
+        let started = Instant::now();
+        let admission = gate
+            .reserve(&reserve)
+            .await
+            .map_err(|e| Refusal::ReserveFailed(e.into()))?;
+        self.metrics
+            .lua_duration
+            .observe(started.elapsed().as_secs_f64());
+        match admission {
+            Admission::Accepted(order_no) => {
+                let event = OrderRequested {
+                    event_id: order_no.to_string(),
+                    order_no: OrderNo::new(order_no),
+                    activity_id: p.activity_id,
+                    user_id: p.user_id.get(),
+                    request_id: p.request_id.as_str().to_owned(),
+                    quantity: p.quantity,
+                    coupon_id: p.coupon_id,
+                    reserved_at_ms: now_ms,
+                };
+                match self.publisher.publish(event, layout, permit).await {
+                    Published::Delivered => Ok(Admitted::Accepted(OrderNo::new(order_no))),
+                    Published::NotDelivered(PublishError::QueueFull) => {
+                        Err(Refusal::Busy("the order queue is full; retry shortly"))
+                    }
+                    Published::NotDelivered(_) => Err(Refusal::NotQueued),
+                    Published::Pending => Err(Refusal::Pending(OrderNo::new(order_no))),
+                }
+            }
+            Admission::Duplicate(order_no) => {
+                drop(permit);
+                self.count("duplicate");
+                self.replay(p.activity_id, layout, order_no).await
+            }
+            Admission::SoldOut => {
+                let (flags, gate, activity_id) =
+                    (self.sold_out.clone(), self.gate.clone(), p.activity_id);
+                tokio::spawn(async move { flags.mark(&gate, activity_id, layout).await });
+                Err(Refusal::SoldOut { from_memory: false })
+            }
+            Admission::LimitExceeded => Err(Refusal::LimitExceeded),
+            Admission::InvalidToken => Err(Refusal::InvalidToken),
+            Admission::NotActive => Err(Refusal::NotActive),
+            Admission::NumberTaken => {
+                tracing::error!(
+                    order_no,
+                    activity_id = p.activity_id,
+                    "order number already reserved: two instances share an instance id"
+                );
+                Err(Refusal::NumberTaken)
+            }
+            Admission::NotWarm => {
+                // Warm a moment ago (the cache said so): Redis lost it.
+                self.activities.forget(p.activity_id);
+                Err(self.restoring())
+            }
+        }
+    }
+
+    /// The client's own bucket, then the activity's.
+    fn within_rate(&self, p: &Purchase) -> Result<(), Refusal> {
+        if let Some(ip) = p.client_ip
+            && !self.limits.ip.try_acquire(ip)
+        {
+            return Err(Refusal::RateLimited("too many requests from this address"));
+        }
+        if !self.limits.activity.try_acquire(p.activity_id) {
+            return Err(Refusal::RateLimited("too many requests for this activity"));
+        }
+        Ok(())
+    }
+
+    /// The activity's window and limits, if it is warm.
+    async fn open_activity(&self, gate: &RedisGate, id: i64) -> Result<ActivityMeta, Refusal> {
+        match self.activities.lookup(gate, &self.db, id).await {
+            Ok(Lookup::Warm(meta)) => Ok(meta),
+            Ok(Lookup::Restoring) => Err(self.restoring()),
+            Ok(Lookup::NotActive) => Err(Refusal::NotActive),
+            Err(e) => Err(Refusal::Unavailable(e)),
+        }
+    }
+
+    /// Wakes the local reconciler: Redis lost the activity.
+    fn restoring(&self) -> Refusal {
+        self.restore_wanted.notify_one();
+        Refusal::Restoring
+    }
+
+    /// A cheap membership check; the coupon is locked (or the order fails)
+    /// in the order-creating transaction.
+    async fn holds_coupon(&self, p: &Purchase) -> Result<(), Refusal> {
+        let Some(coupon_id) = p.coupon_id else {
+            return Ok(());
+        };
+        let holds = coupon_id >= 1
+            && self
+                .coupons
+                .holds(coupon_id, p.user_id.get())
+                .await
+                .map_err(|e| Refusal::Unavailable(e.into()))?;
+        if holds {
+            Ok(())
+        } else {
+            Err(Refusal::CouponInvalid)
+        }
+    }
+
+    /// Back-pressure before Redis is touched: a 202 now would stay
+    /// PROCESSING for long, or would not be acknowledged.
+    fn not_overloaded(&self, now_ms: i64) -> Result<(), Refusal> {
+        if let Some(why) = self.consumer_backpressure() {
+            return Err(Refusal::Busy(why));
+        }
+        if !self.publisher.breaker.admits(now_ms) {
+            return Err(Refusal::Busy(
+                "the broker is not acknowledging orders; retry shortly",
+            ));
+        }
+        if !self.publisher.acks.has_room() {
+            return Err(Refusal::Busy(
+                "acknowledgements are waiting on Redis; retry shortly",
+            ));
+        }
+        Ok(())
+    }
+
+    /// A number for the order; a sharded activity's carries its buyer's
+    /// shard.
+    fn number(&self, layout: Layout, user_id: UserId) -> Result<i64, Refusal> {
+        let minted = if layout.is_sharded() {
+            let shard = layout.shard_of_user(user_id.get());
+            self.ids.next_id_with_gene(shard as u8)
+        } else {
+            self.ids.next_id()
+        };
+        minted.ok_or(Refusal::NoOrderNumber)
+    }
+
+    /// A request id already bound to `order_no`: accepted now if this
+    /// retry confirmed its delivery, settled if it was before, pending
+    /// while still unknown.
+    async fn replay(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        order_no: i64,
+    ) -> Result<Admitted, Refusal> {
+        let confirmation = self
+            .publisher
+            .confirm(activity_id, layout, order_no)
+            .await
+            .map_err(|e| Refusal::Unavailable(e.into()))?;
+        let order_no = OrderNo::new(order_no);
+        match confirmation {
+            Confirmation::Pending => Err(Refusal::Pending(order_no)),
+            Confirmation::ConfirmedNow | Confirmation::Settled => Ok(Admitted::Replayed {
+                order_no,
+                layout,
+                confirmed_now: confirmation == Confirmation::ConfirmedNow,
+            }),
+        }
+    }
+
+    /// Why purchases should get 503 BUSY because of the order consumers,
+    /// if they should: too many messages behind, or stalled (messages
+    /// waiting, nothing committed) for `kafka.consumer_stall_secs`. Both
+    /// are sampled every second by the lag sampler.
+    pub fn consumer_backpressure(&self) -> Option<&'static str> {
+        let lag = self.metrics.order_consumer_lag.get();
+        if progress::lag_over(lag, self.settings.admission.max_consumer_lag) {
+            return Some("orders are being written; retry shortly");
+        }
+        if self.order_consumers_stalled().is_some() {
+            return Some("the order consumers are stalled; retry shortly");
+        }
+        None
+    }
+
+    /// How long the order consumers (wherever they run) have had messages
+    /// waiting and committed nothing, once that reaches
+    /// `kafka.consumer_stall_secs`.
+    pub fn order_consumers_stalled(&self) -> Option<i64> {
+        let stall = i64::try_from(self.settings.kafka.consumer_stall_secs).unwrap_or(i64::MAX);
+        let stalled = self.metrics.order_consumer_stalled_seconds.get();
+        (stall > 0 && stalled >= stall).then_some(stalled)
+    }
+}
+
+fn is_valid_token(t: &str) -> bool {
+    !t.is_empty() && t.len() <= MAX_TOKEN_LEN && t.bytes().all(|b| b.is_ascii_graphic())
+}
