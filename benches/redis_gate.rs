@@ -15,9 +15,7 @@ fn setup(rt: &tokio::runtime::Runtime) -> Option<(Arc<RedisGate>, i64, i64)> {
     settings.redis.key_prefix = format!("cbench{}:", chrono::Utc::now().timestamp_millis());
     rt.block_on(async {
         let gate = RedisGate::new(&settings.redis, &settings.admission, None).ok()?;
-        let ping: redis::RedisResult<String> =
-            redis::cmd("PING").query_async(&mut gate.conn()).await;
-        if ping.is_err() {
+        if gate.ping().await.is_err() {
             eprintln!("skipping redis_gate benches: Redis does not answer at {} (run scripts/services.sh up)", settings.redis.url);
             return None;
         }

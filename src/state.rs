@@ -27,6 +27,7 @@ use crate::orders::consumer::ConsumerDeps;
 use crate::outbox::relay::Relay;
 use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
 use crate::reconcile::Reconciler;
+use crate::store::redis_conn::RedisClient;
 use crate::store::{self, PgPool};
 
 /// Shared state of every request handler and worker.
@@ -100,8 +101,13 @@ impl AppState {
         let producer = Producer::new(&settings.kafka)?;
         let metrics = Metrics::new()?;
         let leased = Arc::new(LeasedIds::default());
+        // The instance lease and the coupon scripts have keys of their own:
+        // they share one connection, apart from admission's.
+        let shared = RedisClient::new(&settings.redis)
+            .and_then(|client| client.connect_lazy())
+            .context("creating the Redis connection")?;
         let lease = InstanceLease::new(
-            gate.conn(),
+            shared.clone(),
             &settings.redis.key_prefix,
             settings.app.instance_id,
             Duration::from_secs(settings.app.instance_lease_secs),
@@ -117,7 +123,7 @@ impl AppState {
             budget: Duration::from_millis(a.publish_budget_ms.max(1)),
             breaker: Breaker::default(),
         });
-        let coupons = Arc::new(CouponGate::new(gate.conn(), &settings.redis.key_prefix));
+        let coupons = Arc::new(CouponGate::new(shared, &settings.redis.key_prefix));
         let activities = Arc::new(ActivityCache::default());
         let sold_out = Arc::new(SoldOut::new(
             Duration::from_millis(a.sold_out_ttl_ms),

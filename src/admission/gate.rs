@@ -188,12 +188,12 @@ impl RedisGate {
 
     /// The base keys of an activity: its meta and `restoring` marker (and,
     /// unsharded, all of its keys).
-    pub fn keys(&self, activity_id: i64) -> ActivityKeys {
+    fn keys(&self, activity_id: i64) -> ActivityKeys {
         ActivityKeys::new(&self.prefix, activity_id)
     }
 
     /// The keys of one shard of an activity.
-    pub fn shard_keys(&self, activity_id: i64, layout: Layout, shard: usize) -> ActivityKeys {
+    fn shard_keys(&self, activity_id: i64, layout: Layout, shard: usize) -> ActivityKeys {
         ActivityKeys::shard(&self.prefix, activity_id, layout, shard)
     }
 
@@ -203,8 +203,14 @@ impl RedisGate {
     }
 
     /// A clone of the multiplexed connection, for plain commands.
-    pub fn conn(&self) -> RedisConn {
+    fn conn(&self) -> RedisConn {
         self.conn.clone()
+    }
+
+    /// `PING` on the gate's connection (a cluster answers from every
+    /// master): readiness.
+    pub async fn ping(&self) -> RedisResult<String> {
+        redis::cmd("PING").query_async(&mut self.conn()).await
     }
 
     /// Runs the admission script (one `EVALSHA`) in the buyer's shard. In

@@ -105,10 +105,12 @@ fn is_valid_request_id(v: &str) -> bool {
 
 /// A decimal id from the path (`order_no`, `payment_no`); anything else is
 /// 404 with `not_found`, never 400: a malformed id names nothing that exists.
-pub fn id_in_path(raw: &str, not_found: &'static str) -> Result<i64, error::ApiError> {
-    crate::ids::OrderNo::parse(raw)
-        .map(crate::ids::OrderNo::get)
-        .ok_or_else(|| error::ApiError::not_found(not_found))
+pub fn id_in_path<T>(
+    raw: &str,
+    parse: impl Fn(&str) -> Option<T>,
+    not_found: &'static str,
+) -> Result<T, error::ApiError> {
+    parse(raw).ok_or_else(|| error::ApiError::not_found(not_found))
 }
 
 #[cfg(test)]

@@ -174,48 +174,67 @@ pub fn instance_of(id: i64) -> u16 {
     ((id as u64 >> SEQUENCE_BITS) & u64::from(MAX_INSTANCE)) as u16
 }
 
-/// An order number. A string in JSON (API.md), an i64 in storage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct OrderNo(i64);
+/// A snowflake number newtype: a decimal string in JSON, an i64 in storage.
+macro_rules! snowflake_number {
+    ($(#[$doc:meta])* $name:ident, $what:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(i64);
 
-impl OrderNo {
-    /// Wraps a stored or generated number.
-    pub fn new(raw: i64) -> Self {
-        Self(raw)
-    }
+        impl $name {
+            /// Wraps a stored or generated number.
+            pub fn new(raw: i64) -> Self {
+                Self(raw)
+            }
 
-    /// Parses the decimal string a client sends; `None` for anything else.
-    pub fn parse(raw: &str) -> Option<Self> {
-        if raw.is_empty() || raw.len() > 19 || !raw.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
+            /// Parses the decimal string a client sends; `None` for
+            /// anything else.
+            pub fn parse(raw: &str) -> Option<Self> {
+                if raw.is_empty() || raw.len() > 19 || !raw.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                raw.parse::<i64>().ok().filter(|n| *n > 0).map(Self)
+            }
+
+            /// The raw number, for storage.
+            pub fn get(self) -> i64 {
+                self.0
+            }
         }
-        raw.parse::<i64>().ok().filter(|n| *n > 0).map(Self)
-    }
 
-    /// The raw number, for storage.
-    pub fn get(self) -> i64 {
-        self.0
-    }
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(&self.0)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let raw = String::deserialize(d)?;
+                Self::parse(&raw)
+                    .ok_or_else(|| serde::de::Error::custom(concat!($what, " must be a decimal id")))
+            }
+        }
+    };
 }
 
-impl fmt::Display for OrderNo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
-    }
-}
+snowflake_number!(
+    /// An order number (API.md: a string in JSON).
+    OrderNo,
+    "order_no"
+);
 
-impl Serialize for OrderNo {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(&self.0)
-    }
-}
-
-impl<'de> Deserialize<'de> for OrderNo {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let raw = String::deserialize(d)?;
-        Self::parse(&raw).ok_or_else(|| serde::de::Error::custom("order_no must be a decimal id"))
-    }
-}
+snowflake_number!(
+    /// A payment number (API.md: a string in JSON).
+    PaymentNo,
+    "payment_no"
+);
 
 #[cfg(test)]
 mod tests {

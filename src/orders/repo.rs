@@ -12,6 +12,8 @@ use super::OrderStatus;
 use crate::admission::Layout;
 use crate::bus::events::OrderRequested;
 use crate::coupons::repo as coupons;
+use crate::domain::UserId;
+use crate::ids::OrderNo;
 use crate::stock::{self, Units};
 use crate::store::PgConn;
 use crate::store::schema::{activities, orders};
@@ -40,10 +42,14 @@ fn as_string<S: serde::Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
 }
 
 /// The caller's order, if it is theirs.
-pub fn find_for_user(conn: &mut PgConn, order_no: i64, user_id: i64) -> QueryResult<Option<Order>> {
+pub fn find_for_user(
+    conn: &mut PgConn,
+    order_no: OrderNo,
+    user_id: UserId,
+) -> QueryResult<Option<Order>> {
     orders::table
-        .find(order_no)
-        .filter(orders::user_id.eq(user_id))
+        .find(order_no.get())
+        .filter(orders::user_id.eq(user_id.get()))
         .select(Order::as_select())
         .first(conn)
         .optional()
@@ -52,13 +58,13 @@ pub fn find_for_user(conn: &mut PgConn, order_no: i64, user_id: i64) -> QueryRes
 /// The caller's orders, newest first, after `cursor` (an order_no).
 pub fn list_for_user(
     conn: &mut PgConn,
-    user_id: i64,
+    user_id: UserId,
     status: Option<OrderStatus>,
-    cursor: Option<i64>,
+    cursor: Option<OrderNo>,
     limit: i64,
 ) -> QueryResult<Vec<Order>> {
     let mut query = orders::table
-        .filter(orders::user_id.eq(user_id))
+        .filter(orders::user_id.eq(user_id.get()))
         .select(Order::as_select())
         .order(orders::order_no.desc())
         .limit(limit)
@@ -67,7 +73,7 @@ pub fn list_for_user(
         query = query.filter(orders::status.eq(status));
     }
     if let Some(cursor) = cursor {
-        query = query.filter(orders::order_no.lt(cursor));
+        query = query.filter(orders::order_no.lt(cursor.get()));
     }
     query.load(conn)
 }

@@ -12,6 +12,7 @@ use diesel::sql_types::{Array, BigInt, Text};
 use super::OrderStatus;
 use crate::bus::events::StockReleased;
 use crate::coupons::repo as coupons;
+use crate::domain::UserId;
 use crate::ids::OrderNo;
 use crate::outbox;
 use crate::stock::{self, Units};
@@ -129,8 +130,8 @@ pub fn close_overdue(conn: &mut PgConn, limit: i64) -> QueryResult<usize> {
 /// The caller's order, locked for a transition.
 pub fn lock_for_user(
     conn: &mut PgConn,
-    order_no: i64,
-    user_id: i64,
+    order_no: OrderNo,
+    user_id: UserId,
 ) -> QueryResult<Option<(Releasable, OrderStatus)>> {
     #[derive(QueryableByName)]
     struct Row {
@@ -143,8 +144,8 @@ pub fn lock_for_user(
         "SELECT order_no, activity_id, user_id, quantity, status FROM orders \
          WHERE order_no = $1 AND user_id = $2 FOR UPDATE",
     )
-    .bind::<BigInt, _>(order_no)
-    .bind::<BigInt, _>(user_id)
+    .bind::<BigInt, _>(order_no.get())
+    .bind::<BigInt, _>(user_id.get())
     .get_result(conn)
     .optional()?;
     Ok(row.map(|r| (r.r, r.status)))

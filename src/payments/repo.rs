@@ -9,7 +9,8 @@ use serde::Serialize;
 use super::provider::Callback;
 use crate::bus::events::OrderPaid;
 use crate::coupons::repo as coupons;
-use crate::ids::OrderNo;
+use crate::domain::UserId;
+use crate::ids::{OrderNo, PaymentNo};
 use crate::orders::OrderStatus;
 use crate::outbox;
 use crate::payments::PaymentStatus;
@@ -51,11 +52,12 @@ pub enum PayIntent {
 /// Creates the order's pending payment, or returns the one already pending.
 pub fn create_or_get(
     conn: &mut PgConn,
-    order_no: i64,
-    user_id: i64,
-    payment_no: i64,
+    order_no: OrderNo,
+    user_id: UserId,
+    payment_no: PaymentNo,
     provider: &str,
 ) -> QueryResult<PayIntent> {
+    let (order_no, user_id, payment_no) = (order_no.get(), user_id.get(), payment_no.get());
     conn.transaction(|conn| {
         let order: Option<(OrderStatus, i64)> = orders::table
             .find(order_no)
@@ -95,13 +97,13 @@ pub fn create_or_get(
 /// The payment, if it belongs to an order of `user_id`.
 pub fn find_for_user(
     conn: &mut PgConn,
-    payment_no: i64,
-    user_id: i64,
+    payment_no: PaymentNo,
+    user_id: UserId,
 ) -> QueryResult<Option<Payment>> {
     payments::table
         .inner_join(orders::table)
-        .filter(payments::payment_no.eq(payment_no))
-        .filter(orders::user_id.eq(user_id))
+        .filter(payments::payment_no.eq(payment_no.get()))
+        .filter(orders::user_id.eq(user_id.get()))
         .select(Payment::as_select())
         .first(conn)
         .optional()
@@ -177,10 +179,11 @@ fn mark_failed(conn: &mut PgConn, payment_no: i64) -> QueryResult<CallbackOutcom
 /// but the first see a settled payment.
 pub fn apply_callback(
     conn: &mut PgConn,
-    payment_no: i64,
-    order_no: i64,
+    payment_no: PaymentNo,
+    order_no: OrderNo,
     cb: &Callback,
 ) -> QueryResult<CallbackOutcome> {
+    let (payment_no, order_no) = (payment_no.get(), order_no.get());
     let result = conn.transaction(|conn| {
         let payment: Option<Payment> = payments::table
             .find(payment_no)

@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use actix_web::{HttpResponse, web};
-use deadpool_redis::redis;
 use diesel::RunQueryDsl;
 use serde_json::json;
 
@@ -98,8 +97,7 @@ async fn probe(name: &str, check: impl Future<Output = Result<(), Unready>>) -> 
 async fn redis_ping(state: &AppState) -> Result<(), Unready> {
     let pong: String = async {
         // Through the gate's connection: a cluster answers from every master.
-        let mut conn = state.gate.conn();
-        anyhow::Ok(redis::cmd("PING").query_async::<String>(&mut conn).await?)
+        anyhow::Ok(state.gate.ping().await?)
     }
     .await
     .map_err(Unready::because("unreachable"))?;

@@ -168,7 +168,6 @@ async fn current_status(
     order_no: OrderNo,
     user_id: UserId,
 ) -> Result<OrderStatus, ApiError> {
-    let (order_no, user_id) = (order_no.get(), user_id.get());
     let row = store::run(&state.db, move |conn| {
         Ok(repo::find_for_user(conn, order_no, user_id)?)
     })
@@ -179,7 +178,7 @@ async fn current_status(
     }
     let reservation = state
         .gate
-        .reservation(activity_id, layout, order_no)
+        .reservation(activity_id, layout, order_no.get())
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
     Ok(match reservation {
@@ -201,8 +200,8 @@ pub async fn show(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let not_found = || ApiError::not_found("no such order");
-    let order_no = crate::http::id_in_path(&path, "no such order")?;
-    let user_id = user.user_id.get();
+    let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
+    let user_id = user.user_id;
     let (row, recent) = store::run(&state.db, move |conn| {
         let row = repo::find_for_user(conn, order_no, user_id)?;
         let recent = match row {
@@ -221,11 +220,11 @@ pub async fn show(
     for (activity_id, layout) in recent {
         let reservation = state
             .gate
-            .reservation(activity_id, layout, order_no)
+            .reservation(activity_id, layout, order_no.get())
             .await
             .map_err(|e| ApiError::unavailable(e.into()))?;
         let Some(r) = reservation else { continue };
-        if r.user_id != user_id {
+        if r.user_id != user_id.get() {
             return Err(not_found());
         }
         return Ok(HttpResponse::Ok().json(json!({
@@ -255,8 +254,8 @@ pub async fn cancel(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     use crate::orders::transitions::{self, ReleaseTo};
-    let order_no = crate::http::id_in_path(&path, "no such order")?;
-    let user_id = user.user_id.get();
+    let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
+    let user_id = user.user_id;
     let outcome = store::run(&state.db, move |conn| {
         use diesel::Connection;
         Ok(conn.transaction(|conn| {
@@ -314,13 +313,9 @@ pub async fn list(
     };
     let cursor = match q.cursor.as_deref().filter(|c| !c.is_empty()) {
         None => None,
-        Some(c) => Some(
-            OrderNo::parse(c)
-                .ok_or_else(|| ApiError::bad_request("bad cursor"))?
-                .get(),
-        ),
+        Some(c) => Some(OrderNo::parse(c).ok_or_else(|| ApiError::bad_request("bad cursor"))?),
     };
-    let user_id = user.user_id.get();
+    let user_id = user.user_id;
     let orders = store::run(&state.db, move |conn| {
         Ok(repo::list_for_user(conn, user_id, status, cursor, limit)?)
     })

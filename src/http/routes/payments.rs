@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode};
-use crate::ids::OrderNo;
+use crate::ids::{OrderNo, PaymentNo};
 use crate::payments::PaymentStatus;
 use crate::payments::provider::Callback;
 use crate::payments::repo::{self, CallbackOutcome, PayIntent};
@@ -24,9 +24,9 @@ pub async fn pay(
     state: web::Data<AppState>,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let order_no = crate::http::id_in_path(&path, "no such order")?;
-    let user_id = user.user_id.get();
-    let Some(payment_no) = state.ids.next_id() else {
+    let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
+    let user_id = user.user_id;
+    let Some(payment_no) = state.ids.next_id().map(PaymentNo::new) else {
         return Err(ApiError::new(
             ErrorCode::RetryLater,
             "no payment number can be made right now; retry shortly",
@@ -82,9 +82,10 @@ pub async fn notify(
     if !PaymentStatus::is_callback_status(&cb.status) {
         return Err(ApiError::bad_request("status must be SUCCESS or FAILED"));
     }
-    let (Some(payment_no), Some(order_no)) =
-        (OrderNo::parse(&cb.payment_no), OrderNo::parse(&cb.order_no))
-    else {
+    let (Some(payment_no), Some(order_no)) = (
+        PaymentNo::parse(&cb.payment_no),
+        OrderNo::parse(&cb.order_no),
+    ) else {
         return Err(ApiError::bad_request(
             "payment_no and order_no must be decimal ids",
         ));
@@ -99,12 +100,7 @@ pub async fn notify(
         ));
     }
     let outcome = store::run(&state.db, move |conn| {
-        Ok(repo::apply_callback(
-            conn,
-            payment_no.get(),
-            order_no.get(),
-            &cb,
-        )?)
+        Ok(repo::apply_callback(conn, payment_no, order_no, &cb)?)
     })
     .await
     .map_err(ApiError::unavailable)?;
@@ -170,8 +166,8 @@ pub async fn simulate(
     if !(1..=20).contains(&body.times) {
         return Err(ApiError::bad_request("times must be 1..=20"));
     }
-    let payment_no = crate::http::id_in_path(&path, "no such payment")?;
-    let user_id = user.user_id.get();
+    let payment_no = crate::http::id_in_path(&path, PaymentNo::parse, "no such payment")?;
+    let user_id = user.user_id;
     let payment = store::run(&state.db, move |conn| {
         Ok(repo::find_for_user(conn, payment_no, user_id)?)
     })
