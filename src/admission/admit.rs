@@ -87,7 +87,7 @@ pub enum Refusal {
         /// Answered from the in-process flag, Redis not asked.
         from_memory: bool,
     },
-    /// The buyer holds no such coupon (422).
+    /// The buyer holds no such coupon (400).
     CouponInvalid,
     /// Back-pressure (503 BUSY); says which.
     Busy(&'static str),

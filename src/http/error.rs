@@ -1,5 +1,5 @@
 //! The one mapping from failures to HTTP. Every 4xx/5xx body is
-//! `{"code": "SOME_CODE", "message": "human text"}` (API.md).
+//! `{"code": "SOME_CODE", "message": "human text"}` (docs/HTTP.md).
 //!
 //! When to use what: handlers return [`ApiError`]. Build it from an
 //! [`ErrorCode`] for outcomes the client can act on (bad input, sold out, not

@@ -225,13 +225,13 @@ macro_rules! snowflake_number {
 }
 
 snowflake_number!(
-    /// An order number (API.md: a string in JSON).
+    /// An order number (a string in JSON, docs/HTTP.md).
     OrderNo,
     "order_no"
 );
 
 snowflake_number!(
-    /// A payment number (API.md: a string in JSON).
+    /// A payment number (a string in JSON, docs/HTTP.md).
     PaymentNo,
     "payment_no"
 );

@@ -19,7 +19,7 @@ pub struct MockProvider {
     secret: SecretString,
 }
 
-/// The callback body of API.md.
+/// The callback body (docs/HTTP.md, "Payment callbacks").
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Callback {
     /// Our payment number (string).

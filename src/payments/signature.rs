@@ -1,5 +1,5 @@
 //! `X-Pay-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>.<raw body>")>`
-//! — the callback signature of API.md. Verification is constant-time and
+//! — the callback signature of docs/HTTP.md. Verification is constant-time and
 //! refuses timestamps more than the tolerance away from now (replays of old
 //! callbacks).
 

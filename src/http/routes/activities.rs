@@ -215,7 +215,7 @@ pub async fn show(
 }
 
 /// `GET /api/v1/admin/activities/{id}/stats`: live figures from Redis and
-/// PostgreSQL (API.md shape).
+/// PostgreSQL (docs/HTTP.md shape).
 pub async fn stats(
     _admin: AdminUser,
     state: web::Data<AppState>,
