@@ -5,6 +5,7 @@
 //! and the domain.
 
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::Server;
@@ -13,6 +14,7 @@ use anyhow::Context;
 
 use crate::admission::ThreadGate;
 use crate::bus::{self, progress};
+use crate::clock::{SharedClock, SystemClock};
 use crate::config::Settings;
 use crate::http;
 use crate::http::auth::JwtKeys;
@@ -125,12 +127,17 @@ impl Application {
     /// Connects clients, creates the topics, starts the consumer (unless
     /// `orders.consumer_enabled = false`) and binds `app.host:app.port`.
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        Self::build_with_clock(settings, Arc::new(SystemClock)).await
+    }
+
+    /// [`Application::build`] on the given sale clock (tests move it).
+    pub async fn build_with_clock(settings: Settings, clock: SharedClock) -> anyhow::Result<Self> {
         let address = format!("{}:{}", settings.app.host, settings.app.port);
         let listener = TcpListener::bind(&address).with_context(|| format!("binding {address}"))?;
         let port = listener.local_addr()?.port();
         let shutdown = settings.app.shutdown_timeout_secs;
         let keys = web::Data::new(JwtKeys::new(&settings.auth.jwt_secret)?);
-        let mut state = AppState::connect(settings)?;
+        let mut state = AppState::connect_with_clock(settings, clock)?;
         state.self_url = format!("http://{}:{port}", loopback(&state.settings.app.host));
         let state = web::Data::new(state);
 

@@ -6,6 +6,7 @@ pub mod admission;
 pub mod app;
 pub mod auth;
 pub mod bus;
+pub mod clock;
 pub mod config;
 pub mod coupons;
 pub mod domain;

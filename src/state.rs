@@ -19,6 +19,7 @@ use crate::bus::progress::GroupProgress;
 use crate::bus::runner::Supervision;
 use crate::bus::watchdog::Registry;
 use crate::bus::{self, Producer, Topics};
+use crate::clock::{SharedClock, SystemClock};
 use crate::config::{RedisSettings, Settings};
 use crate::coupons::gate::CouponGate;
 use crate::ids::{IdGenerator, InstanceLease, LeasedIds};
@@ -82,6 +83,8 @@ pub struct AppState {
     /// here: the HTTP workers' own runtimes end with them, taking their
     /// tasks along, when a graceful shutdown runs out of time.
     pub background: tokio::runtime::Handle,
+    /// The sale clock (the system clock, but in tests).
+    pub clock: SharedClock,
 }
 
 impl AppState {
@@ -89,6 +92,11 @@ impl AppState {
     /// shows up in `/health/ready`, it does not stop the process. Must be
     /// called inside a Tokio runtime.
     pub fn connect(settings: Settings) -> anyhow::Result<Self> {
+        Self::connect_with_clock(settings, Arc::new(SystemClock))
+    }
+
+    /// [`AppState::connect`] on the given sale clock.
+    pub fn connect_with_clock(settings: Settings, clock: SharedClock) -> anyhow::Result<Self> {
         let a = &settings.admission;
         let gate_pool = match settings.redis.gate_connection.as_str() {
             "pool" => Some(redis_pool(&settings.redis)?),
@@ -118,10 +126,11 @@ impl AppState {
             producer: producer.clone(),
             topic: topics.order_requested.clone(),
             gate: gate.clone(),
-            acks: Acks::start(gate.clone(), a.max_pending_acks),
+            acks: Acks::start(gate.clone(), a.max_pending_acks, clock.clone()),
             metrics: metrics.clone(),
             budget: Duration::from_millis(a.publish_budget_ms.max(1)),
             breaker: Breaker::default(),
+            clock: clock.clone(),
         });
         let coupons = Arc::new(CouponGate::new(shared, &settings.redis.key_prefix));
         let activities = Arc::new(ActivityCache::default());
@@ -150,6 +159,7 @@ impl AppState {
             db: db.clone(),
             restore_wanted: restore_wanted.clone(),
             metrics: metrics.clone(),
+            clock: clock.clone(),
         };
         Ok(Self {
             coupons,
@@ -192,6 +202,7 @@ impl AppState {
             ),
             settings,
             background: tokio::runtime::Handle::current(),
+            clock,
         })
     }
 
@@ -206,6 +217,7 @@ impl AppState {
             producer: self.producer.clone(),
             topics: self.topics.clone(),
             owner: self.lease_owner(),
+            clock: self.clock.clone(),
         }
     }
 

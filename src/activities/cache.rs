@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 
 use super::Lifecycle;
 use crate::admission::RedisGate;
@@ -49,13 +49,14 @@ pub struct ActivityCache {
 }
 
 impl ActivityCache {
-    /// Where the activity stands: Redis first, the database only when
-    /// Redis has no meta for it.
+    /// Where the activity stands at `now`: Redis first, the database only
+    /// when Redis has no meta for it.
     pub async fn lookup(
         &self,
         gate: &RedisGate,
         db: &PgPool,
         activity_id: i64,
+        now: DateTime<Utc>,
     ) -> anyhow::Result<Lookup> {
         if let Some(hit) = self.read(activity_id) {
             return Ok(hit);
@@ -68,10 +69,7 @@ impl ActivityCache {
                 match activity {
                     Some(a)
                         if a.status != "ENDED"
-                            && matches!(
-                                a.lifecycle(Utc::now()),
-                                Lifecycle::Ready | Lifecycle::Active
-                            ) =>
+                            && matches!(a.lifecycle(now), Lifecycle::Ready | Lifecycle::Active) =>
                     {
                         Lookup::Restoring
                     }

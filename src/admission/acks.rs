@@ -10,6 +10,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use super::{Layout, RedisGate};
+use crate::clock::SharedClock;
 
 /// `(activity_id, its layout, order_no)`.
 type Ack = (i64, Layout, i64);
@@ -30,7 +31,7 @@ impl Acks {
     /// Starts the writer on the current runtime, with room for `capacity`
     /// queued acknowledgements; it ends once every `Acks` is dropped and
     /// the queue is written.
-    pub fn start(gate: Arc<RedisGate>, capacity: usize) -> Self {
+    pub fn start(gate: Arc<RedisGate>, capacity: usize, clock: SharedClock) -> Self {
         let (tx, mut rx) = mpsc::channel::<Ack>(capacity.max(1));
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(MAX_BATCH);
@@ -42,7 +43,7 @@ impl Acks {
                         .or_default()
                         .push(order_no);
                 }
-                let now = chrono::Utc::now().timestamp_millis();
+                let now = clock.now_ms();
                 for ((activity_id, layout), order_nos) in by_activity.drain() {
                     // Best effort: an acknowledgement not recorded leaves the
                     // reservation voidable once provably unapplied, the case
@@ -93,7 +94,7 @@ mod tests {
         let mut settings = Settings::load_env("test").unwrap();
         settings.redis.url = format!("redis://{address}");
         let gate = Arc::new(RedisGate::new(&settings.redis, &settings.admission, None).unwrap());
-        let acks = Acks::start(gate, 2);
+        let acks = Acks::start(gate, 2, Arc::new(crate::clock::SystemClock));
         assert!(acks.has_room());
         // The writer takes what is queued and hangs on it; what comes after
         // fills the queue, whatever the scheduling.

@@ -15,7 +15,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use chrono::Utc;
 use tokio::sync::{Notify, Semaphore};
 
 use super::gate::Meta as ActivityMeta;
@@ -27,6 +26,7 @@ use crate::activities::cache::{ActivityCache, Lookup};
 use crate::bus::PublishError;
 use crate::bus::events::OrderRequested;
 use crate::bus::progress;
+use crate::clock::SharedClock;
 use crate::config::Settings;
 use crate::coupons::gate::CouponGate;
 use crate::domain::{RequestId, UserId};
@@ -161,6 +161,8 @@ pub struct Admitter {
     pub restore_wanted: Arc<Notify>,
     /// Outcomes and script latency.
     pub metrics: Metrics,
+    /// The sale clock (windows, reservation stamps).
+    pub clock: SharedClock,
 }
 
 impl Admitter {
@@ -192,7 +194,7 @@ impl Admitter {
         if p.quantity > meta.per_user_limit {
             return Err(Refusal::Invalid("quantity exceeds the per-user limit"));
         }
-        let now_ms = Utc::now().timestamp_millis();
+        let now_ms = self.clock.now_ms();
         // Sold out a moment ago, and this buyer has no order to be told
         // about: answered from memory (soldout.rs).
         if meta.is_open(now_ms) && self.sold_out.refuses(p.activity_id, p.user_id.get()) {
@@ -295,7 +297,11 @@ impl Admitter {
 
     /// The activity's window and limits, if it is warm.
     async fn open_activity(&self, gate: &RedisGate, id: i64) -> Result<ActivityMeta, Refusal> {
-        match self.activities.lookup(gate, &self.db, id).await {
+        match self
+            .activities
+            .lookup(gate, &self.db, id, self.clock.now())
+            .await
+        {
             Ok(Lookup::Warm(meta)) => Ok(meta),
             Ok(Lookup::Restoring) => Err(self.restoring()),
             Ok(Lookup::NotActive) => Err(Refusal::NotActive),

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use crate::admission::acks::Acks;
@@ -28,6 +27,7 @@ use crate::admission::gate::Status;
 use crate::admission::{Layout, RedisGate, ReleaseReason};
 use crate::bus::events::OrderRequested;
 use crate::bus::{Producer, PublishError, runner};
+use crate::clock::SharedClock;
 use crate::metrics::Metrics;
 
 /// How the publish of one purchase ended, as far as its buyer is told.
@@ -73,6 +73,8 @@ pub struct Publisher {
     pub budget: Duration,
     /// Whether the broker acknowledges at all (503 BUSY before Redis when not).
     pub breaker: Breaker,
+    /// The sale clock (reservation stamps, the breaker's windows).
+    pub clock: SharedClock,
 }
 
 impl Publisher {
@@ -113,7 +115,7 @@ impl Publisher {
                     outcome = &mut delivery => outcome,
                     _ = tokio::time::sleep(self.budget) => {
                         // The buyer is told to retry; the delivery goes on.
-                        self.breaker.expired(now_ms());
+                        self.breaker.expired(self.clock.now_ms());
                         let _ = answer.send(Published::Pending);
                         let outcome = delivery.await;
                         self.observe(started, &outcome);
@@ -156,7 +158,7 @@ impl Publisher {
             .produce_duration
             .observe(started.elapsed().as_secs_f64());
         match outcome {
-            Ok(()) => self.breaker.delivered(now_ms()),
+            Ok(()) => self.breaker.delivered(self.clock.now_ms()),
             Err(e) => self
                 .metrics
                 .produce_errors
@@ -197,7 +199,7 @@ impl Publisher {
             tokio::time::sleep(runner::backoff(attempt)).await;
             match self
                 .gate
-                .sending(activity_id, layout, order_no, now_ms())
+                .sending(activity_id, layout, order_no, self.clock.now_ms())
                 .await
             {
                 Ok(Some(r)) if r.is_open() && !r.acked => {}
@@ -246,14 +248,14 @@ impl Publisher {
             }
             // The first attempt's report, and the acknowledgement queued
             // right after it, are due by then.
-            if now_ms() >= r.reserved_at_ms.saturating_add(budget_ms + ACK_SLACK_MS) {
+            if self.clock.now_ms() >= r.reserved_at_ms.saturating_add(budget_ms + ACK_SLACK_MS) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let Some(r) = self
             .gate
-            .sending(activity_id, layout, order_no, now_ms())
+            .sending(activity_id, layout, order_no, self.clock.now_ms())
             .await?
         else {
             return Ok(Confirmation::Settled);
@@ -279,7 +281,7 @@ impl Publisher {
             let confirmed = match outcome {
                 Ok(()) => match this
                     .gate
-                    .ack(activity_id, layout, &[order_no], now_ms())
+                    .ack(activity_id, layout, &[order_no], this.clock.now_ms())
                     .await
                 {
                     Ok(found) => Ok(match found.as_slice() {
@@ -341,10 +343,6 @@ impl Breaker {
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
     }
-}
-
-fn now_ms() -> i64 {
-    Utc::now().timestamp_millis()
 }
 
 #[cfg(test)]

@@ -21,7 +21,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use chrono::Utc;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer};
 use serde::Serialize;
@@ -31,6 +30,7 @@ use crate::admission::gate::{Reservation, Status, VoidClaim};
 use crate::admission::{Layout, RedisGate, ReleaseReason};
 use crate::bus::progress::GroupProgress;
 use crate::bus::{Producer, Topics};
+use crate::clock::SharedClock;
 use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::orders::OrderStatus;
@@ -95,6 +95,8 @@ pub struct Reconciler {
     pub topics: Topics,
     /// Who this reconciler is when it holds the lease.
     pub owner: String,
+    /// The sale clock (ends of activities, ages of reservations).
+    pub clock: SharedClock,
 }
 
 /// Runs reconciliation every `reconcile.interval_secs`, soon when `wake`
@@ -221,7 +223,7 @@ impl Reconciler {
                 continue;
             }
             let mut report = self.activity(id, layout, &cutoff).await?;
-            if Utc::now() > end_at + cleanup_after && report.consistent {
+            if self.clock.now() > end_at + cleanup_after && report.consistent {
                 self.clean_up(id, layout, &mut report).await?;
             }
             reports.push(report);
@@ -274,7 +276,7 @@ impl Reconciler {
             .await?;
         // Units one shard lent another whose lending call never finished
         // (its process died, or Redis failed part way).
-        let stale_before = Utc::now().timestamp_millis() - TRANSFER_GRACE_MS;
+        let stale_before = self.clock.now_ms() - TRANSFER_GRACE_MS;
         let settled = self
             .gate
             .settle_transfers(activity_id, layout, stale_before)
@@ -543,7 +545,7 @@ impl Reconciler {
     /// is among those proven applied.
     async fn void_cutoff(&self) -> Cutoff {
         let r = &self.settings.reconcile;
-        let now = Utc::now().timestamp_millis();
+        let now = self.clock.now_ms();
         let secs = |s: u64| {
             i64::try_from(s)
                 .unwrap_or(i64::MAX / 2_000)

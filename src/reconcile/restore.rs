@@ -58,7 +58,7 @@ impl Reconciler {
         let mut report = Report::new(activity_id);
         let since = self
             .gate
-            .restoring_since(activity_id, Utc::now().timestamp_millis())
+            .restoring_since(activity_id, self.clock.now_ms())
             .await?;
         report.consistent = false;
         report.differences.push(format!(

@@ -380,7 +380,7 @@ async fn cancel_and_timeout_each_return_the_coupon_exactly_once() {
 async fn an_expired_batch_is_409_and_someone_elses_coupon_on_an_order_is_400() {
     let app = spawn_app().await;
     let short = create_coupon(&app, 5, 500, 0, 2).await;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    app.clock.advance(Duration::from_millis(2500));
     let (status, body) = claim(&app, 1, short, "x").await;
     assert_eq!(
         (status, body["code"].as_str()),

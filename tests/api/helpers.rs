@@ -1,10 +1,12 @@
 //! `spawn_app()`: the server on port 0 in an isolated namespace.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use diesel::{Connection, PgConnection, RunQueryDsl};
 use seckill::app::Application;
 use seckill::auth::{JwtKeys, Role};
+use seckill::clock::ShiftedClock;
 use seckill::config::Settings;
 use secrecy::ExposeSecret;
 
@@ -20,6 +22,9 @@ pub struct TestApp {
     pub db_name: String,
     /// Stops the server (a graceful shutdown, as on SIGTERM).
     pub server: actix_web::dev::ServerHandle,
+    /// The server's sale clock: move it forward instead of sleeping
+    /// through a sale window.
+    pub clock: Arc<ShiftedClock>,
     keys: JwtKeys,
 }
 
@@ -68,7 +73,8 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         seckill::telemetry::init(&settings.log);
     }
 
-    let app = Application::build(settings.clone())
+    let clock = Arc::new(ShiftedClock::default());
+    let app = Application::build_with_clock(settings.clone(), clock.clone())
         .await
         .expect("application builds");
     let address = format!("http://127.0.0.1:{}", app.port());
@@ -77,6 +83,7 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
     let app = TestApp {
         address,
         server,
+        clock,
         keys: JwtKeys::new(&settings.auth.jwt_secret).expect("jwt keys"),
         settings,
         client: reqwest::Client::new(),

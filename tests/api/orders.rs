@@ -257,7 +257,7 @@ async fn outside_the_sale_window_or_before_warm_up_is_not_active() {
         .await;
     app.warmup(ending).await;
     let token = app.purchase_token(1, ending).await;
-    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    app.clock.advance(std::time::Duration::from_millis(2500));
     assert_not_active(
         app.order(1, ending, &json!({"request_id": "a", "token": token}))
             .await,

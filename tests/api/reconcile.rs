@@ -235,7 +235,7 @@ async fn a_reservation_no_event_backs_is_voided_and_a_late_event_cannot_revive_i
     // Younger than the grace: left alone.
     let first = report(&reconcile(&app).await, activity);
     assert_eq!(first["repaired"], json!([]), "{first}");
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    app.clock.advance(Duration::from_millis(1200));
 
     let second = report(&reconcile(&app).await, activity);
     assert!(
@@ -370,7 +370,7 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
         .await;
     app.warmup(activity).await;
     let orders = app.waiting_orders(activity, 1, 1).await;
-    tokio::time::sleep(Duration::from_millis(3200)).await;
+    app.clock.advance(Duration::from_millis(3200));
 
     // Ended, but an order still waits for payment: its release may still come.
     let pending = report(&reconcile(&app).await, activity);

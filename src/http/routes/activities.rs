@@ -129,7 +129,7 @@ pub async fn create(
     let activity = store::run(&state.db, move |conn| Ok(repo::create(conn, &new, units)?))
         .await
         .map_err(ApiError::unavailable)?;
-    Ok(HttpResponse::Created().json(view(&activity, units, Utc::now())))
+    Ok(HttpResponse::Created().json(view(&activity, units, state.clock.now())))
 }
 
 async fn load(state: &AppState, id: i64) -> Result<(Activity, repo::StockRow), ApiError> {
@@ -148,7 +148,7 @@ pub async fn warmup(
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let (activity, stock) = load(&state, id).await?;
-    if activity.lifecycle(Utc::now()) == Lifecycle::Ended {
+    if activity.lifecycle(state.clock.now()) == Lifecycle::Ended {
         return Err(ApiError::new(
             ErrorCode::NotActive,
             "the activity has ended",
@@ -209,7 +209,7 @@ pub async fn show(
     } else {
         0
     };
-    let mut body = view(&activity, stock.total, Utc::now());
+    let mut body = view(&activity, stock.total, state.clock.now());
     body["remaining"] = json!(remaining);
     Ok(HttpResponse::Ok().json(body))
 }
@@ -262,7 +262,7 @@ pub async fn stats(
     }
     Ok(HttpResponse::Ok().json(json!({
         "activity_id": id,
-        "status": activity.lifecycle(Utc::now()),
+        "status": activity.lifecycle(state.clock.now()),
         "stock_total": stock.total,
         "redis_available": redis_available,
         "db_available": stock.available,
@@ -283,7 +283,7 @@ pub async fn token(
     let id = path.into_inner();
     let meta = match state
         .activities
-        .lookup(&state.gate, &state.db, id)
+        .lookup(&state.gate, &state.db, id, state.clock.now())
         .await
         .map_err(ApiError::unavailable)?
     {
@@ -297,7 +297,7 @@ pub async fn token(
         }
         Lookup::NotActive => None,
     };
-    let Some(meta) = meta.filter(|m| m.is_open(Utc::now().timestamp_millis())) else {
+    let Some(meta) = meta.filter(|m| m.is_open(state.clock.now_ms())) else {
         return Err(ApiError::new(ErrorCode::NotActive, "the sale is not open"));
     };
     let token = uuid::Uuid::new_v4().simple().to_string();

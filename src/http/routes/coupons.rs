@@ -33,7 +33,7 @@ fn one() -> i32 {
 }
 
 impl CreateCoupon {
-    fn validate(self) -> Result<NewCoupon, ApiError> {
+    fn validate(self, now: DateTime<Utc>) -> Result<NewCoupon, ApiError> {
         let name = self.name.trim().to_owned();
         if name.is_empty() || name.chars().count() > 200 {
             return Err(ApiError::bad_request("name must be 1..=200 characters"));
@@ -53,7 +53,7 @@ impl CreateCoupon {
             // user_coupons is unique per (coupon_id, user_id): one per user.
             return Err(ApiError::bad_request("per_user_limit must be 1"));
         }
-        if self.valid_until <= Utc::now() {
+        if self.valid_until <= now {
             return Err(ApiError::bad_request("valid_until must be in the future"));
         }
         Ok(NewCoupon {
@@ -74,7 +74,7 @@ pub async fn create(
     state: web::Data<AppState>,
     body: web::Json<CreateCoupon>,
 ) -> Result<HttpResponse, ApiError> {
-    let new = body.into_inner().validate()?;
+    let new = body.into_inner().validate(state.clock.now())?;
     let rt = tokio::runtime::Handle::current();
     let st = state.clone();
     let coupon = store::run(&state.db, move |conn| {
@@ -140,7 +140,7 @@ async fn claim_and_publish(
     user_id: i64,
     request_id: String,
 ) -> Result<bool, ApiError> {
-    let now_ms = Utc::now().timestamp_millis();
+    let now_ms = state.clock.now_ms();
     let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
     let fresh = match state
         .coupons

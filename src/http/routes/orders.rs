@@ -5,7 +5,6 @@ use std::net::IpAddr;
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpRequest, HttpResponse, web};
-use chrono::Utc;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -201,14 +200,12 @@ pub async fn show(
 ) -> Result<HttpResponse, ApiError> {
     let not_found = || ApiError::not_found("no such order");
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
-    let user_id = user.user_id;
+    let (user_id, now) = (user.user_id, state.clock.now());
     let (row, recent) = store::run(&state.db, move |conn| {
         let row = repo::find_for_user(conn, order_no, user_id)?;
         let recent = match row {
             Some(_) => Vec::new(),
-            None => {
-                crate::activities::repo::recent_ids(conn, Utc::now() - chrono::Duration::days(7))?
-            }
+            None => crate::activities::repo::recent_ids(conn, now - chrono::Duration::days(7))?,
         };
         Ok((row, recent))
     })
