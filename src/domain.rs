@@ -42,15 +42,26 @@ impl RequestId {
 
     /// The key, if `raw` is one.
     pub fn parse(raw: &str) -> Option<Self> {
-        let valid = !raw.is_empty()
-            && raw.len() <= Self::MAX_LEN
-            && raw.bytes().all(|b| b.is_ascii_graphic());
-        valid.then(|| Self(raw.to_owned()))
+        Self::is_valid(raw).then(|| Self(raw.to_owned()))
+    }
+
+    /// [`RequestId::parse`] of a string the caller owns, without a copy.
+    pub fn parse_owned(raw: String) -> Option<Self> {
+        Self::is_valid(&raw).then_some(Self(raw))
+    }
+
+    fn is_valid(raw: &str) -> bool {
+        !raw.is_empty() && raw.len() <= Self::MAX_LEN && raw.bytes().all(|b| b.is_ascii_graphic())
     }
 
     /// The key.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// The key, owned.
+    pub fn into_string(self) -> String {
+        self.0
     }
 }
 
@@ -71,6 +82,11 @@ mod tests {
             Some("r-1".into())
         );
         assert!(RequestId::parse(&"x".repeat(64)).is_some());
+        assert_eq!(
+            RequestId::parse_owned("r-1".to_owned()),
+            RequestId::parse("r-1")
+        );
+        assert!(RequestId::parse_owned(" ".to_owned()).is_none());
         for bad in ["", "has space", "tab\t", "é", &"x".repeat(65)] {
             assert!(RequestId::parse(bad).is_none(), "{bad:?}");
         }

@@ -168,7 +168,7 @@ pub struct Admitter {
 impl Admitter {
     /// Runs `purchase` through the pipeline on `gate` (the HTTP worker's
     /// own connection) and counts its outcome.
-    pub async fn admit(&self, gate: &RedisGate, purchase: Purchase) -> Result<Admitted, Refusal> {
+    pub async fn admit(&self, gate: &RedisGate, purchase: &Purchase) -> Result<Admitted, Refusal> {
         let result = self.run(gate, purchase).await;
         let outcome = match &result {
             Ok(Admitted::Accepted(_)) => Some("accepted"),
@@ -185,11 +185,11 @@ impl Admitter {
         self.metrics.admission.with_label_values(&[outcome]).inc();
     }
 
-    async fn run(&self, gate: &RedisGate, p: Purchase) -> Result<Admitted, Refusal> {
+    async fn run(&self, gate: &RedisGate, p: &Purchase) -> Result<Admitted, Refusal> {
         if p.quantity < 1 {
             return Err(Refusal::Invalid("quantity must be at least 1"));
         }
-        self.within_rate(&p)?;
+        self.within_rate(p)?;
         let meta = self.open_activity(gate, p.activity_id).await?;
         if p.quantity > meta.per_user_limit {
             return Err(Refusal::Invalid("quantity exceeds the per-user limit"));
@@ -200,7 +200,7 @@ impl Admitter {
         if meta.is_open(now_ms) && self.sold_out.refuses(p.activity_id, p.user_id.get()) {
             return Err(Refusal::SoldOut { from_memory: true });
         }
-        self.holds_coupon(&p).await?;
+        self.holds_coupon(p).await?;
         self.not_overloaded(now_ms)?;
         let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
             return Err(Refusal::Busy("too many purchases in flight; retry shortly"));

@@ -107,12 +107,11 @@ pub async fn claim(
     body: web::Json<ClaimBody>,
 ) -> Result<HttpResponse, ApiError> {
     let coupon_id = path.into_inner();
-    let request_id = RequestId::parse(&body.into_inner().request_id)
+    let request_id = RequestId::parse_owned(body.into_inner().request_id)
         .ok_or_else(|| {
             ApiError::bad_request("request_id must be 1..=64 printable ASCII characters")
         })?
-        .as_str()
-        .to_owned();
+        .into_string();
     let user_id = user.user_id.get();
     // The claim and its publish-or-undo run in a task of their own, on the
     // main runtime: a dropped request (a client gone, a shutdown out of

@@ -37,7 +37,7 @@ impl PlaceOrder {
         user_id: UserId,
         client_ip: Option<IpAddr>,
     ) -> Result<Purchase, ApiError> {
-        let request_id = RequestId::parse(&self.request_id).ok_or_else(|| {
+        let request_id = RequestId::parse_owned(self.request_id).ok_or_else(|| {
             ApiError::bad_request("request_id must be 1..=64 printable ASCII characters")
         })?;
         Ok(Purchase {
@@ -96,8 +96,7 @@ pub async fn place(
     let activity_id = path.into_inner();
     let ip = client_ip(&req, state.settings.forwarded_hops());
     let purchase = body.into_inner().purchase(activity_id, user.user_id, ip)?;
-    let request_id = purchase.request_id.clone();
-    let (code, order_no, status) = match state.admission.admit(&gate.0, purchase).await {
+    let (code, order_no, status) = match state.admission.admit(&gate.0, &purchase).await {
         Ok(Admitted::Accepted(no)) => (StatusCode::ACCEPTED, no, OrderStatus::Processing),
         Ok(Admitted::Replayed {
             order_no,
@@ -114,7 +113,7 @@ pub async fn place(
     };
     Ok(HttpResponse::build(code).json(json!({
         "order_no": order_no.to_string(),
-        "request_id": request_id.as_str(),
+        "request_id": purchase.request_id.as_str(),
         "status": status,
     })))
 }
