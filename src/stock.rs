@@ -1,6 +1,7 @@
-//! The stock ledger (SPEC "Stock", I1 and I7): every move of an activity's
-//! units between `available`, `locked` and `sold` writes the `stock` row
-//! and, in the same transaction (the caller's), one `stock_flow` row per
+//! The stock ledger (SPEC "Stock", I1 and I7): an activity's opening
+//! balance ([`open`]), then every move of its units between `available`,
+//! `locked` and `sold`, which writes the `stock` row and, in the same
+//! transaction (the caller's), one `stock_flow` row per
 //! order: LOCK when an order is created, CONFIRM when it is paid, RELEASE
 //! when it is cancelled or closed. `stock_flow` is unique on
 //! `(biz_type, biz_no)` with no ON CONFLICT, so a second LOCK, CONFIRM or
@@ -49,6 +50,19 @@ impl Flow {
             Self::Release => "'RELEASE'",
         }
     }
+}
+
+/// The opening balance of a new activity: `total` units, all available.
+pub fn open(conn: &mut PgConn, activity_id: i64, total: i32) -> QueryResult<()> {
+    use crate::store::schema::stock;
+    diesel::insert_into(stock::table)
+        .values((
+            stock::activity_id.eq(activity_id),
+            stock::total.eq(total),
+            stock::available.eq(total),
+        ))
+        .execute(conn)?;
+    Ok(())
 }
 
 /// LOCK: `available → locked` for new orders. Their flow rows go in first,

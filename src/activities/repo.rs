@@ -42,13 +42,7 @@ pub fn create(conn: &mut PgConn, new: &NewActivity, units: i32) -> QueryResult<A
             .values(new)
             .returning(Activity::as_returning())
             .get_result(conn)?;
-        diesel::insert_into(stock::table)
-            .values((
-                stock::activity_id.eq(activity.id),
-                stock::total.eq(units),
-                stock::available.eq(units),
-            ))
-            .execute(conn)?;
+        crate::stock::open(conn, activity.id, units)?;
         Ok(activity)
     })
 }
