@@ -88,9 +88,13 @@ for pass in anonymous user admin; do
     admin) AUTH=(-H "Authorization: Bearer $ADMIN") ;;
   esac
   say "schemathesis, $pass: $EXAMPLES cases per operation"
+  # One worker: with two threads, Python 3.11's ast module (used while
+  # schemathesis builds its coverage cases) can fail with "SystemError: AST
+  # constructor recursion depth mismatch" (CPython gh-106905), a crash of
+  # the tool that fails the pass with no request at fault.
   "$VENV/bin/schemathesis" run docs/openapi.json --url "$URL" "${AUTH[@]}" \
     --checks "$CHECKS" --max-examples "$EXAMPLES" --seed 20261130 \
-    --phases examples,coverage,fuzzing --workers 2 --no-color \
+    --phases examples,coverage,fuzzing --workers 1 --no-color \
     --suppress-health-check all --generation-database none \
     --report ndjson --report-ndjson-path "$OUT/$pass.ndjson" \
     >"$OUT/$pass.txt" 2>&1 || status=1
