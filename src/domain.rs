@@ -31,6 +31,13 @@ impl fmt::Display for UserId {
     }
 }
 
+/// Whether `raw` is a key a client may choose (a request id, a purchase
+/// token): 1..=[`RequestId::MAX_LEN`] printable ASCII characters, nothing
+/// that could smuggle a header or a log line.
+pub fn is_client_key(raw: &str) -> bool {
+    !raw.is_empty() && raw.len() <= RequestId::MAX_LEN && raw.bytes().all(|b| b.is_ascii_graphic())
+}
+
 /// A client's idempotency key (a purchase's or a coupon claim's
 /// `request_id`): 1..=64 printable ASCII characters.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -42,16 +49,12 @@ impl RequestId {
 
     /// The key, if `raw` is one.
     pub fn parse(raw: &str) -> Option<Self> {
-        Self::is_valid(raw).then(|| Self(raw.to_owned()))
+        is_client_key(raw).then(|| Self(raw.to_owned()))
     }
 
     /// [`RequestId::parse`] of a string the caller owns, without a copy.
     pub fn parse_owned(raw: String) -> Option<Self> {
-        Self::is_valid(&raw).then_some(Self(raw))
-    }
-
-    fn is_valid(raw: &str) -> bool {
-        !raw.is_empty() && raw.len() <= Self::MAX_LEN && raw.bytes().all(|b| b.is_ascii_graphic())
+        is_client_key(&raw).then_some(Self(raw))
     }
 
     /// The key.

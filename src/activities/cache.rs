@@ -13,10 +13,9 @@ use std::collections::HashMap;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
-
 use super::Lifecycle;
 use crate::admission::RedisGate;
+use crate::clock::Clock;
 use crate::store::{self, PgPool};
 
 /// How long a warm activity's meta is trusted. Windows and limits never
@@ -49,14 +48,15 @@ pub struct ActivityCache {
 }
 
 impl ActivityCache {
-    /// Where the activity stands at `now`: Redis first, the database only
-    /// when Redis has no meta for it.
+    /// Where the activity stands: Redis first, the database only when
+    /// Redis has no meta for it (and only then is `clock` read, to tell a
+    /// live activity Redis lost from one that is over).
     pub async fn lookup(
         &self,
         gate: &RedisGate,
         db: &PgPool,
         activity_id: i64,
-        now: DateTime<Utc>,
+        clock: &dyn Clock,
     ) -> anyhow::Result<Lookup> {
         if let Some(hit) = self.read(activity_id) {
             return Ok(hit);
@@ -69,7 +69,10 @@ impl ActivityCache {
                 match activity {
                     Some(a)
                         if a.status != "ENDED"
-                            && matches!(a.lifecycle(now), Lifecycle::Ready | Lifecycle::Active) =>
+                            && matches!(
+                                a.lifecycle(clock.now()),
+                                Lifecycle::Ready | Lifecycle::Active
+                            ) =>
                     {
                         Lookup::Restoring
                     }

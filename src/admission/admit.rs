@@ -29,7 +29,7 @@ use crate::bus::progress;
 use crate::clock::SharedClock;
 use crate::config::Settings;
 use crate::coupons::gate::CouponGate;
-use crate::domain::{RequestId, UserId};
+use crate::domain::{RequestId, UserId, is_client_key};
 use crate::ids::{IdGenerator, OrderNo};
 use crate::metrics::Metrics;
 use crate::store::PgPool;
@@ -131,9 +131,6 @@ impl Refusal {
     }
 }
 
-/// Longest accepted purchase token.
-const MAX_TOKEN_LEN: usize = 64;
-
 /// What the pipeline needs; built once per process, shared by every HTTP
 /// worker (each passes its own Redis connection to [`Admitter::admit`]).
 pub struct Admitter {
@@ -210,7 +207,7 @@ impl Admitter {
         let token = p
             .token
             .as_deref()
-            .filter(|t| is_valid_token(t))
+            .filter(|t| is_client_key(t))
             .unwrap_or("");
         let reserve = ReserveRequest {
             activity_id: p.activity_id,
@@ -299,7 +296,7 @@ impl Admitter {
     async fn open_activity(&self, gate: &RedisGate, id: i64) -> Result<ActivityMeta, Refusal> {
         match self
             .activities
-            .lookup(gate, &self.db, id, self.clock.now())
+            .lookup(gate, &self.db, id, &*self.clock)
             .await
         {
             Ok(Lookup::Warm(meta)) => Ok(meta),
@@ -413,8 +410,4 @@ impl Admitter {
         let stalled = self.metrics.order_consumer_stalled_seconds.get();
         (stall > 0 && stalled >= stall).then_some(stalled)
     }
-}
-
-fn is_valid_token(t: &str) -> bool {
-    !t.is_empty() && t.len() <= MAX_TOKEN_LEN && t.bytes().all(|b| b.is_ascii_graphic())
 }

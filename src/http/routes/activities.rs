@@ -283,7 +283,7 @@ pub async fn token(
     let id = path.into_inner();
     let meta = match state
         .activities
-        .lookup(&state.gate, &state.db, id, state.clock.now())
+        .lookup(&state.gate, &state.db, id, &*state.clock)
         .await
         .map_err(ApiError::unavailable)?
     {
