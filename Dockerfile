@@ -7,7 +7,6 @@ COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY migrations ./migrations
 COPY benches ./benches
-COPY docs ./docs
 RUN cargo build --release --bin seckill
 
 FROM debian:bookworm-slim

@@ -33,6 +33,8 @@ if [ $# -eq 0 ]; then
 fi
 # A short contract-fuzzing pass (scripts/fuzz.sh runs the full one).
 if [ $# -eq 0 ]; then SECKILL_FUZZ_EXAMPLES=${SECKILL_FUZZ_EXAMPLES:-20} scripts/fuzz.sh; fi
+# The web console in headless Chromium (screenshots: target/console-screenshots/).
+if [ $# -eq 0 ]; then scripts/browser-test.sh; fi
 # The fault tests, one at a time on services of their own (a filter given
 # to this script selects among the tests above only).
 if [ $# -eq 0 ]; then scripts/chaos.sh; fi

@@ -43,6 +43,8 @@ enum Command {
         #[command(subcommand)]
         action: OutboxAction,
     },
+    /// Print the OpenAPI document (the one `GET /api/v1/openapi.json` serves).
+    Openapi,
     /// Print a signed JWT for development and load tests.
     Token {
         /// The user id (`sub`).
@@ -119,6 +121,11 @@ enum Direction {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Command::Openapi = cli.command {
+        // Needs no settings: the document is the code's.
+        println!("{}", seckill::http::openapi::json());
+        return Ok(());
+    }
     let settings = Settings::load()?;
     seckill::telemetry::init(&settings.log);
     match cli.command {
@@ -153,6 +160,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Migrate { direction } => migrate(&settings, direction),
         Command::Outbox { action } => outbox(&settings, action),
+        Command::Openapi => unreachable!("answered before the settings load"),
         Command::Token { user, admin, ttl } => {
             let role = if admin { Role::Admin } else { Role::User };
             println!(

@@ -58,7 +58,39 @@ pub struct Metrics {
     /// Order events not yet applied by the order consumers (−1: unknown);
     /// admission's consumer-lag backpressure reads it.
     pub order_consumer_lag: IntGauge,
+    /// Stock units of each warm activity as reconciliation last read them,
+    /// by activity, source (redis | db) and state (available | locked | sold).
+    pub stock_units: IntGaugeVec,
+    /// Open reservations in Redis of each warm activity, as reconciliation
+    /// last read them (units in flight between admission and the database).
+    pub open_reservations: IntGaugeVec,
+    /// Activities the last reconciliation run found a difference in.
+    pub reconcile_inconsistent: IntGauge,
+    /// When reconciliation last ran to the end (unix seconds; 0: never).
+    pub reconcile_last_run: IntGauge,
 }
+
+/// Label values every dashboard and alert reads, created at 0 on start so
+/// each series exists before its first event (a `rate()` or an
+/// `increase()` over a missing series is no data, not zero).
+const ADMISSION_OUTCOMES: [&str; 11] = [
+    "accepted",
+    "duplicate",
+    "sold_out",
+    "sold_out_memory",
+    "limit_exceeded",
+    "rate_limited",
+    "busy",
+    "not_active",
+    "invalid_token",
+    "retry_later",
+    "pending",
+];
+const OUTBOX_STATUSES: [&str; 3] = ["NEW", "RETRY", "DEAD"];
+const PRODUCE_ERRORS: [&str; 4] = ["queue_full", "not_delivered", "unknown", "unconfirmed"];
+const CALLBACK_OUTCOMES: [&str; 3] = ["applied", "duplicate", "refund_required"];
+/// The differences reconciliation counts (`what="difference"`).
+const RECONCILE_DIFFERENCES: [&str; 4] = ["db_total", "db_locked", "db_sold", "redis_available"];
 
 const LATENCY_BUCKETS: [f64; 14] = [
     0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
@@ -165,8 +197,45 @@ impl Metrics {
                 gauge.set(crate::bus::progress::UNKNOWN_LAG);
                 gauge
             },
+            stock_units: IntGaugeVec::new(
+                Opts::new(
+                    "stock_units",
+                    "Stock units of warm activities as reconciliation last read them",
+                ),
+                &["activity_id", "source", "state"],
+            )?,
+            open_reservations: IntGaugeVec::new(
+                Opts::new(
+                    "open_reservations",
+                    "Open Redis reservations of warm activities as reconciliation last read them",
+                ),
+                &["activity_id"],
+            )?,
+            reconcile_inconsistent: IntGauge::new(
+                "reconcile_inconsistent_activities",
+                "Activities the last reconciliation run found a difference in",
+            )?,
+            reconcile_last_run: IntGauge::new(
+                "reconcile_last_run_timestamp_seconds",
+                "When reconciliation last ran to the end (unix seconds)",
+            )?,
             registry,
         };
+        for outcome in ADMISSION_OUTCOMES {
+            metrics.admission.with_label_values(&[outcome]);
+        }
+        for status in OUTBOX_STATUSES {
+            metrics.outbox_rows.with_label_values(&[status]);
+        }
+        for kind in PRODUCE_ERRORS {
+            metrics.produce_errors.with_label_values(&[kind]);
+        }
+        for outcome in CALLBACK_OUTCOMES {
+            metrics.callbacks.with_label_values(&[outcome]);
+        }
+        for kind in RECONCILE_DIFFERENCES {
+            metrics.reconcile.with_label_values(&["difference", kind]);
+        }
         let r = &metrics.registry;
         r.register(Box::new(metrics.http_requests.clone()))?;
         r.register(Box::new(metrics.http_duration.clone()))?;
@@ -189,6 +258,10 @@ impl Metrics {
         r.register(Box::new(metrics.instance_id.clone()))?;
         r.register(Box::new(metrics.sold_out_activities.clone()))?;
         r.register(Box::new(metrics.event_conflicts.clone()))?;
+        r.register(Box::new(metrics.stock_units.clone()))?;
+        r.register(Box::new(metrics.open_reservations.clone()))?;
+        r.register(Box::new(metrics.reconcile_inconsistent.clone()))?;
+        r.register(Box::new(metrics.reconcile_last_run.clone()))?;
         Ok(metrics)
     }
 

@@ -142,3 +142,51 @@ pub fn recent_ids(conn: &mut PgConn, since: DateTime<Utc>) -> QueryResult<Vec<(i
         .map(|(id, buckets, shards)| (id, super::layout(buckets, shards)))
         .collect())
 }
+
+/// Activities whose sale ends after `since`, with their stock rows, the
+/// soonest to start first; at most `limit`.
+pub fn list_recent(
+    conn: &mut PgConn,
+    since: DateTime<Utc>,
+    limit: i64,
+) -> QueryResult<Vec<(Activity, StockRow)>> {
+    activities::table
+        .inner_join(stock::table)
+        .filter(activities::end_at.gt(since))
+        .order((activities::start_at.asc(), activities::id.asc()))
+        .limit(limit)
+        .select((Activity::as_select(), StockRow::as_select()))
+        .load(conn)
+}
+
+/// Ends the sale at `now`: its window closes there (and opens no later
+/// than just before, so a sale that had not started never does). `None`
+/// when there is no such activity; an ended one is returned unchanged.
+pub fn end(conn: &mut PgConn, id: i64, now: DateTime<Utc>) -> QueryResult<Option<Activity>> {
+    conn.transaction(|conn| {
+        let Some(activity) = activities::table
+            .find(id)
+            .select(Activity::as_select())
+            .for_update()
+            .first(conn)
+            .optional()?
+        else {
+            return Ok(None);
+        };
+        if activity.end_at <= now {
+            return Ok(Some(activity));
+        }
+        let start_at = activity
+            .start_at
+            .min(now - chrono::Duration::milliseconds(1));
+        diesel::update(activities::table.find(id))
+            .set((
+                activities::start_at.eq(start_at),
+                activities::end_at.eq(now),
+                activities::updated_at.eq(diesel::dsl::now),
+            ))
+            .returning(Activity::as_returning())
+            .get_result(conn)
+            .map(Some)
+    })
+}

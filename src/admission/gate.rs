@@ -873,6 +873,35 @@ impl RedisGate {
             .await
     }
 
+    /// Closes a warm activity's sale window at `now_ms` on every meta hash
+    /// (the admission script reads the window there): `end_ms` moves to
+    /// `now_ms` if it was later, and `start_ms` to just before it if it was
+    /// later still. Idempotent; an activity never warmed is left alone.
+    pub async fn end_sale(&self, activity_id: i64, layout: Layout, now_ms: i64) -> RedisResult<()> {
+        let script = Script::new(
+            "if redis.call('HEXISTS', KEYS[1], 'start_ms') == 0 then return 0 end \
+             local now = tonumber(ARGV[1]) \
+             if tonumber(redis.call('HGET', KEYS[1], 'end_ms')) > now then \
+               redis.call('HSET', KEYS[1], 'end_ms', now) end \
+             if tonumber(redis.call('HGET', KEYS[1], 'start_ms')) >= now then \
+               redis.call('HSET', KEYS[1], 'start_ms', now - 1) end \
+             return 1",
+        );
+        let mut metas = vec![self.keys(activity_id).meta()];
+        if layout.is_sharded() {
+            metas
+                .extend((0..layout.shards).map(|s| self.shard_keys(activity_id, layout, s).meta()));
+        }
+        for meta in metas {
+            let _: i64 = script
+                .key(meta)
+                .arg(now_ms)
+                .invoke_async(&mut self.conn.clone())
+                .await?;
+        }
+        Ok(())
+    }
+
     /// Drops an order from the open index (its record is gone).
     pub async fn forget_open(
         &self,
@@ -1081,6 +1110,26 @@ impl RedisGate {
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(())
+    }
+
+    /// Keeps `note` under `name` for `ttl_secs` (the last reconciliation's
+    /// report, for whichever instance an operator asks).
+    pub async fn put_note(&self, name: &str, note: &str, ttl_secs: u64) -> RedisResult<()> {
+        redis::cmd("SET")
+            .arg(format!("{}note:{name}", self.prefix))
+            .arg(note)
+            .arg("EX")
+            .arg(ttl_secs.max(1))
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// The note kept under `name`, if it has not expired.
+    pub async fn note(&self, name: &str) -> RedisResult<Option<String>> {
+        redis::cmd("GET")
+            .arg(format!("{}note:{name}", self.prefix))
+            .query_async(&mut self.conn.clone())
+            .await
     }
 
     /// Whether the activity has been warmed (its meta hash exists).

@@ -126,6 +126,9 @@ async fn supervise<H: Handler>(
     shutdown: CancellationToken,
 ) {
     let health = supervision.registry.register(&group);
+    // The group's series exists from the start (at 0), so a dashboard or an
+    // alert on its increase sees it before the first rebuild.
+    supervision.restarts.with_label_values(&[&group]);
     let stall = Duration::from_secs(kafka.consumer_stall_secs);
     // How long the group has had messages waiting with nothing committed,
     // sampled from outside the client by a task of its own (a sample can

@@ -1,5 +1,9 @@
-//! The one mapping from failures to HTTP. Every 4xx/5xx body is
-//! `{"code": "SOME_CODE", "message": "human text"}` (docs/HTTP.md).
+//! The one mapping from failures to HTTP. Every 4xx/5xx body is an RFC 9457
+//! problem, served as `application/problem+json`, that keeps the stable
+//! code: `{"type": "urn:seckill:problem:SOLD_OUT", "title": "Sold out",
+//! "status": 409, "detail": "…", "code": "SOLD_OUT", "message": "…"}`
+//! (`message` repeats `detail` for clients written before the problem
+//! fields; docs/HTTP.md).
 //!
 //! When to use what: handlers return [`ApiError`]. Build it from an
 //! [`ErrorCode`] for outcomes the client can act on (bad input, sold out, not
@@ -16,6 +20,10 @@ use actix_web::http::header::{self, HeaderValue};
 use actix_web::middleware::ErrorHandlerResponse;
 use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
+use utoipa::ToSchema;
+
+/// The media type of every error body (RFC 9457).
+pub const PROBLEM_JSON: &str = "application/problem+json";
 
 /// Stable, machine-readable error codes. Clients switch on these; never
 /// rename one.
@@ -76,6 +84,36 @@ impl ErrorCode {
         }
     }
 
+    /// The problem type's short, human summary (RFC 9457 `title`): the
+    /// same for every occurrence of the code.
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::BadRequest => "Bad request",
+            Self::Unauthorized => "Not signed in",
+            Self::Forbidden => "Not allowed",
+            Self::NotFound => "Not found",
+            Self::MethodNotAllowed => "Method not allowed",
+            Self::PayloadTooLarge => "Body too large",
+            Self::UnsupportedMediaType => "Unsupported media type",
+            Self::NotReady => "Activity not warmed up",
+            Self::NotActive => "Activity not on sale",
+            Self::SoldOut => "Sold out",
+            Self::LimitExceeded => "Purchase limit reached",
+            Self::InvalidToken => "Invalid purchase token",
+            Self::InvalidState => "Not allowed in the current state",
+            Self::CouponInvalid => "Coupon not usable",
+            Self::RateLimited => "Too many requests",
+            Self::Busy => "Orders are backed up",
+            Self::RetryLater => "Temporarily unavailable",
+            Self::BadSignature => "Bad signature",
+            Self::AmountMismatch => "Amount mismatch",
+            Self::CouponExhausted => "Coupons all claimed",
+            Self::AlreadyClaimed => "Coupon already claimed",
+            Self::CouponExpired => "Coupon expired",
+            Self::Internal => "Internal error",
+        }
+    }
+
     /// The HTTP status this code is answered with.
     pub fn status(self) -> StatusCode {
         match self {
@@ -120,24 +158,64 @@ impl ErrorCode {
     }
 }
 
-/// The JSON error body.
-#[derive(Debug, Serialize)]
-pub struct ErrorBody<'a> {
-    /// Machine-readable code.
+/// The error body: an RFC 9457 problem with the stable code beside it.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Problem)]
+pub struct Problem<'a> {
+    /// The problem type: `urn:seckill:problem:<code>`, one per code.
+    #[serde(rename = "type")]
+    #[schema(value_type = String)]
+    pub kind: &'a str,
+    /// The problem type's summary, the same for every occurrence.
+    #[schema(value_type = String)]
+    pub title: &'a str,
+    /// The HTTP status, repeated.
+    pub status: u16,
+    /// What happened this time, for a person.
+    #[schema(value_type = String)]
+    pub detail: &'a str,
+    /// Machine-readable code; clients switch on it (docs/HTTP.md lists them).
+    #[schema(value_type = String)]
     pub code: &'a str,
-    /// Human-readable explanation.
+    /// The same text as `detail` (the field clients read before the
+    /// problem fields existed).
+    #[schema(value_type = String)]
     pub message: &'a str,
     /// A purchase whose delivery is not confirmed yet keeps this order
     /// number; a retry with the same request_id gets it (503 RETRY_LATER).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
     pub order_no: Option<String>,
+}
+
+impl<'a> Problem<'a> {
+    /// Writes the body of `code` answered with `status` (the code's own,
+    /// but for a bare status from actix, e.g. 414, mapped to a nearby code).
+    fn render(
+        code: ErrorCode,
+        status: StatusCode,
+        detail: &'a str,
+        order_no: Option<i64>,
+    ) -> String {
+        let kind = format!("urn:seckill:problem:{}", code.as_str());
+        let problem = Problem {
+            kind: &kind,
+            title: code.title(),
+            status: status.as_u16(),
+            detail,
+            code: code.as_str(),
+            message: detail,
+            order_no: order_no.map(|o| o.to_string()),
+        };
+        // Serialising strings and integers cannot fail.
+        serde_json::to_string(&problem).unwrap_or_default()
+    }
 }
 
 /// An error answered to the client.
 #[derive(Debug)]
 pub struct ApiError {
-    code: &'static str,
-    status: StatusCode,
+    code: ErrorCode,
     /// Static on the hot path (sold out, limit reached): no allocation.
     message: Cow<'static, str>,
     /// The order number a pending purchase keeps.
@@ -147,18 +225,8 @@ pub struct ApiError {
 impl ApiError {
     /// A client-visible outcome.
     pub fn new(code: ErrorCode, message: impl Into<Cow<'static, str>>) -> Self {
-        Self::with_status(code.as_str(), code.status(), message)
-    }
-
-    /// A code owned by another module (e.g. `SOLD_OUT`) with its status.
-    pub fn with_status(
-        code: &'static str,
-        status: StatusCode,
-        message: impl Into<Cow<'static, str>>,
-    ) -> Self {
         Self {
             code,
-            status,
             message: message.into(),
             order_no: None,
         }
@@ -215,28 +283,47 @@ impl ApiError {
 
     /// The machine-readable code.
     pub fn code(&self) -> &'static str {
-        self.code
+        self.code.as_str()
     }
 }
 
 impl fmt::Display for ApiError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.code, self.message)
+        write!(f, "{}: {}", self.code.as_str(), self.message)
     }
 }
 
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
-        self.status
+        self.code.status()
     }
 
     fn error_response(&self) -> HttpResponse<BoxBody> {
-        HttpResponse::build(self.status).json(ErrorBody {
-            code: self.code,
-            message: &self.message,
-            order_no: self.order_no.map(|o| o.to_string()),
-        })
+        HttpResponse::build(self.code.status())
+            .content_type(PROBLEM_JSON)
+            .body(Problem::render(
+                self.code,
+                self.code.status(),
+                &self.message,
+                self.order_no,
+            ))
     }
+}
+
+/// A problem of `code` with members of its own beside the standard ones
+/// (RFC 9457 extension members), such as readiness's `checks`.
+pub fn problem_with(
+    code: ErrorCode,
+    detail: &str,
+    extra: serde_json::Map<String, serde_json::Value>,
+) -> HttpResponse {
+    let mut body: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&Problem::render(code, code.status(), detail, None))
+            .unwrap_or_default();
+    body.extend(extra);
+    HttpResponse::build(code.status())
+        .content_type(PROBLEM_JSON)
+        .body(serde_json::Value::Object(body).to_string())
 }
 
 /// Turns actix's own extractor failures (bad JSON, unknown fields, bad path
@@ -245,17 +332,17 @@ pub fn extractor_error(err: impl fmt::Display) -> actix_web::Error {
     ApiError::bad_request(err.to_string()).into()
 }
 
-/// Middleware hook for every 4xx/5xx: responses that are not already our JSON
-/// (actix's default 404, 405, payload errors) are rewritten into the error
-/// shape, so no client ever sees a plain-text error.
+/// Middleware hook for every 4xx/5xx: responses that are not already a
+/// problem (actix's default 404, 405, payload errors) are rewritten into
+/// one, so no client ever sees a plain-text error.
 pub fn render_error<B: MessageBody + 'static>(
     res: ServiceResponse<B>,
 ) -> actix_web::Result<ErrorHandlerResponse<B>> {
-    let is_json = res
+    let is_problem = res
         .headers()
         .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
-    if is_json {
+        .is_some_and(|v| v.as_bytes().starts_with(PROBLEM_JSON.as_bytes()));
+    if is_problem {
         return Ok(ErrorHandlerResponse::Response(res.map_into_left_body()));
     }
     let status = res.status();
@@ -269,17 +356,10 @@ pub fn render_error<B: MessageBody + 'static>(
             .map(|e| e.to_string())
             .unwrap_or_else(|| status.canonical_reason().unwrap_or("error").to_owned()),
     };
-    let body = serde_json::to_string(&ErrorBody {
-        code: code.as_str(),
-        message: &message,
-        order_no: None,
-    })
-    .unwrap_or_else(|_| format!("{{\"code\":\"{}\",\"message\":\"error\"}}", code.as_str()));
+    let body = Problem::render(code, status, &message, None);
     let (req, mut res) = res.into_parts();
-    res.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    res.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
     let res = res.set_body(body);
     Ok(ErrorHandlerResponse::Response(
         ServiceResponse::new(req, res)

@@ -3,6 +3,7 @@
 
 pub mod auth;
 pub mod error;
+pub mod openapi;
 pub mod routes;
 
 use std::time::Instant;

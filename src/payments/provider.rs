@@ -20,7 +20,7 @@ pub struct MockProvider {
 }
 
 /// The callback body (docs/HTTP.md, "Payment callbacks").
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Callback {
     /// Our payment number (string).
     pub payment_no: String,
@@ -29,6 +29,7 @@ pub struct Callback {
     /// Amount the provider charged, cents.
     pub amount_cents: i64,
     /// `SUCCESS` or `FAILED`.
+    #[schema(pattern = "^(SUCCESS|FAILED)$")]
     pub status: String,
     /// The provider's transaction id (unique per charge).
     pub provider_txn_id: Option<String>,

@@ -48,6 +48,20 @@ pub const RESERVATION_EXPIRED: &str = "RESERVATION_EXPIRED";
 /// The lease only one reconciler holds at a time.
 const LEASE: &str = "reconcile";
 
+/// Where the last run's reports are kept.
+const LAST_RUN: &str = "reconcile:last";
+
+/// One run's reports, as the operator sees them.
+#[derive(Serialize)]
+struct LastRun<'a> {
+    /// When the run ended.
+    at: chrono::DateTime<chrono::Utc>,
+    /// Which instance ran it.
+    by: &'a str,
+    /// One report per activity.
+    activities: &'a [Report],
+}
+
 /// What one activity's reconciliation found and did.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -200,10 +214,54 @@ impl Reconciler {
             return Ok(None);
         }
         let reports = self.run_holding_the_lease().await;
+        if let Ok(reports) = &reports {
+            self.keep_the_report(reports).await;
+        }
         if let Err(e) = self.gate.end_lease(LEASE, &self.owner).await {
             tracing::debug!(error = %e, "reconcile lease not given back; it expires");
         }
         reports.map(Some)
+    }
+
+    /// Keeps this run's reports in Redis for the operator (whichever
+    /// instance ran it), and the stock figures in the gauges. Best effort:
+    /// the run's work is done either way.
+    async fn keep_the_report(&self, reports: &[Report]) {
+        let last = LastRun {
+            at: self.clock.now(),
+            by: &self.owner,
+            activities: reports,
+        };
+        let ttl = self
+            .settings
+            .reconcile
+            .interval_secs
+            .saturating_mul(10)
+            .max(3600);
+        match serde_json::to_string(&last) {
+            Ok(json) => {
+                if let Err(e) = self.gate.put_note(LAST_RUN, &json, ttl).await {
+                    tracing::debug!(error = %e, "last reconciliation report not kept");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "last reconciliation report not written"),
+        }
+        let differing = reports.iter().filter(|r| !r.consistent).count();
+        self.metrics
+            .reconcile_inconsistent
+            .set(i64::try_from(differing).unwrap_or(i64::MAX));
+        self.metrics
+            .reconcile_last_run
+            .set(self.clock.now().timestamp());
+    }
+
+    /// The last run's report, as [`Reconciler::run`] kept it (JSON), if one
+    /// ran within its keeping time.
+    pub async fn last_report(&self) -> anyhow::Result<Option<serde_json::Value>> {
+        let Some(json) = self.gate.note(LAST_RUN).await? else {
+            return Ok(None);
+        };
+        Ok(Some(serde_json::from_str(&json)?))
     }
 
     async fn run_holding_the_lease(&self) -> anyhow::Result<Vec<Report>> {
@@ -255,6 +313,7 @@ impl Reconciler {
             return Ok(());
         }
         self.gate.remove_activity(activity_id, layout).await?;
+        self.forget_stock(activity_id);
         store::run(&self.db, move |conn| {
             Ok(crate::activities::repo::mark_ended(conn, activity_id)?)
         })
@@ -294,6 +353,7 @@ impl Reconciler {
         let redis_before = self.gate.available(activity_id, layout).await?;
         let open = self.gate.open_reservations(activity_id, layout).await?;
         let f: Figures = store::run(&self.db, move |conn| Ok(figures(conn, activity_id)?)).await?;
+        self.show_stock(activity_id, redis_before, open, &f);
         // Every release the database has committed by now is applied to
         // Redis before the comparison, by the same idempotent script the
         // stock releaser runs: the releaser's copy, later, is a no-op.
@@ -359,6 +419,37 @@ impl Reconciler {
         }
         report.consistent = report.differences.is_empty();
         Ok(report)
+    }
+
+    /// Sets the activity's stock gauges to what this run read.
+    fn show_stock(&self, activity_id: i64, redis_available: i64, open: i64, f: &Figures) {
+        let id = activity_id.to_string();
+        let units = &self.metrics.stock_units;
+        units
+            .with_label_values(&[&id, "redis", "available"])
+            .set(redis_available);
+        for (state, n) in [
+            ("available", f.available),
+            ("locked", f.locked),
+            ("sold", f.sold),
+        ] {
+            units.with_label_values(&[&id, "db", state]).set(n.into());
+        }
+        self.metrics
+            .open_reservations
+            .with_label_values(&[&id])
+            .set(open);
+    }
+
+    /// Removes the gauges of an activity whose keys are gone.
+    fn forget_stock(&self, activity_id: i64) {
+        let id = activity_id.to_string();
+        let units = &self.metrics.stock_units;
+        let _ = units.remove_label_values(&[&id, "redis", "available"]);
+        for state in ["available", "locked", "sold"] {
+            let _ = units.remove_label_values(&[&id, "db", state]);
+        }
+        let _ = self.metrics.open_reservations.remove_label_values(&[&id]);
     }
 
     /// Applies, for every cancelled or closed order whose release Redis

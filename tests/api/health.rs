@@ -18,8 +18,14 @@ async fn ready_is_503_naming_redis_when_redis_is_down_while_live_stays_200() {
     let app = spawn_app_with(|s| s.redis.url = "redis://127.0.0.1:1".into()).await;
     let res = app.get("/health/ready", None).await;
     assert_eq!(res.status(), 503);
+    assert_eq!(
+        res.headers()["content-type"].to_str().unwrap(),
+        "application/problem+json"
+    );
     let body = json(res).await;
     assert_eq!(body["code"], "NOT_READY");
+    assert_eq!(body["type"], "urn:seckill:problem:NOT_READY");
+    assert_eq!(body["status"], 503);
     assert!(
         body["message"].as_str().unwrap().contains("redis"),
         "{body}"

@@ -3,6 +3,7 @@
 //! prefix and Kafka topic prefix, so they run in parallel.
 
 mod cleanup;
+mod console;
 mod coupons;
 #[path = "../common/db.rs"]
 mod db;
@@ -14,6 +15,7 @@ mod health;
 mod helpers;
 mod instances;
 mod migrations;
+mod ops;
 mod orders;
 mod outbox;
 mod payments;

@@ -10,7 +10,7 @@ use crate::activities::repo::{self, NewActivity};
 use crate::activities::{Activity, Lifecycle};
 use crate::admission::Layout;
 use crate::http::auth::{AdminUser, AuthUser};
-use crate::http::error::{ApiError, ErrorCode};
+use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::orders::OrderStatus;
 use crate::state::AppState;
 use crate::store;
@@ -22,22 +22,40 @@ const MAX_BUCKETS: i32 = 64;
 const MAX_SHARDS: i32 = Layout::MAX_SHARDS as i32;
 
 /// `POST /api/v1/admin/activities` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateActivity {
+    /// The product sold.
+    #[schema(minimum = 1)]
     sku_id: i64,
+    /// 1..=200 characters.
     name: String,
+    /// Price of one unit.
+    #[schema(minimum = 0)]
     price_cents: i64,
+    /// Units for sale.
+    #[schema(minimum = 1)]
     stock: i32,
+    /// When the sale opens.
     start_at: DateTime<Utc>,
+    /// When it closes (after `start_at`).
     end_at: DateTime<Utc>,
+    /// Units one user may buy in all.
     #[serde(default = "one")]
+    #[schema(minimum = 1, default = 1)]
     per_user_limit: i32,
+    /// How long an order waits for its payment before it is closed.
     #[serde(default = "default_pay_timeout")]
+    #[schema(minimum = 1, default = 900)]
     pay_timeout_secs: i32,
+    /// Stock buckets per shard in Redis (spreads one key's load).
     #[serde(default = "one")]
+    #[schema(minimum = 1, default = 1)]
     buckets: i32,
+    /// Redis shards of the activity's keys, at most the stock: more than one
+    /// spreads one hot activity over a Redis Cluster's masters. Fixed at creation.
     #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 16, default = 1)]
     shards: i32,
 }
 
@@ -120,6 +138,16 @@ fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> serde_json::Value
 }
 
 /// `POST /api/v1/admin/activities` → 201.
+#[utoipa::path(post, path = "/api/v1/admin/activities", tag = "activities",
+    request_body = CreateActivity,
+    security(("bearer" = [])),
+    responses(
+        (status = 201, description = "the activity, status PENDING"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn create(
     _admin: AdminUser,
     state: web::Data<AppState>,
@@ -141,6 +169,18 @@ async fn load(state: &AppState, id: i64) -> Result<(Activity, repo::StockRow), A
 
 /// `POST /api/v1/admin/activities/{id}/warmup`: loads the database's
 /// available stock into Redis once; later calls change nothing.
+#[utoipa::path(post, path = "/api/v1/admin/activities/{id}/warmup", tag = "activities",
+    params(("id" = i64, Path, description = "activity id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "activity_id, status READY, warmed_stock"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "NOT_ACTIVE: the activity has ended", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: Redis lost the activity or a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn warmup(
     _admin: AdminUser,
     state: web::Data<AppState>,
@@ -188,6 +228,14 @@ pub async fn warmup(
 }
 
 /// `GET /api/v1/activities/{id}`: public view with the Redis remaining count.
+#[utoipa::path(get, path = "/api/v1/activities/{id}", tag = "activities",
+    params(("id" = i64, Path, description = "activity id")),
+    responses(
+        (status = 200, description = "the activity with remaining (Redis) units"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn show(
     state: web::Data<AppState>,
     path: web::Path<i64>,
@@ -214,8 +262,97 @@ pub async fn show(
     Ok(HttpResponse::Ok().json(body))
 }
 
+/// `POST /api/v1/admin/activities/{id}/end`: ends the sale now. The window
+/// closes in the database, then in Redis, where admission reads it, so every
+/// instance refuses the next purchase (409 NOT_ACTIVE). Orders already
+/// taken go on as before: paid, or closed by their payment timeout.
+/// Ending an ended activity changes nothing.
+#[utoipa::path(post, path = "/api/v1/admin/activities/{id}/end", tag = "activities",
+    params(("id" = i64, Path, description = "activity id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "the activity, status ENDED"),
+        (status = 400, description = "BAD_REQUEST: a malformed path", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable (ending again is safe)", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn end(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+    path: web::Path<i64>,
+) -> Result<HttpResponse, ApiError> {
+    let id = path.into_inner();
+    let now = state.clock.now();
+    let activity = store::run(&state.db, move |conn| Ok(repo::end(conn, id, now)?))
+        .await
+        .map_err(ApiError::unavailable)?
+        .ok_or_else(|| ApiError::not_found("no such activity"))?;
+    state
+        .gate
+        .end_sale(id, activity.layout(), activity.end_at.timestamp_millis())
+        .await
+        .map_err(|e| ApiError::unavailable(e.into()))?;
+    state.activities.forget(id);
+    let (activity, stock) = load(&state, id).await?;
+    Ok(HttpResponse::Ok().json(view(&activity, stock.total, state.clock.now())))
+}
+
+/// How long after its end an activity still shows in the list.
+const LISTED_AFTER_END: chrono::Duration = chrono::Duration::hours(1);
+
+/// `GET /api/v1/activities`: the activities on sale, coming up, or ended
+/// within the hour (at most 50, the soonest first), each with the public
+/// view's fields, and the server's clock (`server_time`) so a client's
+/// countdown follows the sale's clock rather than its own.
+#[utoipa::path(get, path = "/api/v1/activities", tag = "activities",
+    responses(
+        (status = 200, description = "server_time and the activities on sale, coming up or ended within the hour"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let now = state.clock.now();
+    let since = now - LISTED_AFTER_END;
+    let rows = store::run(&state.public_db, move |conn| {
+        Ok(repo::list_recent(conn, since, 50)?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    let mut activities = Vec::with_capacity(rows.len());
+    for (activity, stock) in rows {
+        let remaining = if activity.warmed_at.is_some() {
+            state
+                .gate
+                .available(activity.id, activity.layout())
+                .await
+                .map_err(|e| ApiError::unavailable(e.into()))?
+        } else {
+            0
+        };
+        let mut body = view(&activity, stock.total, now);
+        body["remaining"] = json!(remaining);
+        activities.push(body);
+    }
+    Ok(HttpResponse::Ok().json(json!({
+        "server_time": now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        "activities": activities,
+    })))
+}
+
 /// `GET /api/v1/admin/activities/{id}/stats`: live figures from Redis and
 /// PostgreSQL (docs/HTTP.md shape).
+#[utoipa::path(get, path = "/api/v1/admin/activities/{id}/stats", tag = "activities",
+    params(("id" = i64, Path, description = "activity id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Redis and database figures, orders by status"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn stats(
     _admin: AdminUser,
     state: web::Data<AppState>,
@@ -275,6 +412,16 @@ pub async fn stats(
 
 /// `GET /api/v1/activities/{id}/token`: a one-time purchase token bound to
 /// the caller and the activity. Redis only.
+#[utoipa::path(get, path = "/api/v1/activities/{id}/token", tag = "activities",
+    params(("id" = i64, Path, description = "activity id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "token, expires_in"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "NOT_ACTIVE", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn token(
     user: AuthUser,
     state: web::Data<AppState>,

@@ -10,21 +10,31 @@ use crate::coupons::gate::Claim;
 use crate::coupons::repo::{self, NewCoupon};
 use crate::domain::RequestId;
 use crate::http::auth::{AdminUser, AuthUser};
-use crate::http::error::{ApiError, ErrorCode};
+use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::state::AppState;
 use crate::store;
 
 /// `POST /api/v1/admin/coupons` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateCoupon {
+    /// 1..=200 characters.
     name: String,
+    /// Coupons in the batch.
+    #[schema(minimum = 1)]
     total: i32,
+    /// What one coupon takes off an order.
+    #[schema(minimum = 1)]
     discount_cents: i64,
+    /// The smallest order it applies to.
     #[serde(default)]
+    #[schema(minimum = 0, default = 0)]
     min_amount_cents: i64,
+    /// Coupons per user (only 1 is supported).
     #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 1, default = 1)]
     per_user_limit: i32,
+    /// When unclaimed and unused coupons stop being usable.
     valid_until: DateTime<Utc>,
 }
 
@@ -69,6 +79,16 @@ impl CreateCoupon {
 
 /// `POST /api/v1/admin/coupons` → 201; the batch is in Redis before the row
 /// commits, so a claim can never meet a batch that is only half there.
+#[utoipa::path(post, path = "/api/v1/admin/coupons", tag = "coupons",
+    request_body = CreateCoupon,
+    security(("bearer" = [])),
+    responses(
+        (status = 201, description = "the batch"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn create(
     _admin: AdminUser,
     state: web::Data<AppState>,
@@ -92,14 +112,29 @@ pub async fn create(
 }
 
 /// `POST /api/v1/coupons/{id}/claim` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClaimBody {
+    /// The client's key for this claim: a retry with the same one is a replay.
+    #[schema(min_length = 1, max_length = 64)]
     request_id: String,
 }
 
 /// `POST /api/v1/coupons/{id}/claim`: one Lua call, then `coupon.claimed`;
 /// if the publish fails the claim is undone and the answer is 503.
+#[utoipa::path(post, path = "/api/v1/coupons/{id}/claim", tag = "coupons",
+    params(("id" = i64, Path, description = "coupon batch id")),
+    request_body = ClaimBody,
+    security(("bearer" = [])),
+    responses(
+        (status = 202, description = "coupon_id, status CLAIMED"),
+        (status = 200, description = "a replayed request_id"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "COUPON_EXHAUSTED, ALREADY_CLAIMED or COUPON_EXPIRED", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn claim(
     user: AuthUser,
     state: web::Data<AppState>,
@@ -220,6 +255,13 @@ async fn claim_and_publish(
 }
 
 /// `GET /api/v1/coupons/mine`.
+#[utoipa::path(get, path = "/api/v1/coupons/mine", tag = "coupons",
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "coupons"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn mine(user: AuthUser, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let user_id = user.user_id.get();
     let coupons = store::run(&state.db, move |conn| Ok(repo::mine(conn, user_id)?))
@@ -229,6 +271,17 @@ pub async fn mine(user: AuthUser, state: web::Data<AppState>) -> Result<HttpResp
 }
 
 /// `GET /api/v1/admin/coupons/{id}/stats`: Redis and database figures.
+#[utoipa::path(get, path = "/api/v1/admin/coupons/{id}/stats", tag = "coupons",
+    params(("id" = i64, Path, description = "coupon batch id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Redis and database figures"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn stats(
     _admin: AdminUser,
     state: web::Data<AppState>,

@@ -6,13 +6,17 @@ use actix_web::{HttpResponse, web};
 use diesel::RunQueryDsl;
 use serde_json::json;
 
-use crate::http::error::ApiError;
+use crate::http::error::{ApiError, ErrorCode, Problem, problem_with};
 use crate::state::AppState;
 
 /// How long one dependency may take to answer the readiness probe.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// `GET /health/live`: the process runs and serves HTTP.
+#[utoipa::path(get, path = "/health/live", tag = "health",
+    responses(
+        (status = 200, description = "the process runs"),
+    ))]
 pub async fn live() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "live"}))
 }
@@ -22,6 +26,11 @@ pub async fn live() -> HttpResponse {
 /// down, the service's topics not created yet, or consumers stalled (the
 /// watchdog's verdict for this process's consumers, and the order
 /// consumers' progress as seen from the broker, wherever they run).
+#[utoipa::path(get, path = "/health/ready", tag = "health",
+    responses(
+        (status = 200, description = "every check passes"),
+        (status = 503, description = "NOT_READY, naming the failing checks; `checks` has each one's state", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
     let (redis, postgres, kafka) = tokio::join!(
         probe("redis", redis_ping(&state)),
@@ -48,15 +57,21 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
     if failed.is_empty() {
         HttpResponse::Ok().json(json!({"status": "ready", "checks": detail}))
     } else {
-        HttpResponse::ServiceUnavailable().json(json!({
-            "code": "NOT_READY",
-            "message": format!("not ready: {}", failed.join("; ")),
-            "checks": detail,
-        }))
+        let mut extra = serde_json::Map::new();
+        extra.insert("checks".into(), detail.into());
+        problem_with(
+            ErrorCode::NotReady,
+            &format!("not ready: {}", failed.join("; ")),
+            extra,
+        )
     }
 }
 
 /// `GET /metrics`: Prometheus text format.
+#[utoipa::path(get, path = "/metrics", tag = "health",
+    responses(
+        (status = 200, description = "Prometheus text format"),
+    ))]
 pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let body = state.metrics.render().map_err(ApiError::unexpected)?;
     Ok(HttpResponse::Ok()

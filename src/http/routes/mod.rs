@@ -2,49 +2,74 @@
 //! authorize the request, call the domain, and map its answer to the API's
 //! shape; the domain modules know nothing of HTTP.
 
-mod activities;
-mod coupons;
-mod health;
-mod orders;
-mod payments;
-mod reconcile;
+pub(super) mod activities;
+pub(super) mod console;
+pub(super) mod coupons;
+pub(super) mod health;
+pub(super) mod orders;
+pub(super) mod payments;
+pub(super) mod reconcile;
 
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use actix_web::{HttpMessage, HttpResponse, web};
+use serde::Deserialize;
+use utoipa::ToSchema;
 
-use super::auth::{AdminUser, AuthUser};
-use super::error::ApiError;
+use super::auth::{AdminUser, AuthUser, JwtKeys, Role};
+use super::error::{ApiError, Problem};
+use crate::state::AppState;
 
-/// Registers every route. Shared by the server and the tests.
-pub fn configure(cfg: &mut web::ServiceConfig) {
-    // `web::resource` (not `cfg.route`) so a known path with the wrong method
-    // answers 405, not 404.
-    // The purchase first: the router tries resources in this order, each
-    // dynamic one a regex match, and nearly every request of a sale is
-    // this one. No other pattern overlaps it.
-    cfg.service(resource("/api/v1/activities/{id}/orders").post(orders::place))
-        .service(resource("/health/live").get(health::live))
-        .service(resource("/health/ready").get(health::ready))
-        .service(resource("/metrics").get(health::metrics))
-        .service(resource("/api/v1/openapi.json").get(openapi))
-        .service(resource("/api/v1/me").get(me))
-        .service(resource("/api/v1/admin/me").get(admin_me))
-        .service(resource("/api/v1/admin/activities").post(activities::create))
-        .service(resource("/api/v1/admin/activities/{id}/warmup").post(activities::warmup))
-        .service(resource("/api/v1/admin/activities/{id}/stats").get(activities::stats))
-        .service(resource("/api/v1/activities/{id}").get(activities::show))
-        .service(resource("/api/v1/activities/{id}/token").get(activities::token))
-        .service(resource("/api/v1/orders").get(orders::list))
-        .service(resource("/api/v1/orders/{order_no}").get(orders::show))
-        .service(resource("/api/v1/orders/{order_no}/cancel").post(orders::cancel))
-        .service(resource("/api/v1/orders/{order_no}/pay").post(payments::pay))
-        .service(resource("/api/v1/payments/notify").post(payments::notify))
-        .service(resource("/api/v1/dev/payments/{payment_no}/simulate").post(payments::simulate))
-        .service(resource("/api/v1/admin/reconcile").post(reconcile::run))
-        .service(resource("/api/v1/admin/coupons").post(coupons::create))
-        .service(resource("/api/v1/admin/coupons/{id}/stats").get(coupons::stats))
-        .service(resource("/api/v1/coupons/mine").get(coupons::mine))
-        .service(resource("/api/v1/coupons/{id}/claim").post(coupons::claim));
+/// The one list of routes: `configure` registers them and [`ROUTES`] names
+/// them, so the OpenAPI test (`http::openapi`) checks the router itself,
+/// not a copy of it. One method per path: a second resource with the same
+/// path would never be reached.
+macro_rules! routes {
+    ($($method:ident $path:literal => $handler:path;)*) => {
+        /// Every route the router serves, as `(method, path pattern)`.
+        pub const ROUTES: &[(&str, &str)] = &[$((stringify!($method), $path)),*];
+
+        /// Registers every route. Shared by the server and the tests.
+        pub fn configure(cfg: &mut web::ServiceConfig) {
+            // `web::resource` (not `cfg.route`) so a known path with the
+            // wrong method answers 405, not 404.
+            $(cfg.service(resource($path).$method($handler));)*
+        }
+    };
+}
+
+// The purchase first: the router tries resources in this order, each
+// dynamic one a regex match, and nearly every request of a sale is this
+// one. No other pattern overlaps it.
+routes! {
+    post "/api/v1/activities/{id}/orders" => orders::place;
+    get "/health/live" => health::live;
+    get "/health/ready" => health::ready;
+    get "/metrics" => health::metrics;
+    get "/api/v1/openapi.json" => openapi;
+    get "/api/v1/me" => me;
+    get "/api/v1/admin/me" => admin_me;
+    post "/api/v1/admin/activities" => activities::create;
+    post "/api/v1/admin/activities/{id}/warmup" => activities::warmup;
+    get "/api/v1/admin/activities/{id}/stats" => activities::stats;
+    post "/api/v1/admin/activities/{id}/end" => activities::end;
+    get "/api/v1/activities" => activities::list;
+    get "/api/v1/activities/{id}" => activities::show;
+    get "/api/v1/activities/{id}/token" => activities::token;
+    get "/api/v1/orders" => orders::list;
+    get "/api/v1/orders/{order_no}" => orders::show;
+    post "/api/v1/orders/{order_no}/cancel" => orders::cancel;
+    post "/api/v1/orders/{order_no}/pay" => payments::pay;
+    post "/api/v1/payments/notify" => payments::notify;
+    post "/api/v1/dev/payments/{payment_no}/simulate" => payments::simulate;
+    post "/api/v1/dev/token" => dev_token;
+    post "/api/v1/admin/reconcile" => reconcile::run;
+    get "/api/v1/admin/reconcile/last" => reconcile::last;
+    post "/api/v1/admin/coupons" => coupons::create;
+    get "/api/v1/admin/coupons/{id}/stats" => coupons::stats;
+    get "/api/v1/coupons/mine" => coupons::mine;
+    post "/api/v1/coupons/{id}/claim" => coupons::claim;
+    get "/console" => console::root;
+    get "/console/{file:.*}" => console::file;
 }
 
 /// The pattern of the resource a request was routed to: the route label
@@ -72,22 +97,83 @@ fn resource(
     })
 }
 
-/// `GET /api/v1/openapi.json`.
+/// `GET /api/v1/openapi.json`: this API's OpenAPI document, generated from
+/// the routes' own annotations (`http::openapi`).
+#[utoipa::path(get, path = "/api/v1/openapi.json", tag = "meta",
+    responses((status = 200, description = "OpenAPI 3.1", content_type = "application/json")))]
 async fn openapi() -> HttpResponse {
     HttpResponse::Ok()
         .content_type("application/json")
-        .body(include_str!("../../../docs/openapi.json"))
+        .body(super::openapi::json())
 }
 
 /// `GET /api/v1/me`: who the token says the caller is (lets a client or an
 /// operator check a token without side effects).
+#[utoipa::path(get, path = "/api/v1/me", tag = "meta", security(("bearer" = [])),
+    responses(
+        (status = 200, description = "user_id and role"),
+        (status = 401, description = "UNAUTHORIZED", body = Problem, content_type = "application/problem+json"),
+    ))]
 async fn me(user: AuthUser) -> HttpResponse {
     HttpResponse::Ok().json(serde_json::json!({"user_id": user.user_id, "role": user.role}))
 }
 
 /// `GET /api/v1/admin/me`: the same, but only for admins.
+#[utoipa::path(get, path = "/api/v1/admin/me", tag = "meta", security(("bearer" = [])),
+    responses(
+        (status = 200, description = "user_id and role"),
+        (status = 401, description = "UNAUTHORIZED", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+    ))]
 async fn admin_me(admin: AdminUser) -> HttpResponse {
     me(admin.0).await
+}
+
+/// `POST /api/v1/dev/token` body.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DevToken {
+    /// Who the token is for.
+    #[schema(minimum = 1)]
+    user_id: i64,
+    /// An admin token (the operator page) rather than a shopper's.
+    #[serde(default)]
+    admin: bool,
+}
+
+/// How long a development token lives.
+const DEV_TOKEN_TTL_SECS: i64 = 3600;
+
+/// `POST /api/v1/dev/token`: a token for any user, so the web console
+/// signs in without an identity provider. Served only when `app.env =
+/// development`; elsewhere the route does not exist (404).
+#[utoipa::path(post, path = "/api/v1/dev/token", tag = "dev", request_body = DevToken,
+    responses(
+        (status = 200, description = "token, user_id, role, expires_in (development only)"),
+        (status = 400, description = "BAD_REQUEST", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND: not a development server", body = Problem, content_type = "application/problem+json"),
+    ))]
+async fn dev_token(
+    state: web::Data<AppState>,
+    keys: web::Data<JwtKeys>,
+    body: web::Json<DevToken>,
+) -> Result<HttpResponse, ApiError> {
+    if state.settings.app.env != "development" {
+        return Err(ApiError::not_found("no such route"));
+    }
+    if body.user_id < 1 {
+        return Err(ApiError::bad_request("user_id must be positive"));
+    }
+    let role = if body.admin { Role::Admin } else { Role::User };
+    let token = keys
+        .mint(body.user_id, role, DEV_TOKEN_TTL_SECS)
+        .map_err(ApiError::unexpected)?;
+    Ok(HttpResponse::Ok().json(serde_json::json!({
+        "token": token,
+        "user_id": body.user_id,
+        "role": role,
+        "expires_in": DEV_TOKEN_TTL_SECS,
+    })))
 }
 
 /// Fallback for unknown routes: 404 NOT_FOUND in the error shape.

@@ -12,7 +12,7 @@ use crate::admission::admit::{Admitted, Purchase, Refusal};
 use crate::admission::{Layout, ThreadGate};
 use crate::domain::{RequestId, UserId};
 use crate::http::auth::AuthUser;
-use crate::http::error::{ApiError, ErrorCode};
+use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
 use crate::orders::repo::{self, Order};
@@ -20,12 +20,19 @@ use crate::state::AppState;
 use crate::store;
 
 /// The purchase body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PlaceOrder {
+    /// The client's key for this purchase: a retry with the same one gets
+    /// the same order (1..=64 printable ASCII).
+    #[schema(min_length = 1, max_length = 64)]
     request_id: String,
+    /// The one-time purchase token (`GET …/token`), when the activity asks for one.
     token: Option<String>,
+    /// Units, 1 by default, at most the activity's per-user limit.
+    #[schema(minimum = 1)]
     quantity: Option<i32>,
+    /// A claimed coupon to pay with.
     coupon_id: Option<i64>,
 }
 
@@ -85,6 +92,20 @@ fn forwarded_client(values: &[&str], hops: usize) -> Option<IpAddr> {
 
 /// SPEC steps 1–2 (`admission::admit`): 202 once the broker has the
 /// order; a replayed request_id answers with its order's status.
+#[utoipa::path(post, path = "/api/v1/activities/{id}/orders", tag = "orders",
+    params(("id" = i64, Path, description = "activity id")),
+    request_body = PlaceOrder,
+    security(("bearer" = [])),
+    responses(
+        (status = 202, description = "order_no, request_id, status PROCESSING"),
+        (status = 200, description = "a replayed request_id: its order and status"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "INVALID_TOKEN", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "NOT_ACTIVE, SOLD_OUT or LIMIT_EXCEEDED", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "RATE_LIMITED", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "BUSY, NOT_READY or RETRY_LATER (with order_no when the order is kept)", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn place(
     user: AuthUser,
     state: web::Data<AppState>,
@@ -192,6 +213,15 @@ fn order_view(o: &Order) -> serde_json::Value {
 /// `GET /api/v1/orders/{order_no}` (SPEC step 8): the row, else the Redis
 /// reservation (PROCESSING, or FAILED when released), else 404. Another
 /// user's order is 404 too.
+#[utoipa::path(get, path = "/api/v1/orders/{order_no}", tag = "orders",
+    params(("order_no" = String, Path, description = "order number (decimal)")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "the order"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn show(
     user: AuthUser,
     state: web::Data<AppState>,
@@ -244,6 +274,16 @@ pub async fn show(
 /// `POST /api/v1/orders/{order_no}/cancel` (SPEC step 6): WAITING_PAY →
 /// CANCELLED with its release, once; cancelling a CANCELLED order again is
 /// 200 with no effect; any other state is 409 INVALID_STATE.
+#[utoipa::path(post, path = "/api/v1/orders/{order_no}/cancel", tag = "orders",
+    params(("order_no" = String, Path, description = "order number (decimal)")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "the order, CANCELLED"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "INVALID_STATE", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn cancel(
     user: AuthUser,
     state: web::Data<AppState>,
@@ -277,15 +317,29 @@ pub async fn cancel(
 }
 
 /// `GET /api/v1/orders` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Only orders in this state.
     status: Option<String>,
+    /// Page size, 1..=100 (20 by default).
+    #[param(minimum = 1, maximum = 100)]
     limit: Option<i64>,
+    /// `next_cursor` of the previous page.
     cursor: Option<String>,
 }
 
 /// `GET /api/v1/orders?status=&limit=&cursor=`: the caller's orders, newest first.
+#[utoipa::path(get, path = "/api/v1/orders", tag = "orders",
+    params(ListQuery),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "orders, next_cursor"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn list(
     user: AuthUser,
     state: web::Data<AppState>,

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::http::auth::AuthUser;
-use crate::http::error::{ApiError, ErrorCode};
+use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::ids::{OrderNo, PaymentNo};
 use crate::payments::PaymentStatus;
 use crate::payments::provider::Callback;
@@ -19,6 +19,16 @@ use crate::store;
 
 /// `POST /api/v1/orders/{order_no}/pay`: the pending payment of a
 /// WAITING_PAY order (created on the first call, returned on later ones).
+#[utoipa::path(post, path = "/api/v1/orders/{order_no}/pay", tag = "payments",
+    params(("order_no" = String, Path, description = "order number (decimal)")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "payment_no, order_no, amount_cents, status PENDING"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "INVALID_STATE", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn pay(
     user: AuthUser,
     state: web::Data<AppState>,
@@ -53,6 +63,16 @@ pub async fn pay(
 /// `POST /api/v1/payments/notify`: the provider's signed callback. The raw
 /// body is what was signed, so it is read as bytes and verified before it is
 /// parsed.
+#[utoipa::path(post, path = "/api/v1/payments/notify", tag = "payments",
+    params(("X-Pay-Signature" = String, Header, description = "t=<unix seconds>,v1=<hex HMAC-SHA256 of t.body>")),
+    request_body = crate::payments::provider::Callback,
+    responses(
+        (status = 200, description = "{\"code\": \"SUCCESS\"}"),
+        (status = 400, description = "BAD_REQUEST or AMOUNT_MISMATCH", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "BAD_SIGNATURE", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn notify(
     state: web::Data<AppState>,
     req: HttpRequest,
@@ -131,12 +151,16 @@ pub async fn notify(
 }
 
 /// `POST /api/v1/dev/payments/{payment_no}/simulate` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Simulate {
+    /// `SUCCESS` or `FAILED`.
     #[serde(default = "success")]
+    #[schema(default = "SUCCESS", pattern = "^(SUCCESS|FAILED)$")]
     status: String,
+    /// How many copies of the callback to deliver (1..=20).
     #[serde(default = "one")]
+    #[schema(default = 1, minimum = 1, maximum = 20)]
     times: u32,
 }
 
@@ -150,6 +174,17 @@ fn one() -> u32 {
 
 /// The mock provider delivers `times` signed callbacks for one of the
 /// caller's payments, over HTTP to this server, like a real provider would.
+#[utoipa::path(post, path = "/api/v1/dev/payments/{payment_no}/simulate", tag = "dev",
+    params(("payment_no" = String, Path, description = "payment number (decimal)")),
+    request_body = Simulate,
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "delivered, responses"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn simulate(
     user: AuthUser,
     state: web::Data<AppState>,

@@ -6,11 +6,19 @@ use actix_web::{HttpResponse, web};
 use serde_json::json;
 
 use crate::http::auth::AdminUser;
-use crate::http::error::{ApiError, ErrorCode};
+use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::state::AppState;
 
 /// Reconciles every recent activity now, waiting a little for the lease if
 /// another run holds it.
+#[utoipa::path(post, path = "/api/v1/admin/reconcile", tag = "reconcile",
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "activities: [{activity_id, consistent, differences, repaired}]"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn run(_admin: AdminUser, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let reconciler = state.reconciler();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -28,4 +36,23 @@ pub async fn run(_admin: AdminUser, state: web::Data<AppState>) -> Result<HttpRe
             }
         }
     }
+}
+
+/// `GET /api/v1/admin/reconcile/last`: the report of the last
+/// reconciliation run, whichever instance ran it (kept in Redis), or `null`.
+#[utoipa::path(get, path = "/api/v1/admin/reconcile/last", tag = "reconcile",
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "the last run: at, by, activities (null when none is kept)"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn last(_admin: AdminUser, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let report = state
+        .reconciler()
+        .last_report()
+        .await
+        .map_err(ApiError::unavailable)?;
+    Ok(HttpResponse::Ok().json(json!({ "last": report })))
 }

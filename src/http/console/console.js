@@ -1,0 +1,596 @@
+// The seckill web console: a buyer page and an operator page over the
+// public HTTP API, with no framework and no build step. Both pages load
+// this file; <body data-page> says which one runs.
+"use strict";
+
+// ---- the API -------------------------------------------------------------
+
+/** One call: `{status, ok, data}`; errors are RFC 9457 problems with a `code`. */
+async function api(method, path, body, token) {
+  const headers = {};
+  if (body !== undefined) headers["content-type"] = "application/json";
+  if (token) headers.authorization = "Bearer " + token;
+  let res;
+  try {
+    res = await fetch(path, {
+      method,
+      headers,
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+  } catch (e) {
+    return { status: 0, ok: false, data: { code: "NETWORK", detail: "the server did not answer" } };
+  }
+  let data = null;
+  try {
+    data = await res.json();
+  } catch (e) {
+    data = null;
+  }
+  return { status: res.status, ok: res.ok, data };
+}
+
+/** What a buyer reads for each code the purchase path can answer. */
+const FRIENDLY = {
+  SOLD_OUT: "Sold out: every unit has been taken.",
+  LIMIT_EXCEEDED: "You already hold as many as this sale allows per person.",
+  RATE_LIMITED: "Too many requests right now: wait a moment and try again.",
+  NOT_ACTIVE: "This sale is not open.",
+  BUSY: "Orders are backed up: try again in a few seconds.",
+  RETRY_LATER: "The shop is briefly unavailable: try again in a few seconds.",
+  INVALID_TOKEN: "Your purchase token expired: try again.",
+  UNAUTHORIZED: "Sign in first.",
+  FORBIDDEN: "This needs an operator's (admin) token.",
+  NETWORK: "The server did not answer.",
+};
+
+// ---- small helpers -----------------------------------------------------------
+
+const $ = (sel) => document.querySelector(sel);
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("data-")) node.setAttribute(k, v);
+    else node[k] = v;
+  }
+  for (const child of children) {
+    node.append(child instanceof Node ? child : String(child));
+  }
+  return node;
+}
+
+function money(cents) {
+  return cents == null ? "–" : (cents / 100).toFixed(2);
+}
+
+function showMessage(text, code, kind) {
+  const box = $("#message");
+  box.textContent = text;
+  box.dataset.code = code || "";
+  box.className = kind || "error";
+  box.hidden = false;
+}
+
+function showProblem(res, fallback) {
+  const d = res.data || {};
+  const code = d.code || "HTTP_" + res.status;
+  const text = FRIENDLY[code] || d.detail || d.message || fallback || "Something went wrong.";
+  showMessage(text + (d.detail && FRIENDLY[code] ? " (" + d.detail + ")" : ""), code, "error");
+}
+
+function clearMessage() {
+  const box = $("#message");
+  box.hidden = true;
+  box.textContent = "";
+  box.dataset.code = "";
+}
+
+function requestId() {
+  if (window.crypto && crypto.randomUUID) return crypto.randomUUID();
+  return "r" + Date.now().toString(36) + Math.random().toString(36).slice(2);
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// ---- the server's clock ----------------------------------------------------
+
+/** Milliseconds to add to this browser's clock to read the server's. */
+let clockOffset = 0;
+
+function serverNow() {
+  return Date.now() + clockOffset;
+}
+
+/** Takes the offset from a response's `server_time`, halving the round trip. */
+function syncClock(serverTime, sentAt, receivedAt) {
+  const server = Date.parse(serverTime);
+  if (Number.isNaN(server)) return;
+  clockOffset = server - (sentAt + receivedAt) / 2;
+  const label = $("#clock-offset");
+  if (label) {
+    const s = (clockOffset / 1000).toFixed(1);
+    label.textContent = "this browser is " + (clockOffset >= 0 ? s + " s behind" : -s + " s ahead");
+  }
+}
+
+function countdown(ms) {
+  const t = Math.max(0, Math.floor(ms / 1000));
+  const h = Math.floor(t / 3600);
+  const m = Math.floor((t % 3600) / 60);
+  const s = t % 60;
+  const two = (n) => String(n).padStart(2, "0");
+  return (h > 0 ? h + ":" : "") + two(m) + ":" + two(s);
+}
+
+/** The sale's phase at the server's time now. */
+function phase(a) {
+  const now = serverNow();
+  const start = Date.parse(a.start_at);
+  const end = Date.parse(a.end_at);
+  if (now >= end || a.status === "ENDED") return { open: false, text: "ended" };
+  if (a.status === "PENDING") return { open: false, text: "not warmed up yet" };
+  if (now < start) return { open: false, text: "starts in " + countdown(start - now) };
+  return { open: true, text: "ends in " + countdown(end - now) };
+}
+
+// ---- the session -------------------------------------------------------------
+
+const session = {
+  key: "seckill.console." + document.body.dataset.page,
+  get token() {
+    return sessionStorage.getItem(this.key) || "";
+  },
+  set token(t) {
+    if (t) sessionStorage.setItem(this.key, t);
+    else sessionStorage.removeItem(this.key);
+  },
+};
+
+async function whoAmI() {
+  const who = $("#whoami");
+  const signedIn = (yes) => {
+    $("#sign-in-form").hidden = yes;
+    $("#token-form").hidden = yes;
+    $("#sign-out").hidden = !yes;
+  };
+  if (!session.token) {
+    who.textContent = "Not signed in";
+    who.dataset.userId = "";
+    signedIn(false);
+    return null;
+  }
+  const res = await api("GET", "/api/v1/me", undefined, session.token);
+  if (!res.ok) {
+    session.token = "";
+    who.textContent = "Not signed in";
+    signedIn(false);
+    return null;
+  }
+  who.textContent = "Signed in as user " + res.data.user_id + " (" + res.data.role + ")";
+  who.dataset.userId = res.data.user_id;
+  who.dataset.role = res.data.role;
+  signedIn(true);
+  return res.data;
+}
+
+function wireSession(admin, onChange) {
+  const userId = $("#user-id");
+  if (!userId.value) userId.value = String(1000 + Math.floor(Math.random() * 9000));
+  $("#sign-in-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    clearMessage();
+    const res = await api("POST", "/api/v1/dev/token", { user_id: Number(userId.value), admin });
+    if (!res.ok) {
+      if (res.status === 404) {
+        showMessage("Development sign-in is off on this server (app.env is not development): paste a token.", "NOT_FOUND");
+      } else {
+        showProblem(res);
+      }
+      return;
+    }
+    session.token = res.data.token;
+    await whoAmI();
+    onChange();
+  });
+  $("#token-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    clearMessage();
+    session.token = $("#token").value.trim();
+    $("#token").value = "";
+    if (!(await whoAmI())) showMessage("That token was not accepted.", "UNAUTHORIZED");
+    onChange();
+  });
+  $("#sign-out").addEventListener("click", async () => {
+    session.token = "";
+    await whoAmI();
+    onChange();
+  });
+}
+
+// ---- the buyer page ----------------------------------------------------------
+
+const buyer = {
+  activities: [],
+  order: null, // {order_no, activity_id, status}
+
+  async start() {
+    wireSession(false, () => this.refreshOrders());
+    await whoAmI();
+    $("#pay").addEventListener("click", () => this.pay());
+    $("#cancel").addEventListener("click", () => this.cancel());
+    await this.loadActivities();
+    this.refreshOrders();
+    setInterval(() => this.loadActivities(), 5000);
+    setInterval(() => this.renderActivities(), 250);
+  },
+
+  async loadActivities() {
+    const sentAt = Date.now();
+    const res = await api("GET", "/api/v1/activities");
+    if (!res.ok) return showProblem(res, "Could not load the sales.");
+    syncClock(res.data.server_time, sentAt, Date.now());
+    this.activities = res.data.activities;
+    this.renderActivities(true);
+  },
+
+  renderActivities(rebuild) {
+    const box = $("#activities");
+    if (rebuild) {
+      box.replaceChildren();
+      if (this.activities.length === 0) box.append(el("p", { class: "hint" }, "No sale right now."));
+      for (const a of this.activities) {
+        const buy = el("button", { type: "button", class: "buy" }, "Buy");
+        buy.addEventListener("click", () => this.buy(a.activity_id));
+        box.append(
+          el(
+            "article",
+            { class: "activity", "data-id": a.activity_id },
+            el("h3", {}, a.name),
+            el("p", { class: "price" }, money(a.price_cents)),
+            el("p", { class: "left" }, a.remaining > 0 ? a.remaining + " of " + a.stock + " left" : "sold out for now"),
+            el("p", { class: "phase" }, ""),
+            buy,
+          ),
+        );
+      }
+    }
+    for (const a of this.activities) {
+      const card = box.querySelector('[data-id="' + a.activity_id + '"]');
+      if (!card) continue;
+      const p = phase(a);
+      card.querySelector(".phase").textContent = p.text;
+      card.dataset.open = p.open;
+      // Still a button at 0 left: units come back (cancels, unpaid orders),
+      // and only the server knows; it answers SOLD_OUT otherwise.
+      card.querySelector(".buy").disabled = !p.open || !session.token;
+    }
+  },
+
+  async buy(activityId) {
+    clearMessage();
+    if (!session.token) return showMessage(FRIENDLY.UNAUTHORIZED, "UNAUTHORIZED");
+    const tok = await api("GET", "/api/v1/activities/" + activityId + "/token", undefined, session.token);
+    if (!tok.ok) return showProblem(tok);
+    const res = await api(
+      "POST",
+      "/api/v1/activities/" + activityId + "/orders",
+      { request_id: requestId(), token: tok.data.token, quantity: 1 },
+      session.token,
+    );
+    if (!res.ok) {
+      showProblem(res);
+      this.loadActivities();
+      return;
+    }
+    this.order = { order_no: res.data.order_no, activity_id: activityId, status: res.data.status };
+    showMessage("Order " + res.data.order_no + " accepted.", "ACCEPTED", "ok");
+    this.renderOrder();
+    this.loadActivities();
+    await this.follow(["WAITING_PAY", "PAID", "CLOSED", "CANCELLED", "FAILED"]);
+  },
+
+  /** Follows the order until its status is one of `until`. */
+  async follow(until) {
+    const no = this.order.order_no;
+    for (let i = 0; i < 600 && this.order && this.order.order_no === no; i++) {
+      const res = await api("GET", "/api/v1/orders/" + no, undefined, session.token);
+      if (res.ok) {
+        this.order = Object.assign({}, this.order, res.data);
+        this.renderOrder();
+        if (until.includes(res.data.status)) break;
+      }
+      await sleep(500);
+    }
+    this.refreshOrders();
+  },
+
+  renderOrder() {
+    const o = this.order;
+    $("#order").hidden = !o;
+    if (!o) return;
+    $("#order-no").textContent = o.order_no;
+    const status = $("#order-status");
+    status.textContent = o.status;
+    status.dataset.status = o.status;
+    const detail = [];
+    if (o.amount_cents != null) detail.push("amount " + money(o.amount_cents));
+    if (o.pay_deadline) detail.push("pay by " + new Date(o.pay_deadline).toLocaleTimeString());
+    if (o.failure_reason) detail.push(o.failure_reason);
+    $("#order-detail").textContent = detail.join(" · ");
+    const order = ["PROCESSING", "WAITING_PAY", "PAID"];
+    const at = order.indexOf(o.status);
+    for (const li of document.querySelectorAll("#order-steps li")) {
+      const i = order.indexOf(li.dataset.step);
+      li.className = at < 0 ? "" : i < at ? "done" : i === at ? "current" : "";
+    }
+    $("#pay").hidden = o.status !== "WAITING_PAY";
+    $("#cancel").hidden = o.status !== "WAITING_PAY";
+  },
+
+  async pay() {
+    clearMessage();
+    const no = this.order.order_no;
+    $("#pay").disabled = true;
+    try {
+      const payment = await api("POST", "/api/v1/orders/" + no + "/pay", {}, session.token);
+      if (!payment.ok) return showProblem(payment);
+      const sent = await api(
+        "POST",
+        "/api/v1/dev/payments/" + payment.data.payment_no + "/simulate",
+        { status: "SUCCESS" },
+        session.token,
+      );
+      if (!sent.ok) {
+        if (sent.status === 404) {
+          return showMessage("Payment " + payment.data.payment_no + " is waiting for the provider (no mock provider on this server).", "PENDING", "ok");
+        }
+        return showProblem(sent);
+      }
+      await this.follow(["PAID", "CLOSED", "CANCELLED", "FAILED"]);
+      if (this.order.status === "PAID") showMessage("Paid. Thank you!", "PAID", "ok");
+    } finally {
+      $("#pay").disabled = false;
+    }
+  },
+
+  async cancel() {
+    clearMessage();
+    const res = await api("POST", "/api/v1/orders/" + this.order.order_no + "/cancel", {}, session.token);
+    if (!res.ok) return showProblem(res);
+    this.order = Object.assign({}, this.order, res.data);
+    this.renderOrder();
+    this.refreshOrders();
+    this.loadActivities();
+  },
+
+  async refreshOrders() {
+    const body = $("#orders tbody");
+    if (!session.token) return body.replaceChildren();
+    const res = await api("GET", "/api/v1/orders?limit=20", undefined, session.token);
+    if (!res.ok) return;
+    body.replaceChildren(
+      ...res.data.orders.map((o) =>
+        el(
+          "tr",
+          { "data-order": o.order_no },
+          el("td", {}, o.order_no),
+          el("td", {}, o.activity_id),
+          el("td", {}, o.quantity),
+          el("td", {}, money(o.amount_cents)),
+          el("td", { class: "status" }, o.status),
+          el("td", {}, o.pay_deadline ? new Date(o.pay_deadline).toLocaleTimeString() : ""),
+        ),
+      ),
+    );
+  },
+};
+
+// ---- the operator page -------------------------------------------------------
+
+/** Prometheus text → {"name{labels}": value}. */
+function parseMetrics(text) {
+  const out = {};
+  for (const line of text.split("\n")) {
+    if (!line || line.startsWith("#")) continue;
+    const cut = line.lastIndexOf(" ");
+    out[line.slice(0, cut)] = Number(line.slice(cut + 1));
+  }
+  return out;
+}
+
+/** The sum of every sample of `name` whose labels match `labelFilter`. */
+function sumOf(metrics, name, labelFilter) {
+  let total = 0;
+  let seen = false;
+  for (const [key, value] of Object.entries(metrics)) {
+    const brace = key.indexOf("{");
+    const base = brace < 0 ? key : key.slice(0, brace);
+    if (base !== name) continue;
+    if (labelFilter && !labelFilter.some((l) => key.includes(l))) continue;
+    total += value;
+    seen = true;
+  }
+  return seen ? total : null;
+}
+
+const operator = {
+  activities: [],
+  last: null, // {at (ms), metrics}
+
+  async start() {
+    wireSession(true, () => this.tick());
+    await whoAmI();
+    $("#create-form").addEventListener("submit", (e) => {
+      e.preventDefault();
+      this.create(new FormData(e.target));
+    });
+    $("#reconcile").addEventListener("click", () => this.reconcile());
+    await this.tick();
+    setInterval(() => this.tick(), 1000);
+  },
+
+  async tick() {
+    await Promise.all([this.live(), this.table(), this.lastReport()]);
+  },
+
+  async live() {
+    let text;
+    try {
+      text = await (await fetch("/metrics")).text();
+    } catch (e) {
+      return;
+    }
+    const now = Date.now();
+    const m = parseMetrics(text);
+    const counter = (outcomes) =>
+      sumOf(m, "seckill_admission_total", outcomes.map((o) => 'outcome="' + o + '"'));
+    const counts = {
+      accepted: counter(["accepted"]),
+      "sold-out": counter(["sold_out", "sold_out_memory"]),
+      "limit-exceeded": counter(["limit_exceeded"]),
+      "rate-limited": counter(["rate_limited"]),
+    };
+    if (this.last) {
+      const dt = (now - this.last.at) / 1000;
+      for (const [k, v] of Object.entries(counts)) {
+        const before = this.last.counts[k];
+        const rate = v == null || before == null ? null : Math.max(0, (v - before) / dt);
+        $("#rate-" + k).textContent = rate == null ? "–" : rate.toFixed(rate < 10 ? 1 : 0);
+      }
+    }
+    this.last = { at: now, counts };
+    const show = (id, v) => ($(id).textContent = v == null ? "–" : String(v));
+    const lag = sumOf(m, "seckill_order_consumer_lag");
+    show("#consumer-lag", lag === -1 ? "unknown" : lag);
+    show("#consumer-stalled", sumOf(m, "seckill_order_consumer_stalled_seconds"));
+    show("#consumer-restarts", sumOf(m, "seckill_consumer_restarts_total"));
+    const outbox = ["NEW", "RETRY", "DEAD"].map((s) => sumOf(m, "seckill_outbox_rows", ['status="' + s + '"']) ?? 0);
+    show("#outbox", outbox.join(" / "));
+    $("#outbox").parentElement.classList.toggle("alarm", outbox[2] > 0);
+    show("#dead-letters", sumOf(m, "seckill_dead_letters_total"));
+    show("#orders-closed", sumOf(m, "seckill_orders_closed_total"));
+  },
+
+  async table() {
+    const sentAt = Date.now();
+    const res = await api("GET", "/api/v1/activities");
+    if (!res.ok) return;
+    syncClock(res.data.server_time, sentAt, Date.now());
+    this.activities = res.data.activities;
+    const stats = session.token
+      ? await Promise.all(
+          this.activities.map((a) =>
+            api("GET", "/api/v1/admin/activities/" + a.activity_id + "/stats", undefined, session.token),
+          ),
+        )
+      : [];
+    const rows = this.activities.map((a, i) => {
+      const s = stats[i] && stats[i].ok ? stats[i].data : null;
+      const cell = (v, cls) => el("td", { class: cls || "num" }, v == null ? "–" : v);
+      const orders = s
+        ? Object.entries(s.orders)
+            .filter(([, n]) => n > 0)
+            .map(([k, n]) => k + " " + n)
+            .join(", ") || "none"
+        : "–";
+      const warm = el("button", { type: "button", class: "warmup" }, "Warm up");
+      warm.disabled = a.status !== "PENDING";
+      warm.addEventListener("click", () => this.act(a.activity_id, "warmup"));
+      const end = el("button", { type: "button", class: "end" }, "End");
+      end.disabled = a.status === "ENDED";
+      end.addEventListener("click", () => this.act(a.activity_id, "end"));
+      const row = el(
+        "tr",
+        { "data-id": a.activity_id },
+        cell(a.activity_id),
+        cell(a.name, "text"),
+        cell(s ? s.status : a.status, "status"),
+        cell(phase(a).text, "text"),
+        cell(s && s.redis_available, "num redis-available"),
+        cell(s && s.db_available, "num db-available"),
+        cell(s && s.db_locked, "num db-locked"),
+        cell(s && s.db_sold, "num db-sold"),
+        cell(s && s.reservations_open, "num open"),
+        cell(orders, "text orders"),
+        el("td", { class: "actions" }, warm, " ", end),
+      );
+      // Redis must never show more than the database has free.
+      if (s && s.redis_available > s.db_available) row.classList.add("alarm");
+      return row;
+    });
+    $("#activity-table tbody").replaceChildren(...rows);
+  },
+
+  async act(id, what) {
+    clearMessage();
+    const res = await api("POST", "/api/v1/admin/activities/" + id + "/" + what, {}, session.token);
+    if (!res.ok) return showProblem(res);
+    showMessage("Activity " + id + ": " + (what === "end" ? "ended" : "warmed up") + ".", "OK", "ok");
+    this.table();
+  },
+
+  async create(form) {
+    clearMessage();
+    const n = (k) => Number(form.get(k));
+    const start = serverNow() + n("starts_in") * 1000;
+    const body = {
+      name: form.get("name"),
+      sku_id: n("sku_id"),
+      price_cents: n("price_cents"),
+      stock: n("stock"),
+      start_at: new Date(start).toISOString(),
+      end_at: new Date(start + n("lasts") * 60000).toISOString(),
+      per_user_limit: n("per_user_limit"),
+      pay_timeout_secs: n("pay_timeout_secs"),
+      buckets: n("buckets"),
+    };
+    const res = await api("POST", "/api/v1/admin/activities", body, session.token);
+    if (!res.ok) return showProblem(res);
+    showMessage("Created activity " + res.data.activity_id + ": warm it up before it starts.", "CREATED", "ok");
+    this.table();
+  },
+
+  async reconcile() {
+    clearMessage();
+    $("#reconcile").disabled = true;
+    try {
+      const res = await api("POST", "/api/v1/admin/reconcile", {}, session.token);
+      if (!res.ok) return showProblem(res);
+      const differing = res.data.activities.filter((r) => !r.consistent).length;
+      showMessage(
+        "Reconciled " + res.data.activities.length + " activities: " + (differing ? differing + " with differences." : "all consistent."),
+        "RECONCILED",
+        differing ? "error" : "ok",
+      );
+      await this.lastReport();
+    } finally {
+      $("#reconcile").disabled = false;
+    }
+  },
+
+  async lastReport() {
+    if (!session.token) return;
+    const res = await api("GET", "/api/v1/admin/reconcile/last", undefined, session.token);
+    if (!res.ok || !res.data.last) return;
+    const last = res.data.last;
+    $("#reconcile-at").textContent = new Date(last.at).toLocaleString() + " by " + last.by;
+    const list = (items) => (items.length ? el("ul", {}, ...items.map((t) => el("li", {}, t))) : "–");
+    $("#reconcile-report tbody").replaceChildren(
+      ...last.activities.map((r) =>
+        el(
+          "tr",
+          { "data-id": r.activity_id, class: r.consistent ? "" : "alarm" },
+          el("td", {}, r.activity_id),
+          el("td", {}, r.consistent ? "yes" : "NO"),
+          el("td", {}, list(r.differences)),
+          el("td", {}, list(r.repaired)),
+        ),
+      ),
+    );
+  },
+};
+
+document.addEventListener("DOMContentLoaded", () => {
+  (document.body.dataset.page === "operator" ? operator : buyer).start();
+});

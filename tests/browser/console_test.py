@@ -1,0 +1,305 @@
+"""The web console in a real browser (Debian's headless Chromium, driven
+through chromedriver by Selenium) against a running seckill server.
+
+    python console_test.py BASE_URL SCREENSHOT_DIR
+
+The buyer page: sign in (development token), buy, watch the order go
+PROCESSING -> WAITING_PAY, pay through the mock provider, watch it go PAID;
+then the messages for LIMIT_EXCEEDED, SOLD_OUT and RATE_LIMITED, each
+caused for real on the server. The operator page: the live figures, creating,
+warming up and ending an activity, and a reconciliation run. Screenshots go
+to SCREENSHOT_DIR. Every wait is bounded (generous, for slow hosts) and
+fails with what the page showed.
+"""
+
+import datetime as dt
+import json
+import pathlib
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+
+from selenium import webdriver
+from selenium.common.exceptions import (
+    NoSuchElementException,
+    StaleElementReferenceException,
+    TimeoutException,
+)
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+BASE = sys.argv[1].rstrip("/")
+SHOTS = pathlib.Path(sys.argv[2])
+SHOTS.mkdir(parents=True, exist_ok=True)
+WAIT = 90  # seconds: a 2-core host three times slower than ours still fits
+
+
+# ---- the API, for setting the stage ----------------------------------------
+
+def call(method, path, body=None, token=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(BASE + path, data=data, method=method)
+    if body is not None:
+        req.add_header("content-type", "application/json")
+    if token:
+        req.add_header("authorization", "Bearer " + token)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as res:
+            return res.status, json.loads(res.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def dev_token(user_id, admin=False):
+    status, body = call("POST", "/api/v1/dev/token", {"user_id": user_id, "admin": admin})
+    assert status == 200, (status, body)
+    return body["token"]
+
+
+ADMIN = dev_token(1, admin=True)
+
+
+def activity(name, stock, per_user_limit=1):
+    now = dt.datetime.now(dt.timezone.utc)
+    status, body = call("POST", "/api/v1/admin/activities", {
+        "sku_id": 1, "name": name, "price_cents": 1999, "stock": stock,
+        "start_at": (now - dt.timedelta(seconds=60)).isoformat(),
+        "end_at": (now + dt.timedelta(hours=1)).isoformat(),
+        "per_user_limit": per_user_limit, "pay_timeout_secs": 900,
+    }, ADMIN)
+    assert status == 201, (status, body)
+    aid = body["activity_id"]
+    status, body = call("POST", f"/api/v1/admin/activities/{aid}/warmup", {}, ADMIN)
+    assert status == 200, (status, body)
+    return aid
+
+
+def buy_via_api(user_id, aid, request_id):
+    token = dev_token(user_id)
+    status, body = call("GET", f"/api/v1/activities/{aid}/token", token=token)
+    assert status == 200, (status, body)
+    return call("POST", f"/api/v1/activities/{aid}/orders",
+                {"request_id": request_id, "token": body["token"]}, token)
+
+
+# ---- the browser -------------------------------------------------------------
+
+def browser():
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1280,1000",
+                 "--user-data-dir=" + tempfile.mkdtemp(prefix="seckill-chromium-")):
+        opts.add_argument(flag)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+def wait_for(driver, what, check):
+    try:
+        return WebDriverWait(driver, WAIT, poll_frequency=0.2).until(lambda d: check(d))
+    except TimeoutException:
+        message = driver.find_element(By.ID, "message").text
+        path = SHOTS / "failure.png"
+        driver.save_screenshot(str(path))
+        raise AssertionError(f"waited {WAIT}s for {what}; the page says {message!r} ({path})")
+
+
+def click_when_enabled(driver, what, css):
+    """Clicks `css` once it is enabled. The operator's table is redrawn every
+    second, so a found button may be gone by the click: found again."""
+    def attempt(d):
+        try:
+            button = d.find_element(By.CSS_SELECTOR, css)
+            if not button.is_enabled():
+                return None
+            button.click()
+            return True
+        except (NoSuchElementException, StaleElementReferenceException):
+            return None
+    wait_for(driver, what, attempt)
+
+
+def shot(driver, name):
+    """A screenshot of the whole page (the window stretched to its height)."""
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1280, max(1000, height + 200))
+    driver.execute_script("window.scrollTo(0, 0)")
+    driver.save_screenshot(str(SHOTS / name))
+    driver.set_window_size(1280, 1000)
+
+
+def text(driver, css):
+    try:
+        found = driver.find_elements(By.CSS_SELECTOR, css)
+        return found[0].text if found else ""
+    except StaleElementReferenceException:
+        return ""
+
+
+def message_code(driver):
+    box = driver.find_element(By.ID, "message")
+    return box.get_attribute("data-code") if box.is_displayed() else ""
+
+
+def click_buy(driver, aid):
+    """Clicks Buy on the card of `aid` once it is enabled; returns the
+    message code the purchase ends with."""
+    driver.execute_script("document.getElementById('message').hidden = true;"
+                          "document.getElementById('message').dataset.code = '';")
+    click_when_enabled(driver, f"the Buy button of activity {aid}",
+                       f'.activity[data-id="{aid}"] .buy')
+    return wait_for(driver, f"an answer to the purchase on {aid}", lambda d: message_code(d) or None)
+
+
+def buyer_page(driver, main, sold_out, hot):
+    driver.get(BASE + "/console/")
+    wait_for(driver, "the activity cards", lambda d: d.find_elements(
+        By.CSS_SELECTOR, f'.activity[data-id="{main}"]'))
+    # Signed out, Buy is off.
+    assert not driver.find_element(By.CSS_SELECTOR, f'.activity[data-id="{main}"] .buy').is_enabled()
+    user = driver.find_element(By.ID, "user-id")
+    user.clear()
+    user.send_keys("501")
+    driver.find_element(By.ID, "sign-in").click()
+    wait_for(driver, "signed in", lambda d: "user 501" in d.find_element(By.ID, "whoami").text)
+    # The countdown runs on the server's clock.
+    wait_for(driver, "the sale's countdown", lambda d: "ends in" in text(
+        d, f'.activity[data-id="{main}"] .phase'))
+    shot(driver, "buyer-activities.png")
+
+    # Buy: PROCESSING, then WAITING_PAY.
+    code = click_buy(driver, main)
+    assert code == "ACCEPTED", code
+    order_no = driver.find_element(By.ID, "order-no").text
+    assert order_no.isdigit(), order_no
+    wait_for(driver, "WAITING_PAY", lambda d: text(d, "#order-status") == "WAITING_PAY")
+    assert "current" in driver.find_element(
+        By.CSS_SELECTOR, '#order-steps [data-step="WAITING_PAY"]').get_attribute("class")
+    shot(driver, "buyer-waiting-pay.png")
+
+    # Pay through the mock provider: PAID.
+    driver.find_element(By.ID, "pay").click()
+    wait_for(driver, "PAID", lambda d: text(d, "#order-status") == "PAID")
+    wait_for(driver, "the paid message", lambda d: message_code(d) == "PAID")
+    wait_for(driver, "the order in the list", lambda d: text(
+        d, f'#orders tr[data-order="{order_no}"] .status') == "PAID")
+    shot(driver, "buyer-paid.png")
+    # The server agrees.
+    status, body = call("GET", f"/api/v1/orders/{order_no}", token=dev_token(501))
+    assert status == 200 and body["status"] == "PAID", (status, body)
+
+    # The limit: one per person.
+    code = click_buy(driver, main)
+    assert code == "LIMIT_EXCEEDED", code
+    assert "as many as this sale allows" in driver.find_element(By.ID, "message").text
+
+    # Sold out: the last unit went to someone else.
+    status, body = buy_via_api(777, sold_out, "the-last-unit")
+    assert status == 202, (status, body)
+    code = click_buy(driver, sold_out)
+    assert code == "SOLD_OUT", code
+    assert "Sold out" in driver.find_element(By.ID, "message").text
+    shot(driver, "buyer-sold-out.png")
+
+    # Rate limited: while a crowd floods the hot activity past its rate
+    # (admission.activity_rate_per_sec), the buyer's click is turned away.
+    stop = threading.Event()
+    crowd_token = dev_token(900)
+
+    def crowd():
+        while not stop.is_set():
+            call("POST", f"/api/v1/activities/{hot}/orders",
+                 {"request_id": "crowd", "token": "not-a-token"}, crowd_token)
+
+    threads = [threading.Thread(target=crowd, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        codes = []
+        for _ in range(20):
+            codes.append(click_buy(driver, hot))
+            if codes[-1] == "RATE_LIMITED":
+                break
+        assert codes[-1] == "RATE_LIMITED", codes
+        assert "Too many requests" in driver.find_element(By.ID, "message").text
+        shot(driver, "buyer-rate-limited.png")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    return order_no
+
+
+def operator_page(driver, main):
+    driver.get(BASE + "/console/operator.html")
+    driver.find_element(By.ID, "sign-in").click()
+    wait_for(driver, "signed in as admin", lambda d: "(admin)" in d.find_element(By.ID, "whoami").text)
+    # The paid unit shows as sold, Redis and the database side by side.
+    row = f'#activity-table tr[data-id="{main}"]'
+    wait_for(driver, "the main activity's figures", lambda d: text(d, row + " .db-sold") == "1")
+    redis, db = text(driver, row + " .redis-available"), text(driver, row + " .db-available")
+    assert redis == db == "2", (redis, db)
+    # Live figures from /metrics: the accepted purchases were counted.
+    wait_for(driver, "the live rates", lambda d: text(d, "#rate-accepted") not in ("", "–"))
+    assert text(driver, "#outbox").count("/") == 2, text(driver, "#outbox")
+
+    # Create, warm up and end an activity from the forms.
+    name = driver.find_element(By.CSS_SELECTOR, '#create-form [name="name"]')
+    name.clear()
+    name.send_keys("Made in the browser")
+    # Far enough ahead that it is still READY (not yet on sale) when checked.
+    starts_in = driver.find_element(By.CSS_SELECTOR, '#create-form [name="starts_in"]')
+    starts_in.clear()
+    starts_in.send_keys("600")
+    driver.find_element(By.ID, "create").click()
+    wait_for(driver, "the created message", lambda d: message_code(d) == "CREATED")
+    new_id = driver.find_element(By.ID, "message").text.split()[2].rstrip(":")
+    new_row = f'#activity-table tr[data-id="{new_id}"]'
+    wait_for(driver, "the new activity's row", lambda d: text(d, new_row + " .status") == "PENDING")
+    click_when_enabled(driver, "its Warm up button", new_row + " .warmup")
+    wait_for(driver, "warmed up", lambda d: text(d, new_row + " .status") == "READY")
+    assert text(driver, new_row + " .redis-available") == "100"
+    status, body = call("GET", f"/api/v1/admin/activities/{new_id}/stats", token=ADMIN)
+    assert status == 200 and body["redis_available"] == 100, (status, body)
+
+    # Reconcile now: the report appears.
+    driver.find_element(By.ID, "reconcile").click()
+    wait_for(driver, "the reconciliation message", lambda d: message_code(d) == "RECONCILED")
+    wait_for(driver, "the report", lambda d: d.find_elements(
+        By.CSS_SELECTOR, f'#reconcile-report tr[data-id="{main}"]'))
+    assert "all consistent" in driver.find_element(By.ID, "message").text, \
+        driver.find_element(By.ID, "message").text
+    shot(driver, "operator.png")
+
+    click_when_enabled(driver, "its End button", new_row + " .end")
+    wait_for(driver, "ended", lambda d: text(d, new_row + " .status") == "ENDED")
+    status, body = call("GET", f"/api/v1/activities/{new_id}")
+    assert status == 200 and body["status"] == "ENDED", (status, body)
+
+
+def main():
+    main_sale = activity("Phone (browser test)", 3)
+    sold_out = activity("Last one", 1)
+    hot = activity("Hot item", 100)
+    driver = browser()
+    try:
+        order_no = buyer_page(driver, main_sale, sold_out, hot)
+        operator_page(driver, main_sale)
+        logs = driver.get_log("browser") if hasattr(driver, "get_log") else []
+        errors = [e for e in logs if e.get("level") == "SEVERE"
+                  and "Failed to load resource" not in e.get("message", "")]
+        assert not errors, errors
+    finally:
+        driver.quit()
+    print(f"browser: the console sold order {order_no}, paid it, and showed "
+          f"LIMIT_EXCEEDED, SOLD_OUT and RATE_LIMITED; the operator page created, "
+          f"warmed, ended and reconciled; screenshots in {SHOTS}")
+
+
+if __name__ == "__main__":
+    main()
