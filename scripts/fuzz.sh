@@ -11,6 +11,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+# shellcheck source=scripts/own-server.sh
+. scripts/own-server.sh
 
 # Test cases per operation and per pass (28 operations, 3 passes; each case
 # is one request, the coverage phase adds its own on top).
@@ -21,52 +23,9 @@ VENV=${SECKILL_FUZZ_VENV:-$HOME/.cache/seckill/schemathesis-$SCHEMATHESIS_VERSIO
 say() { printf '\n== %s\n' "$*" >&2; }
 
 scripts/services.sh up >/dev/null
-if [ ! -x "$VENV/bin/schemathesis" ]; then
-  say "installing schemathesis $SCHEMATHESIS_VERSION into $VENV"
-  if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
-    # Debian's own python3 keeps venv in a package of its own.
-    [ "$(id -u)" = 0 ] || { echo "python3 cannot make a venv: install python3-venv" >&2; exit 1; }
-    apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
-  fi
-  rm -rf "$VENV"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet "schemathesis==$SCHEMATHESIS_VERSION"
-fi
-cargo build --quiet --bin seckill
-BIN=target/debug/seckill
-
-eval "$(python3 scripts/settings.py)"
-RUN=fuzz$(date +%s)$$
-OUT=$(mktemp -d /tmp/seckill-fuzz.XXXXXX)
-DB=seckill_fuzz_$RUN
-export PGPASSWORD=$PG_PASSWORD
-psql_admin() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -qtA "$@"; }
-scripts/drop-databases.sh 'seckill\_fuzz\_%'
-psql_admin -c "create database $DB"
-
-export SECKILL_ENV=test SECKILL__LOG__LEVEL=warn
-export SECKILL__POSTGRES__URL="postgres://$PG_USER:$PG_PASSWORD@$PG_HOST:$PG_PORT/$DB"
-export SECKILL__REDIS__KEY_PREFIX="$RUN:" SECKILL__KAFKA__TOPIC_PREFIX="$RUN."
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-export SECKILL__APP__PORT=$PORT
-URL=http://127.0.0.1:$PORT
-
-SERVER=
-cleanup() {
-  [ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null && wait "$SERVER" 2>/dev/null
-  psql_admin -c "drop database if exists $DB with (force)" >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
-
-$BIN migrate >/dev/null
-$BIN serve >"$OUT/server.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 1 600); do
-  curl -fs "$URL/health/ready" >/dev/null 2>&1 && break
-  kill -0 "$SERVER" 2>/dev/null || { cat "$OUT/server.log" >&2; exit 1; }
-  sleep 0.1
-done
-curl -fs "$URL/health/ready" >/dev/null || { echo "the server never became ready" >&2; exit 1; }
+python_venv "$VENV" schemathesis "schemathesis==$SCHEMATHESIS_VERSION"
+export SECKILL_ENV=test
+start_own_server fuzz
 
 # Something for the generated ids to find: a live activity and a coupon batch.
 ADMIN=$($BIN token --admin)

@@ -197,10 +197,7 @@ async fn the_last_reconciliation_report_is_kept_for_the_operator() {
         .await;
     assert_eq!(res.status(), 403);
 
-    let res = app
-        .post_json("/api/v1/admin/reconcile", &json!({}), Some(&admin))
-        .await;
-    assert_eq!(res.status(), 200);
+    crate::reconcile::reconcile(&app).await;
     let last = json(app.get("/api/v1/admin/reconcile/last", Some(&admin)).await).await;
     let report = last["last"]["activities"]
         .as_array()

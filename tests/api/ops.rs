@@ -5,8 +5,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde_json::json;
-
 use crate::helpers::spawn_app;
 
 /// `name{k="v",...}` selectors of a PromQL text: the metric name and its
@@ -103,14 +101,7 @@ async fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
     let id = app.live_activity(3, 1, 1).await;
     let (status, _) = app.buy(1, id).await;
     assert_eq!(status, 202);
-    let res = app
-        .post_json(
-            "/api/v1/admin/reconcile",
-            &json!({}),
-            Some(&app.admin_token()),
-        )
-        .await;
-    assert_eq!(res.status(), 200);
+    crate::reconcile::reconcile(&app).await;
     let metrics = app.get("/metrics", None).await.text().await.unwrap();
     let series = exported(&metrics);
 
