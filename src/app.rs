@@ -36,6 +36,7 @@ pub struct Workers {
     reconciler: Option<WorkerHandle>,
     lag_sampler: Option<WorkerHandle>,
     sold_out_listener: Option<WorkerHandle>,
+    order_events_listener: Option<WorkerHandle>,
 }
 
 impl Workers {
@@ -64,6 +65,7 @@ impl Workers {
                     Duration::from_millis(w.closer_interval_ms),
                     w.closer_batch.max(1),
                     state.metrics.clone(),
+                    state.order_events.clone(),
                 )
             }),
             relay: w.relay_enabled.then(|| relay::spawn(state.relay())),
@@ -93,6 +95,16 @@ impl Workers {
                     }))
                 })
                 .transpose()?,
+            order_events_listener: Some({
+                let seeds: Vec<String> = crate::store::redis_conn::seed_nodes(&s.redis.url)
+                    .into_iter()
+                    .map(str::to_owned)
+                    .collect();
+                let events = state.order_events.clone();
+                WorkerHandle::spawn(move |shutdown| {
+                    crate::orders::events::listen(seeds, events, shutdown)
+                })
+            }),
         })
     }
 
@@ -106,6 +118,7 @@ impl Workers {
             self.reconciler,
             self.lag_sampler,
             self.sold_out_listener,
+            self.order_events_listener,
             self.releaser,
             self.claimer,
             self.lease,

@@ -160,10 +160,18 @@ pub struct OrderSettings {
     /// Batches applied at once, each in its own transaction.
     #[serde(default = "default_batches_in_flight")]
     pub batches_in_flight: usize,
+    /// How long an order's event stream stays open without reaching a
+    /// final status, in seconds.
+    #[serde(default = "default_events_timeout_secs")]
+    pub events_timeout_secs: u64,
 }
 
 fn default_batches_in_flight() -> usize {
     4
+}
+
+fn default_events_timeout_secs() -> u64 {
+    1800
 }
 
 /// Process-level settings.

@@ -25,6 +25,7 @@ use crate::coupons::gate::CouponGate;
 use crate::ids::{IdGenerator, InstanceLease, LeasedIds};
 use crate::metrics::Metrics;
 use crate::orders::consumer::ConsumerDeps;
+use crate::orders::events::OrderEvents;
 use crate::outbox::relay::Relay;
 use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
 use crate::reconcile::Reconciler;
@@ -85,6 +86,9 @@ pub struct AppState {
     pub background: tokio::runtime::Handle,
     /// The sale clock (the system clock, but in tests).
     pub clock: SharedClock,
+    /// Order status changes: announced after each commit, heard by the
+    /// order streams (`orders::events`).
+    pub order_events: Arc<OrderEvents>,
 }
 
 impl AppState {
@@ -132,6 +136,7 @@ impl AppState {
             breaker: Breaker::default(),
             clock: clock.clone(),
         });
+        let order_events = Arc::new(OrderEvents::new(shared.clone(), &settings.redis.key_prefix));
         let coupons = Arc::new(CouponGate::new(shared, &settings.redis.key_prefix));
         let activities = Arc::new(ActivityCache::default());
         let sold_out = Arc::new(SoldOut::new(
@@ -203,6 +208,7 @@ impl AppState {
             settings,
             background: tokio::runtime::Handle::current(),
             clock,
+            order_events,
         })
     }
 
@@ -218,6 +224,7 @@ impl AppState {
             topics: self.topics.clone(),
             owner: self.lease_owner(),
             clock: self.clock.clone(),
+            order_events: self.order_events.clone(),
         }
     }
 
@@ -256,6 +263,7 @@ impl AppState {
             topics: self.topics.clone(),
             settings: self.settings.clone(),
             metrics: self.metrics.clone(),
+            order_events: self.order_events.clone(),
             supervision: Supervision {
                 registry: self.consumers.clone(),
                 restarts: self.metrics.consumer_restarts.clone(),

@@ -13,7 +13,7 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, Semaphore};
 
@@ -71,13 +71,28 @@ pub enum Admitted {
     },
 }
 
+/// `admission.max_consumer_lag` is sized as this many seconds of draining
+/// (config/default.toml): the drain rate a `Retry-After` estimates with.
+const LAG_BOUND_SECS: i64 = 5;
+
+/// Seconds until a lag of `lag` is back under `bound`, draining at the rate
+/// the bound is sized for (`LAG_BOUND_SECS` of it); 1 to 30.
+fn drain_secs(lag: i64, bound: i64) -> u32 {
+    let per_sec = (bound / LAG_BOUND_SECS).max(1);
+    let excess = (lag - bound).max(0);
+    u32::try_from((excess + per_sec - 1) / per_sec)
+        .unwrap_or(u32::MAX)
+        .clamp(1, 30)
+}
+
 /// Why a purchase was not accepted (each one answers differently).
 #[derive(Debug)]
 pub enum Refusal {
     /// The body is wrong (400).
     Invalid(&'static str),
-    /// A token bucket is empty (429); says whose.
-    RateLimited(&'static str),
+    /// A token bucket is empty (429); says whose, and in how many seconds
+    /// it holds a token again.
+    RateLimited(&'static str, u32),
     /// The sale is not open (409).
     NotActive,
     /// Redis lost the activity and reconciliation is restoring it (503).
@@ -89,8 +104,9 @@ pub enum Refusal {
     },
     /// The buyer holds no such coupon (400).
     CouponInvalid,
-    /// Back-pressure (503 BUSY); says which.
-    Busy(&'static str),
+    /// Back-pressure (503 BUSY); says which, and in how many seconds a
+    /// retry may find room.
+    Busy(&'static str, u32),
     /// No instance id is leased, so no number can be made (503).
     NoOrderNumber,
     /// The buyer already holds the per-user limit (409).
@@ -111,17 +127,38 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// For a refusal a retry may get past: in how many seconds (the
+    /// `Retry-After` of its 429 or 503).
+    pub fn retry_after(&self) -> Option<u32> {
+        match self {
+            Self::RateLimited(_, secs) | Self::Busy(_, secs) => Some(*secs),
+            Self::Restoring
+            | Self::NoOrderNumber
+            | Self::NotQueued
+            | Self::NumberTaken
+            | Self::Pending(_)
+            | Self::ReserveFailed(_)
+            | Self::Unavailable(_) => Some(1),
+            Self::Invalid(_)
+            | Self::NotActive
+            | Self::SoldOut { .. }
+            | Self::CouponInvalid
+            | Self::LimitExceeded
+            | Self::InvalidToken => None,
+        }
+    }
+
     /// The `seckill_admission_total` outcome label, for those counted.
     pub fn outcome(&self) -> Option<&'static str> {
         Some(match self {
-            Self::RateLimited(_) => "rate_limited",
+            Self::RateLimited(..) => "rate_limited",
             Self::NotActive => "not_active",
             Self::Restoring | Self::NoOrderNumber | Self::NotQueued | Self::ReserveFailed(_) => {
                 "retry_later"
             }
             Self::SoldOut { from_memory: true } => "sold_out_memory",
             Self::SoldOut { from_memory: false } => "sold_out",
-            Self::Busy(_) => "busy",
+            Self::Busy(..) => "busy",
             Self::LimitExceeded => "limit_exceeded",
             Self::InvalidToken => "invalid_token",
             Self::NumberTaken => "number_taken",
@@ -200,7 +237,10 @@ impl Admitter {
         self.holds_coupon(p).await?;
         self.not_overloaded(now_ms)?;
         let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
-            return Err(Refusal::Busy("too many purchases in flight; retry shortly"));
+            return Err(Refusal::Busy(
+                "too many purchases in flight; retry shortly",
+                1,
+            ));
         };
         let layout = meta.layout;
         let order_no = self.number(layout, p.user_id)?;
@@ -243,7 +283,7 @@ impl Admitter {
                 match self.publisher.publish(event, layout, permit).await {
                     Published::Delivered => Ok(Admitted::Accepted(OrderNo::new(order_no))),
                     Published::NotDelivered(PublishError::QueueFull) => {
-                        Err(Refusal::Busy("the order queue is full; retry shortly"))
+                        Err(Refusal::Busy("the order queue is full; retry shortly", 1))
                     }
                     Published::NotDelivered(_) => Err(Refusal::NotQueued),
                     Published::Pending => Err(Refusal::Pending(OrderNo::new(order_no))),
@@ -281,13 +321,20 @@ impl Admitter {
 
     /// The client's own bucket, then the activity's.
     fn within_rate(&self, p: &Purchase) -> Result<(), Refusal> {
+        let secs = |wait: Duration| (wait.as_secs_f64().ceil() as u32).max(1);
         if let Some(ip) = p.client_ip
-            && !self.limits.ip.try_acquire(ip)
+            && let Err(wait) = self.limits.ip.try_acquire(ip)
         {
-            return Err(Refusal::RateLimited("too many requests from this address"));
+            return Err(Refusal::RateLimited(
+                "too many requests from this address",
+                secs(wait),
+            ));
         }
-        if !self.limits.activity.try_acquire(p.activity_id) {
-            return Err(Refusal::RateLimited("too many requests for this activity"));
+        if let Err(wait) = self.limits.activity.try_acquire(p.activity_id) {
+            return Err(Refusal::RateLimited(
+                "too many requests for this activity",
+                secs(wait),
+            ));
         }
         Ok(())
     }
@@ -334,17 +381,20 @@ impl Admitter {
     /// Back-pressure before Redis is touched: a 202 now would stay
     /// PROCESSING for long, or would not be acknowledged.
     fn not_overloaded(&self, now_ms: i64) -> Result<(), Refusal> {
-        if let Some(why) = self.consumer_backpressure() {
-            return Err(Refusal::Busy(why));
+        if let Some((why, secs)) = self.consumer_backpressure() {
+            return Err(Refusal::Busy(why, secs));
         }
         if !self.publisher.breaker.admits(now_ms) {
+            // The breaker lets one probe through a second.
             return Err(Refusal::Busy(
                 "the broker is not acknowledging orders; retry shortly",
+                1,
             ));
         }
         if !self.publisher.acks.has_room() {
             return Err(Refusal::Busy(
                 "acknowledgements are waiting on Redis; retry shortly",
+                1,
             ));
         }
         Ok(())
@@ -391,13 +441,25 @@ impl Admitter {
     /// if they should: too many messages behind, or stalled (messages
     /// waiting, nothing committed) for `kafka.consumer_stall_secs`. Both
     /// are sampled every second by the lag sampler.
-    pub fn consumer_backpressure(&self) -> Option<&'static str> {
+    /// Why purchases must wait for the order consumers, and for about how
+    /// many seconds: over the lag bound, the time to drain the excess (the
+    /// bound is sized as `LAG_BOUND_SECS` of draining); stalled, the
+    /// watchdog's window, after which it rebuilds the consumer.
+    pub fn consumer_backpressure(&self) -> Option<(&'static str, u32)> {
         let lag = self.metrics.order_consumer_lag.get();
-        if progress::lag_over(lag, self.settings.admission.max_consumer_lag) {
-            return Some("orders are being written; retry shortly");
+        let bound = self.settings.admission.max_consumer_lag;
+        if progress::lag_over(lag, bound) {
+            return Some((
+                "orders are being written; retry shortly",
+                drain_secs(lag, bound),
+            ));
         }
         if self.order_consumers_stalled().is_some() {
-            return Some("the order consumers are stalled; retry shortly");
+            let window = u32::try_from(self.settings.kafka.consumer_stall_secs).unwrap_or(30);
+            return Some((
+                "the order consumers are stalled; retry shortly",
+                window.clamp(1, 30),
+            ));
         }
         None
     }
@@ -409,5 +471,28 @@ impl Admitter {
         let stall = i64::try_from(self.settings.kafka.consumer_stall_secs).unwrap_or(i64::MAX);
         let stalled = self.metrics.order_consumer_stalled_seconds.get();
         (stall > 0 && stalled >= stall).then_some(stalled)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_retry_after_of_a_lag_is_the_time_to_drain_its_excess() {
+        // A bound of 100 000 is 5 s of draining: 20 000 a second.
+        assert_eq!(drain_secs(100_001, 100_000), 1);
+        assert_eq!(drain_secs(160_000, 100_000), 3);
+        assert_eq!(drain_secs(10_000_000, 100_000), 30, "at most 30 s");
+        assert_eq!(drain_secs(4, 3), 1, "a tiny bound still says a second");
+    }
+
+    #[test]
+    fn refusals_a_retry_can_get_past_say_when() {
+        assert_eq!(Refusal::RateLimited("x", 3).retry_after(), Some(3));
+        assert_eq!(Refusal::Busy("x", 7).retry_after(), Some(7));
+        assert_eq!(Refusal::Restoring.retry_after(), Some(1));
+        assert_eq!(Refusal::SoldOut { from_memory: false }.retry_after(), None);
+        assert_eq!(Refusal::LimitExceeded.retry_after(), None);
     }
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::IpAddr;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One token bucket.
 #[derive(Debug, Clone, Copy)]
@@ -36,10 +36,11 @@ impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
         }
     }
 
-    /// Takes one token for `key` at `now`; false when the bucket is empty.
-    pub fn try_acquire_at(&self, key: K, now: Instant) -> bool {
+    /// Takes one token for `key` at `now`; when the bucket is empty, how
+    /// long until it holds one again.
+    pub fn try_acquire_at(&self, key: K, now: Instant) -> Result<(), Duration> {
         if self.rate_per_sec <= 0.0 {
-            return true;
+            return Ok(());
         }
         let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
         if buckets.len() >= MAX_KEYS && !buckets.contains_key(&key) {
@@ -56,14 +57,16 @@ impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
         bucket.last = now;
         if bucket.tokens >= 1.0 {
             bucket.tokens -= 1.0;
-            true
+            Ok(())
         } else {
-            false
+            Err(Duration::from_secs_f64(
+                (1.0 - bucket.tokens) / self.rate_per_sec,
+            ))
         }
     }
 
     /// Takes one token for `key` now.
-    pub fn try_acquire(&self, key: K) -> bool {
+    pub fn try_acquire(&self, key: K) -> Result<(), Duration> {
         self.try_acquire_at(key, Instant::now())
     }
 }
@@ -79,26 +82,46 @@ pub struct Limits {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn a_bucket_allows_its_burst_then_refills_at_its_rate() {
         let limiter = KeyedLimiter::new(10, 5);
         let t0 = Instant::now();
-        assert!((0..5).all(|_| limiter.try_acquire_at(1, t0)));
-        assert!(!limiter.try_acquire_at(1, t0), "burst spent");
-        assert!(limiter.try_acquire_at(2, t0), "keys are independent");
+        assert!((0..5).all(|_| limiter.try_acquire_at(1, t0).is_ok()));
+        assert_eq!(
+            limiter.try_acquire_at(1, t0),
+            Err(Duration::from_millis(100)),
+            "burst spent: the next token in 1/10 s"
+        );
+        assert!(
+            limiter.try_acquire_at(2, t0).is_ok(),
+            "keys are independent"
+        );
         let later = t0 + Duration::from_millis(100);
         assert!(
-            limiter.try_acquire_at(1, later),
+            limiter.try_acquire_at(1, later).is_ok(),
             "one token refilled after 100 ms at 10/s"
         );
-        assert!(!limiter.try_acquire_at(1, later));
+        let wait = limiter
+            .try_acquire_at(1, later + Duration::from_millis(40))
+            .unwrap_err();
+        assert!(
+            (wait.as_secs_f64() - 0.06).abs() < 1e-9,
+            "0.4 of a token there: 60 ms to the next ({wait:?})"
+        );
+    }
+
+    #[test]
+    fn a_slow_bucket_says_when_it_refills() {
+        let limiter = KeyedLimiter::new(1, 1);
+        let t0 = Instant::now();
+        assert!(limiter.try_acquire_at(1, t0).is_ok());
+        assert_eq!(limiter.try_acquire_at(1, t0), Err(Duration::from_secs(1)));
     }
 
     #[test]
     fn rate_zero_means_off() {
         let limiter = KeyedLimiter::new(0, 0);
-        assert!((0..10_000).all(|_| limiter.try_acquire(7)));
+        assert!((0..10_000).all(|_| limiter.try_acquire(7).is_ok()));
     }
 }

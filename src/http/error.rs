@@ -220,6 +220,9 @@ pub struct ApiError {
     message: Cow<'static, str>,
     /// The order number a pending purchase keeps.
     order_no: Option<i64>,
+    /// Seconds a 429 or 503 asks the client to wait (`Retry-After`); the
+    /// code's default when not set.
+    retry_after: Option<u32>,
 }
 
 impl ApiError {
@@ -229,12 +232,20 @@ impl ApiError {
             code,
             message: message.into(),
             order_no: None,
+            retry_after: None,
         }
     }
 
     /// The same error, naming the order a pending purchase keeps.
     pub fn with_order_no(mut self, order_no: i64) -> Self {
         self.order_no = Some(order_no);
+        self
+    }
+
+    /// The same error, asking the client to retry in `secs` seconds (a 429
+    /// or 503; ignored on other statuses).
+    pub fn with_retry_after(mut self, secs: u32) -> Self {
+        self.retry_after = Some(secs.max(1));
         self
     }
 
@@ -299,15 +310,28 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse<BoxBody> {
-        HttpResponse::build(self.code.status())
-            .content_type(PROBLEM_JSON)
-            .body(Problem::render(
-                self.code,
-                self.code.status(),
-                &self.message,
-                self.order_no,
-            ))
+        let mut response = HttpResponse::build(self.code.status());
+        response.content_type(PROBLEM_JSON);
+        if let Some(secs) = retry_after(self.code.status(), self.retry_after) {
+            response.insert_header((header::RETRY_AFTER, secs));
+        }
+        response.body(Problem::render(
+            self.code,
+            self.code.status(),
+            &self.message,
+            self.order_no,
+        ))
     }
+}
+
+/// The `Retry-After` of an answer with `status`: every 429 and 503 has one,
+/// `wanted` when the refusal knew, else a second.
+fn retry_after(status: StatusCode, wanted: Option<u32>) -> Option<u32> {
+    matches!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+    )
+    .then(|| wanted.unwrap_or(1).max(1))
 }
 
 /// A problem of `code` with members of its own beside the standard ones
@@ -315,15 +339,19 @@ impl ResponseError for ApiError {
 pub fn problem_with(
     code: ErrorCode,
     detail: &str,
+    retry_after_secs: Option<u32>,
     extra: serde_json::Map<String, serde_json::Value>,
 ) -> HttpResponse {
     let mut body: serde_json::Map<String, serde_json::Value> =
         serde_json::from_str(&Problem::render(code, code.status(), detail, None))
             .unwrap_or_default();
     body.extend(extra);
-    HttpResponse::build(code.status())
-        .content_type(PROBLEM_JSON)
-        .body(serde_json::Value::Object(body).to_string())
+    let mut response = HttpResponse::build(code.status());
+    response.content_type(PROBLEM_JSON);
+    if let Some(secs) = retry_after(code.status(), retry_after_secs) {
+        response.insert_header((header::RETRY_AFTER, secs));
+    }
+    response.body(serde_json::Value::Object(body).to_string())
 }
 
 /// Turns actix's own extractor failures (bad JSON, unknown fields, bad path
@@ -360,6 +388,10 @@ pub fn render_error<B: MessageBody + 'static>(
     let (req, mut res) = res.into_parts();
     res.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    if let Some(secs) = retry_after(status, None) {
+        res.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
     let res = res.set_body(body);
     Ok(ErrorHandlerResponse::Response(
         ServiceResponse::new(req, res)

@@ -34,6 +34,7 @@ use super::routes;
         routes::activities::token,
         routes::orders::list,
         routes::orders::show,
+        routes::streams::order_events,
         routes::orders::cancel,
         routes::payments::pay,
         routes::payments::notify,

@@ -18,6 +18,7 @@ use rdkafka::message::OwnedMessage;
 use tokio_util::sync::CancellationToken;
 
 use super::OrderStatus;
+use super::events::StatusChange;
 use super::repo::{self, BatchOutcome};
 use crate::admission::Layout;
 use crate::admission::gate::Status;
@@ -52,6 +53,8 @@ pub struct ConsumerDeps {
     pub settings: Arc<Settings>,
     /// Batch metrics.
     pub metrics: Metrics,
+    /// Announces the orders each batch made (and voids) to order streams.
+    pub order_events: Arc<super::events::OrderEvents>,
     /// The watchdog every consumer runs under.
     pub supervision: Supervision,
 }
@@ -273,6 +276,14 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
             }
         }
     }
+    // Every order of the batch as it stands, for whoever follows one (a
+    // redelivered event announces its order again: streams skip a status
+    // they already sent).
+    let changes: Vec<StatusChange> = statuses
+        .iter()
+        .map(|(&order_no, &status)| StatusChange { order_no, status })
+        .collect();
+    deps.order_events.publish(&changes).await;
     tracing::debug!(events = events.len(), total = ?started.elapsed(), db = ?db, "order batch applied");
     Ok(outcome)
 }
@@ -350,6 +361,10 @@ async fn void_dead_lettered(
                 deps.gate
                     .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
                     .await?;
+                let status = OrderStatus::Failed;
+                deps.order_events
+                    .publish(&[StatusChange { order_no, status }])
+                    .await;
             }
             Some(_) => {
                 deps.gate.commit(activity_id, layout, &[order_no]).await?;

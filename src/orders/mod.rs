@@ -3,6 +3,7 @@
 
 pub mod closer;
 pub mod consumer;
+pub mod events;
 pub mod releaser;
 pub mod repo;
 pub mod status;

@@ -110,8 +110,8 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
 }
 
 /// Locks up to `limit` overdue WAITING_PAY orders (skipping rows another
-/// closer or a payment holds) and closes them. Returns how many it closed.
-pub fn close_overdue(conn: &mut PgConn, limit: i64) -> QueryResult<usize> {
+/// closer or a payment holds) and closes them. Returns the orders closed.
+pub fn close_overdue(conn: &mut PgConn, limit: i64) -> QueryResult<Vec<i64>> {
     conn.transaction(|conn| {
         // The literal state (not a parameter) lets the planner use the
         // partial index `orders_waiting_deadline`.
@@ -123,7 +123,7 @@ pub fn close_overdue(conn: &mut PgConn, limit: i64) -> QueryResult<usize> {
         ))
         .bind::<BigInt, _>(limit)
         .load(conn)?;
-        Ok(release(conn, &overdue, ReleaseTo::Closed)?.len())
+        release(conn, &overdue, ReleaseTo::Closed)
     })
 }
 

@@ -34,6 +34,7 @@ use crate::clock::SharedClock;
 use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::orders::OrderStatus;
+use crate::orders::events::{OrderEvents, StatusChange};
 use crate::orders::repo as orders;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
@@ -111,6 +112,8 @@ pub struct Reconciler {
     pub owner: String,
     /// The sale clock (ends of activities, ages of reservations).
     pub clock: SharedClock,
+    /// Announces the orders a void fails to whoever follows them.
+    pub order_events: Arc<OrderEvents>,
 }
 
 /// Runs reconciliation every `reconcile.interval_secs`, soon when `wake`
@@ -561,6 +564,10 @@ impl Reconciler {
                     self.gate
                         .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
                         .await?;
+                    let status = OrderStatus::Failed;
+                    self.order_events
+                        .publish(&[StatusChange { order_no, status }])
+                        .await;
                     self.count("repair", "voided");
                     report.repaired.push(format!(
                         "voided reservation {order_no} (no order event arrived; {})",

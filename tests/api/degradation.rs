@@ -15,11 +15,16 @@ async fn with_redis_down_a_purchase_is_503_retry_later() {
         .order(1, 1, &json!({"request_id": "r", "token": "t"}))
         .await;
     assert_eq!(res.status(), 503);
+    assert_eq!(res.headers()["retry-after"], "1", "every 503 says when");
     assert_eq!(json(res).await["code"], "RETRY_LATER");
     let res = app
         .get("/api/v1/activities/1/token", Some(&app.user_token(1)))
         .await;
     assert_eq!(res.status(), 503);
+    assert!(res.headers().contains_key("retry-after"));
+    let res = app.get("/health/ready", None).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(res.headers()["retry-after"], "5");
 }
 
 #[tokio::test]
@@ -42,6 +47,8 @@ async fn a_client_over_its_rate_gets_429_rate_limited() {
             .await;
         let status = res.status().as_u16();
         if status == 429 {
+            // At 1 a second the next token is at most a second away.
+            assert_eq!(res.headers()["retry-after"], "1");
             assert_eq!(json(res).await["code"], "RATE_LIMITED");
         }
         statuses.push(status);
@@ -177,12 +184,15 @@ async fn while_the_order_consumers_lag_past_the_limit_purchases_get_503_busy_and
     }
     wait_for_lag(&app, 4).await;
 
-    let (status, body) = app.buy_once(5, activity).await;
-    assert_eq!(
-        (status, body["code"].as_str()),
-        (503, Some("BUSY")),
-        "{body}"
-    );
+    let token = app.purchase_token(5, activity).await;
+    let res = app
+        .order(5, activity, &json!({"request_id": "busy", "token": token}))
+        .await;
+    assert_eq!(res.status(), 503);
+    // The lag is over the bound by 1 (the time to drain it: a second).
+    assert_eq!(res.headers()["retry-after"], "1");
+    let body = json(res).await;
+    assert_eq!(body["code"], "BUSY", "{body}");
     let stats = app.stats(activity).await;
     assert_eq!(stats["redis_available"], 6, "BUSY reserved nothing");
     assert_eq!(stats["reservations_open"], 4);

@@ -23,5 +23,6 @@ mod production;
 mod reconcile;
 mod shards;
 mod sold_out;
+mod streams;
 #[path = "../common/wire.rs"]
 mod wire;

@@ -178,6 +178,8 @@ def buyer_page(driver, main, sold_out, hot):
     order_no = driver.find_element(By.ID, "order-no").text
     assert order_no.isdigit(), order_no
     wait_for(driver, "WAITING_PAY", lambda d: text(d, "#order-status") == "WAITING_PAY")
+    # Pushed by the server (the order's event stream), not polled.
+    assert driver.find_element(By.ID, "order-status").get_attribute("data-pushed") == "yes"
     assert "current" in driver.find_element(
         By.CSS_SELECTOR, '#order-steps [data-step="WAITING_PAY"]').get_attribute("class")
     shot(driver, "buyer-waiting-pay.png")

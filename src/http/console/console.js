@@ -290,9 +290,15 @@ const buyer = {
     await this.follow(["WAITING_PAY", "PAID", "CLOSED", "CANCELLED", "FAILED"]);
   },
 
-  /** Follows the order until its status is one of `until`. */
+  /** Follows the order until its status is one of `until`: pushed by the
+   *  server (GET …/events, Server-Sent Events read through fetch so the
+   *  token goes in a header), or, if the stream breaks off, polled. */
   async follow(until) {
     const no = this.order.order_no;
+    if (await this.stream(no, until)) {
+      this.refreshOrders();
+      return;
+    }
     for (let i = 0; i < 600 && this.order && this.order.order_no === no; i++) {
       const res = await api("GET", "/api/v1/orders/" + no, undefined, session.token);
       if (res.ok) {
@@ -305,6 +311,55 @@ const buyer = {
     this.refreshOrders();
   },
 
+  /** Reads the order's event stream until a status in `until`; false if
+   *  the stream could not be read to there. */
+  async stream(no, until) {
+    let res;
+    try {
+      res = await fetch("/api/v1/orders/" + no + "/events", {
+        headers: { authorization: "Bearer " + session.token },
+      });
+    } catch (e) {
+      return false;
+    }
+    if (!res.ok || !res.body) return false;
+    const reader = res.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) return false;
+        buffer += decoder.decode(value, { stream: true });
+        let end;
+        while ((end = buffer.indexOf("\n\n")) >= 0) {
+          const block = buffer.slice(0, end);
+          buffer = buffer.slice(end + 2);
+          const name = /^event: (.*)$/m.exec(block);
+          const data = /^data: (.*)$/m.exec(block);
+          if (!name || name[1] !== "status" || !data) continue;
+          const status = JSON.parse(data[1]).status;
+          if (!this.order || this.order.order_no !== no) return true;
+          this.order = Object.assign({}, this.order, { status });
+          this.order.pushed = true;
+          this.renderOrder();
+          if (until.includes(status)) {
+            reader.cancel();
+            // The rest of the order (amount, deadline) from its row.
+            const full = await api("GET", "/api/v1/orders/" + no, undefined, session.token);
+            if (full.ok) {
+              this.order = Object.assign({}, this.order, full.data, { pushed: true });
+              this.renderOrder();
+            }
+            return true;
+          }
+        }
+      }
+    } catch (e) {
+      return false;
+    }
+  },
+
   renderOrder() {
     const o = this.order;
     $("#order").hidden = !o;
@@ -313,6 +368,7 @@ const buyer = {
     const status = $("#order-status");
     status.textContent = o.status;
     status.dataset.status = o.status;
+    status.dataset.pushed = o.pushed ? "yes" : "no";
     const detail = [];
     if (o.amount_cents != null) detail.push("amount " + money(o.amount_cents));
     if (o.pay_deadline) detail.push("pay by " + new Date(o.pay_deadline).toLocaleTimeString());

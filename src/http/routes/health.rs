@@ -59,9 +59,12 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
     } else {
         let mut extra = serde_json::Map::new();
         extra.insert("checks".into(), detail.into());
+        // A dependency that went away is retried by the pool about every
+        // few seconds; asking sooner finds the same answer.
         problem_with(
             ErrorCode::NotReady,
             &format!("not ready: {}", failed.join("; ")),
+            Some(5),
             extra,
         )
     }

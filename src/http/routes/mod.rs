@@ -9,6 +9,7 @@ pub(super) mod health;
 pub(super) mod orders;
 pub(super) mod payments;
 pub(super) mod reconcile;
+pub(super) mod streams;
 
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use actix_web::{HttpMessage, HttpResponse, web};
@@ -57,6 +58,7 @@ routes! {
     get "/api/v1/activities/{id}/token" => activities::token;
     get "/api/v1/orders" => orders::list;
     get "/api/v1/orders/{order_no}" => orders::show;
+    get "/api/v1/orders/{order_no}/events" => streams::order_events;
     post "/api/v1/orders/{order_no}/cancel" => orders::cancel;
     post "/api/v1/orders/{order_no}/pay" => payments::pay;
     post "/api/v1/payments/notify" => payments::notify;

@@ -15,6 +15,7 @@ use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
+use crate::orders::events::StatusChange;
 use crate::orders::repo::{self, Order};
 use crate::state::AppState;
 use crate::store;
@@ -139,12 +140,22 @@ pub async fn place(
     })))
 }
 
-/// The one mapping from a refused purchase to its answer.
+/// The one mapping from a refused purchase to its answer; a 429 or 503
+/// says when to retry (`Retry-After`).
 fn refused(refusal: Refusal) -> ApiError {
+    let retry_after = refusal.retry_after();
+    let error = answer(refusal);
+    match retry_after {
+        Some(secs) => error.with_retry_after(secs),
+        None => error,
+    }
+}
+
+fn answer(refusal: Refusal) -> ApiError {
     use ErrorCode::{Busy, RetryLater};
     match refusal {
         Refusal::Invalid(why) => ApiError::bad_request(why),
-        Refusal::RateLimited(why) => ApiError::new(ErrorCode::RateLimited, why),
+        Refusal::RateLimited(why, _) => ApiError::new(ErrorCode::RateLimited, why),
         Refusal::NotActive => ApiError::new(ErrorCode::NotActive, "the sale is not open"),
         Refusal::Restoring => {
             ApiError::new(RetryLater, "the sale is being restored; retry shortly")
@@ -153,7 +164,7 @@ fn refused(refusal: Refusal) -> ApiError {
         Refusal::CouponInvalid => {
             ApiError::new(ErrorCode::CouponInvalid, "you hold no such coupon")
         }
-        Refusal::Busy(why) => ApiError::new(Busy, why),
+        Refusal::Busy(why, _) => ApiError::new(Busy, why),
         Refusal::NoOrderNumber => ApiError::new(
             RetryLater,
             "no order number can be made right now; retry shortly",
@@ -313,6 +324,11 @@ pub async fn cancel(
             "only a WAITING_PAY order can be cancelled",
         ));
     }
+    let change = StatusChange {
+        order_no: order.order_no,
+        status: OrderStatus::Cancelled,
+    };
+    state.order_events.publish(&[change]).await;
     Ok(HttpResponse::Ok().json(order_view(&order)))
 }
 

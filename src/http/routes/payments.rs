@@ -10,6 +10,8 @@ use serde_json::json;
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::ids::{OrderNo, PaymentNo};
+use crate::orders::OrderStatus;
+use crate::orders::events::StatusChange;
 use crate::payments::PaymentStatus;
 use crate::payments::provider::Callback;
 use crate::payments::repo::{self, CallbackOutcome, PayIntent};
@@ -129,6 +131,13 @@ pub async fn notify(
         .callbacks
         .with_label_values(&[outcome.label()])
         .inc();
+    if outcome == CallbackOutcome::Applied {
+        let change = StatusChange {
+            order_no: order_no.get(),
+            status: OrderStatus::Paid,
+        };
+        state.order_events.publish(&[change]).await;
+    }
     match outcome {
         CallbackOutcome::Applied
         | CallbackOutcome::Duplicate

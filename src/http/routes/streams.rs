@@ -1,0 +1,183 @@
+//! `GET /api/v1/orders/{order_no}/events`: the order's status as
+//! Server-Sent Events, pushed as it changes (`orders::events`) instead of
+//! polled.
+
+use std::time::Duration;
+
+use actix_web::http::header;
+use actix_web::web::Bytes;
+use actix_web::{HttpResponse, web};
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::mpsc;
+
+use crate::admission::Layout;
+use crate::domain::UserId;
+use crate::http::auth::AuthUser;
+use crate::http::error::{ApiError, Problem};
+use crate::ids::OrderNo;
+use crate::orders::OrderStatus;
+use crate::orders::events::Note;
+use crate::orders::repo;
+use crate::state::AppState;
+use crate::store;
+
+/// A comment line this often keeps proxies from closing an idle stream.
+const KEEPALIVE: Duration = Duration::from_secs(15);
+
+/// Where an order's status is read: its row, or (before the row exists)
+/// its reservation in Redis.
+#[derive(Clone, Copy)]
+enum Place {
+    Row,
+    Reservation(i64, Layout),
+}
+
+/// The caller's order's status and where it was read; `None` when it is
+/// not the caller's (or does not exist).
+async fn locate(
+    state: &AppState,
+    order_no: OrderNo,
+    user_id: UserId,
+    hint: Option<Place>,
+) -> Result<Option<(OrderStatus, Place)>, ApiError> {
+    let now = state.clock.now();
+    let searched = matches!(hint, None | Some(Place::Reservation(..)));
+    let (row, recent) = store::run(&state.db, move |conn| {
+        let row = repo::find_for_user(conn, order_no, user_id)?;
+        let recent = match (&row, hint) {
+            (Some(_), _) => Vec::new(),
+            (None, Some(Place::Reservation(activity, layout))) => vec![(activity, layout)],
+            (None, _) => {
+                crate::activities::repo::recent_ids(conn, now - chrono::Duration::days(7))?
+            }
+        };
+        Ok((row, recent))
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    if let Some(order) = row {
+        return Ok(Some((order.status, Place::Row)));
+    }
+    if !searched {
+        return Ok(None);
+    }
+    for (activity_id, layout) in recent {
+        let reservation = state
+            .gate
+            .reservation(activity_id, layout, order_no.get())
+            .await
+            .map_err(|e| ApiError::unavailable(e.into()))?;
+        let Some(r) = reservation else { continue };
+        if r.user_id != user_id.get() {
+            return Ok(None);
+        }
+        let status = if r.released() {
+            OrderStatus::Failed
+        } else {
+            OrderStatus::Processing
+        };
+        return Ok(Some((status, Place::Reservation(activity_id, layout))));
+    }
+    Ok(None)
+}
+
+/// How far along an order is: a change is news only if it is later.
+fn stage(status: OrderStatus) -> u8 {
+    match status {
+        OrderStatus::Processing => 0,
+        OrderStatus::WaitingPay => 1,
+        _ => 2,
+    }
+}
+
+fn event(order_no: OrderNo, status: OrderStatus) -> Bytes {
+    Bytes::from(format!(
+        "event: status\ndata: {{\"order_no\":\"{order_no}\",\"status\":\"{}\"}}\n\n",
+        status.as_str()
+    ))
+}
+
+/// `GET /api/v1/orders/{order_no}/events`: the order's status first, then
+/// each change as it happens; the stream ends at a final status (PAID,
+/// CANCELLED, CLOSED, FAILED) or after `orders.events_timeout_secs`
+/// (`event: timeout`). Owner only. While it waits it costs no database
+/// query: changes come from the service's own commits (`orders::events`).
+#[utoipa::path(get, path = "/api/v1/orders/{order_no}/events", tag = "orders",
+    params(("order_no" = String, Path, description = "order number (decimal)")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "text/event-stream: `event: status` with data {order_no, status}, the current status first; `event: timeout` at the end of the time allowed", content_type = "text/event-stream"),
+        (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND (or not the caller's)", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn order_events(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
+    let user_id = user.user_id;
+    // Listening before the first read: a change committed in between is
+    // heard, not lost.
+    let mut notes = state.order_events.subscribe();
+    let (mut status, place) = locate(&state, order_no, user_id, None)
+        .await?
+        .ok_or_else(|| ApiError::not_found("no such order"))?;
+    let timeout = Duration::from_secs(state.settings.orders.events_timeout_secs.max(1));
+    let (tx, mut rx) = mpsc::channel::<Bytes>(8);
+    let state = state.into_inner();
+    tokio::spawn(async move {
+        if tx.send(event(order_no, status)).await.is_err() || status.is_final() {
+            return;
+        }
+        let deadline = tokio::time::sleep(timeout);
+        tokio::pin!(deadline);
+        let mut keepalive =
+            tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
+        loop {
+            let next = tokio::select! {
+                _ = &mut deadline => {
+                    let _ = tx.send(Bytes::from_static(b"event: timeout\ndata: {}\n\n")).await;
+                    return;
+                }
+                _ = tx.closed() => return,
+                _ = keepalive.tick() => {
+                    if tx.send(Bytes::from_static(b": keepalive\n\n")).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                note = notes.recv() => match note {
+                    Ok(Note::Change(c)) if c.order_no == order_no.get() => Some(c.status),
+                    Ok(Note::Change(_)) => continue,
+                    // Changes may have been missed: read the order again.
+                    Ok(Note::Resync) | Err(RecvError::Lagged(_)) => {
+                        match locate(&state, order_no, user_id, Some(place)).await {
+                            Ok(Some((now, _))) => Some(now),
+                            _ => None,
+                        }
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+            };
+            if let Some(next) = next
+                && stage(next) > stage(status)
+            {
+                status = next;
+                if tx.send(event(order_no, status)).await.is_err() || status.is_final() {
+                    return;
+                }
+            }
+        }
+    });
+    let body = futures_util::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx)
+            .map(|chunk| chunk.map(Ok::<_, actix_web::Error>))
+    });
+    Ok(HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header((header::CACHE_CONTROL, "no-cache"))
+        .insert_header(("X-Accel-Buffering", "no"))
+        .streaming(body))
+}

@@ -1,0 +1,201 @@
+//! Order status changes, pushed to whoever follows an order
+//! (`GET /api/v1/orders/{order_no}/events`) instead of making it poll.
+//!
+//! Each place that commits a change — the order consumer's batch, the
+//! payment callback, a cancel, the timeout closer, a voided reservation —
+//! calls [`OrderEvents::publish`] after its transaction. One Redis PUBLISH
+//! per call carries every change of it; every instance's [`listen`] task
+//! hands them to its in-process broadcast, which each open stream reads
+//! and filters by its order number. A stream costs no database query while
+//! it waits: it reads its order once when it opens, and again only when
+//! changes may have been missed (the subscription was lost, or the stream
+//! fell behind the broadcast): [`Note::Resync`].
+//!
+//! Delivery is best effort, by design: a change is in the database before
+//! it is announced, so a stream that missed one reads it on its resync, and
+//! a client that lost its stream asks `GET /api/v1/orders/{order_no}`.
+
+use std::time::Duration;
+
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+use super::OrderStatus;
+use crate::store::redis_conn::RedisConn;
+
+/// One order's new status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusChange {
+    /// The order.
+    pub order_no: i64,
+    /// Its status now.
+    pub status: OrderStatus,
+}
+
+/// What a stream hears.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Note {
+    /// An order changed.
+    Change(StatusChange),
+    /// Changes may have been missed: read the order again.
+    Resync,
+}
+
+/// Open streams that fall this far behind the broadcast get a resync
+/// instead of the changes they missed.
+const BUFFER: usize = 4096;
+
+/// The channel of `redis.key_prefix`.
+pub fn channel(key_prefix: &str) -> String {
+    format!("{key_prefix}order-status")
+}
+
+/// The publishing side and this instance's broadcast.
+pub struct OrderEvents {
+    local: broadcast::Sender<Note>,
+    conn: RedisConn,
+    channel: String,
+}
+
+impl OrderEvents {
+    /// Publishes on `redis.key_prefix`'s channel through `conn`.
+    pub fn new(conn: RedisConn, key_prefix: &str) -> Self {
+        Self {
+            local: broadcast::channel(BUFFER).0,
+            conn,
+            channel: channel(key_prefix),
+        }
+    }
+
+    /// What this instance hears from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Note> {
+        self.local.subscribe()
+    }
+
+    /// Announces committed changes to every instance. If Redis does not
+    /// take them, this instance's streams still hear them; the others
+    /// resync when their subscription comes back.
+    pub async fn publish(&self, changes: &[StatusChange]) {
+        if changes.is_empty() {
+            return;
+        }
+        let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
+            .arg(&self.channel)
+            .arg(encode(changes))
+            .query_async(&mut self.conn.clone())
+            .await;
+        if let Err(e) = sent {
+            tracing::debug!(error = %e, "order status changes not published; local streams only");
+            self.deliver(changes);
+        }
+    }
+
+    /// Hands changes to this instance's streams.
+    fn deliver(&self, changes: &[StatusChange]) {
+        for &change in changes {
+            // No stream open: nothing to do.
+            let _ = self.local.send(Note::Change(change));
+        }
+    }
+
+    fn resync(&self) {
+        let _ = self.local.send(Note::Resync);
+    }
+}
+
+/// `order_no:STATUS` pairs, comma-separated.
+fn encode(changes: &[StatusChange]) -> String {
+    let mut out = String::with_capacity(changes.len() * 32);
+    for (i, c) in changes.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(&c.order_no.to_string());
+        out.push(':');
+        out.push_str(c.status.as_str());
+    }
+    out
+}
+
+fn decode(payload: &str) -> Vec<StatusChange> {
+    payload
+        .split(',')
+        .filter_map(|pair| {
+            let (no, status) = pair.split_once(':')?;
+            Some(StatusChange {
+                order_no: no.parse().ok()?,
+                status: OrderStatus::parse(status)?,
+            })
+        })
+        .collect()
+}
+
+/// Listens on the channel (on one of `seeds`: a cluster broadcasts every
+/// message to every node) and hands what it hears to `events`' streams,
+/// until `shutdown`. Each (re)subscription resyncs every stream: changes
+/// published while it was away were missed.
+pub async fn listen(
+    seeds: Vec<String>,
+    events: std::sync::Arc<OrderEvents>,
+    shutdown: CancellationToken,
+) {
+    use futures_util::StreamExt;
+    for seed in seeds.iter().cycle() {
+        let subscribed = async {
+            let mut pubsub = redis::Client::open(seed.as_str())?
+                .get_async_pubsub()
+                .await?;
+            pubsub.subscribe(&events.channel).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        }
+        .await;
+        match subscribed {
+            Ok(mut pubsub) => {
+                events.resync();
+                let mut messages = pubsub.on_message();
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        message = messages.next() => match message {
+                            Some(m) => {
+                                if let Ok(payload) = m.get_payload::<String>() {
+                                    events.deliver(&decode(&payload));
+                                }
+                            }
+                            None => break,
+                        },
+                    }
+                }
+                tracing::warn!("subscription to order status changes lost; resubscribing");
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot subscribe to order status changes"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_go_over_the_wire_and_back() {
+        let changes = [
+            StatusChange {
+                order_no: 386_010_798_423_023_616,
+                status: OrderStatus::WaitingPay,
+            },
+            StatusChange {
+                order_no: 7,
+                status: OrderStatus::Failed,
+            },
+        ];
+        let wire = encode(&changes);
+        assert_eq!(wire, "386010798423023616:WAITING_PAY,7:FAILED");
+        assert_eq!(decode(&wire), changes);
+        assert!(decode("x:PAID,9:NOPE,").is_empty(), "garbage is dropped");
+    }
+}

@@ -1,0 +1,232 @@
+//! `GET /api/v1/orders/{order_no}/events`: an order's status pushed as it
+//! changes, from the service's own commits (fanned out through Redis, so
+//! a change made by another process reaches this one's streams).
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::helpers::{TestApp, eventually, json, spawn_app, spawn_app_with};
+
+/// An open event stream, read event by event.
+struct Stream {
+    res: reqwest::Response,
+    buffer: String,
+}
+
+impl Stream {
+    async fn open(app: &TestApp, user_id: i64, order_no: &str) -> reqwest::Response {
+        app.client
+            .get(format!("{}/api/v1/orders/{order_no}/events", app.address))
+            .bearer_auth(app.user_token(user_id))
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn of(app: &TestApp, user_id: i64, order_no: &str) -> Self {
+        let res = Self::open(app, user_id, order_no).await;
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["content-type"], "text/event-stream");
+        Self {
+            res,
+            buffer: String::new(),
+        }
+    }
+
+    /// The next event as (name, data); `None` when the stream ended.
+    /// Keep-alive comments are skipped.
+    async fn next(&mut self) -> Option<(String, serde_json::Value)> {
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let block: String = self.buffer.drain(..end + 2).collect();
+                let (mut name, mut data) = (String::new(), String::new());
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("event: ") {
+                        name = v.to_owned();
+                    } else if let Some(v) = line.strip_prefix("data: ") {
+                        data.push_str(v);
+                    }
+                }
+                if name.is_empty() {
+                    continue; // a comment
+                }
+                return Some((name, serde_json::from_str(&data).unwrap()));
+            }
+            let chunk = self.res.chunk().await.unwrap()?;
+            self.buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+    }
+
+    /// The next status event's status, within a minute.
+    async fn status(&mut self) -> String {
+        let (name, data) = tokio::time::timeout(Duration::from_secs(60), self.next())
+            .await
+            .expect("an event within a minute")
+            .expect("the stream goes on");
+        assert_eq!(name, "status", "{data}");
+        data["status"].as_str().unwrap().to_owned()
+    }
+
+    /// The stream ends (within a minute).
+    async fn ends(&mut self) {
+        let next = tokio::time::timeout(Duration::from_secs(60), self.next())
+            .await
+            .expect("the end within a minute");
+        assert!(next.is_none(), "no more events: {next:?}");
+    }
+}
+
+/// Creates the pending payment of `order_no` and has the mock provider
+/// deliver its signed success callback.
+async fn pay_through_the_mock(app: &TestApp, user_id: i64, order_no: &str) {
+    let res = app.pay(user_id, order_no).await;
+    assert_eq!(res.status(), 200);
+    let payment_no = json(res).await["payment_no"].as_str().unwrap().to_owned();
+    let res = app
+        .post_json(
+            &format!("/api/v1/dev/payments/{payment_no}/simulate"),
+            &json!({}),
+            Some(&app.user_token(user_id)),
+        )
+        .await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(json(res).await["responses"][0], 200);
+}
+
+#[tokio::test]
+async fn a_stream_opened_before_the_order_is_made_sees_processing_waiting_pay_then_paid() {
+    // No consumer in the server: the order stays PROCESSING until one runs,
+    // in a process of its own (clients of its own: its news reaches this
+    // server through Redis).
+    let app = spawn_app_with(crate::helpers::without_order_consumer).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202, "{body}");
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+
+    let mut stream = Stream::of(&app, 1, &order_no).await;
+    assert_eq!(stream.status().await, "PROCESSING");
+
+    let deps = seckill::orders::consumer::ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let consumer = seckill::orders::consumer::spawn(deps).unwrap();
+    assert_eq!(stream.status().await, "WAITING_PAY");
+
+    pay_through_the_mock(&app, 1, &order_no).await;
+    assert_eq!(stream.status().await, "PAID");
+    stream.ends().await;
+    consumer.stop().await;
+
+    // A stream of a final order: its status, then the end.
+    let mut again = Stream::of(&app, 1, &order_no).await;
+    assert_eq!(again.status().await, "PAID");
+    again.ends().await;
+}
+
+#[tokio::test]
+async fn cancelling_ends_the_stream_and_only_the_owner_may_open_one() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (_, body) = app.buy(1, activity).await;
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+    assert_eq!(
+        Stream::open(&app, 2, &order_no).await.status(),
+        404,
+        "another user's order"
+    );
+    assert_eq!(Stream::open(&app, 1, "123456789").await.status(), 404);
+    assert_eq!(Stream::open(&app, 1, "not-a-number").await.status(), 404);
+    let res = app
+        .client
+        .get(format!("{}/api/v1/orders/{order_no}/events", app.address))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 401);
+
+    eventually("WAITING_PAY", Duration::from_secs(60), || async {
+        (app.order_status(1, &order_no).await == "WAITING_PAY").then_some(())
+    })
+    .await;
+    let mut stream = Stream::of(&app, 1, &order_no).await;
+    assert_eq!(stream.status().await, "WAITING_PAY");
+    assert_eq!(app.cancel(1, &order_no).await.status(), 200);
+    assert_eq!(stream.status().await, "CANCELLED");
+    stream.ends().await;
+}
+
+#[tokio::test]
+async fn a_stream_ends_with_a_timeout_event_when_nothing_final_happens() {
+    let app = spawn_app_with(|s| s.orders.events_timeout_secs = 1).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (_, body) = app.buy(1, activity).await;
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+    let mut stream = Stream::of(&app, 1, &order_no).await;
+    let first = stream.status().await;
+    assert!(first == "PROCESSING" || first == "WAITING_PAY", "{first}");
+    // WAITING_PAY may come first; then the timeout.
+    loop {
+        let (name, data) = tokio::time::timeout(Duration::from_secs(60), stream.next())
+            .await
+            .unwrap()
+            .expect("the timeout event before the end");
+        if name == "timeout" {
+            break;
+        }
+        assert_eq!(data["status"], "WAITING_PAY");
+    }
+    stream.ends().await;
+}
+
+/// Transactions the test database has run (every statement outside a
+/// transaction is one), as PostgreSQL's statistics count them.
+async fn transactions(app: &TestApp) -> i64 {
+    app.count("SELECT (xact_commit + xact_rollback)::bigint AS n FROM pg_stat_database WHERE datname = current_database()")
+        .await
+}
+
+#[tokio::test]
+async fn a_thousand_open_streams_cost_no_database_query_while_they_wait() {
+    const STREAMS: usize = 1000;
+    let app = spawn_app().await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (_, body) = app.buy(1, activity).await;
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+    eventually("WAITING_PAY", Duration::from_secs(60), || async {
+        (app.order_status(1, &order_no).await == "WAITING_PAY").then_some(())
+    })
+    .await;
+
+    // Open them 50 at a time; each reads the order once, as it opens.
+    let mut streams = Vec::with_capacity(STREAMS);
+    for _ in 0..STREAMS / 50 {
+        let opened =
+            futures_util::future::join_all((0..50).map(|_| Stream::of(&app, 1, &order_no))).await;
+        for mut s in opened {
+            assert_eq!(s.status().await, "WAITING_PAY");
+            streams.push(s);
+        }
+    }
+    // PostgreSQL counts a backend's transactions when it next reports
+    // (up to 10 s later for an idle one): let the opening settle first.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let before = transactions(&app).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let during = transactions(&app).await - before;
+    // The workers (outbox relay, closer, reconciler) query on their own
+    // all the while; a stream that polled once a second would add 10 000.
+    assert!(
+        during < 2000,
+        "{during} transactions in 10 s with {STREAMS} streams open"
+    );
+    eprintln!(
+        "{STREAMS} open streams: {during} database transactions in 10 s (every worker included)"
+    );
+
+    // One payment reaches every stream, and each ends.
+    pay_through_the_mock(&app, 1, &order_no).await;
+    for s in &mut streams {
+        assert_eq!(s.status().await, "PAID");
+        s.ends().await;
+    }
+}
