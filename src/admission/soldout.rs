@@ -164,51 +164,31 @@ fn flagged(flags: &HashMap<i64, Flag>) -> i64 {
 }
 
 /// Listens on [`channel`] and clears the flags of activities whose stock
-/// came back, until `shutdown`. Subscribes on one of `seeds` (a cluster
-/// broadcasts every message to every node), the next one after an error,
-/// clearing every flag first.
+/// came back, until `shutdown`. Every flag goes whenever the subscription
+/// is not live: a return may be missed then.
 pub async fn listen(
     seeds: Vec<String>,
     channel: String,
     flags: Arc<SoldOut>,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
-    use futures_util::StreamExt;
-    for seed in seeds.iter().cycle() {
-        flags.clear_all();
-        let subscribed = async {
-            let mut pubsub = redis::Client::open(seed.as_str())?
-                .get_async_pubsub()
-                .await?;
-            pubsub.subscribe(&channel).await?;
-            Ok::<_, redis::RedisError>(pubsub)
-        }
-        .await;
-        match subscribed {
-            Ok(mut pubsub) => {
-                let mut messages = pubsub.on_message();
-                loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        message = messages.next() => match message {
-                            Some(m) => {
-                                if let Ok(id) = m.get_payload::<i64>() {
-                                    flags.clear(id);
-                                }
-                            }
-                            None => break,
-                        },
-                    }
-                }
-                tracing::warn!("subscription to stock returns lost; resubscribing");
+    let on_message = {
+        let flags = flags.clone();
+        move |m: &redis::Msg| {
+            if let Ok(id) = m.get_payload::<i64>() {
+                flags.clear(id);
             }
-            Err(e) => tracing::warn!(error = %e, "cannot subscribe to stock returns"),
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
-    }
+    };
+    crate::store::redis_conn::listen(
+        seeds,
+        channel,
+        "stock returns",
+        move |_| flags.clear_all(),
+        on_message,
+        shutdown,
+    )
+    .await;
 }
 
 #[cfg(test)]

@@ -15,13 +15,13 @@
 //! it is announced, so a stream that missed one reads it on its resync, and
 //! a client that lost its stream asks `GET /api/v1/orders/{order_no}`.
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use super::OrderStatus;
-use crate::store::redis_conn::RedisConn;
+use crate::store::redis_conn::{self, RedisConn, Subscription};
 
 /// One order's new status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,51 +130,33 @@ fn decode(payload: &str) -> Vec<StatusChange> {
         .collect()
 }
 
-/// Listens on the channel (on one of `seeds`: a cluster broadcasts every
-/// message to every node) and hands what it hears to `events`' streams,
-/// until `shutdown`. Each (re)subscription resyncs every stream: changes
-/// published while it was away were missed.
-pub async fn listen(
-    seeds: Vec<String>,
-    events: std::sync::Arc<OrderEvents>,
-    shutdown: CancellationToken,
-) {
-    use futures_util::StreamExt;
-    for seed in seeds.iter().cycle() {
-        let subscribed = async {
-            let mut pubsub = redis::Client::open(seed.as_str())?
-                .get_async_pubsub()
-                .await?;
-            pubsub.subscribe(&events.channel).await?;
-            Ok::<_, redis::RedisError>(pubsub)
-        }
-        .await;
-        match subscribed {
-            Ok(mut pubsub) => {
-                events.resync();
-                let mut messages = pubsub.on_message();
-                loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        message = messages.next() => match message {
-                            Some(m) => {
-                                if let Ok(payload) = m.get_payload::<String>() {
-                                    events.deliver(&decode(&payload));
-                                }
-                            }
-                            None => break,
-                        },
-                    }
-                }
-                tracing::warn!("subscription to order status changes lost; resubscribing");
+/// Listens on the channel and hands what it hears to `events`' streams,
+/// until `shutdown`. Each new subscription resyncs every stream: changes
+/// published while there was none were missed.
+pub async fn listen(seeds: Vec<String>, events: Arc<OrderEvents>, shutdown: CancellationToken) {
+    let channel = events.channel.clone();
+    let on_message = {
+        let events = events.clone();
+        move |m: &redis::Msg| {
+            if let Ok(payload) = m.get_payload::<String>() {
+                events.deliver(&decode(&payload));
             }
-            Err(e) => tracing::warn!(error = %e, "cannot subscribe to order status changes"),
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+    };
+    let on_state = move |state| {
+        if state == Subscription::Live {
+            events.resync();
         }
-    }
+    };
+    redis_conn::listen(
+        seeds,
+        channel,
+        "order status changes",
+        on_state,
+        on_message,
+        shutdown,
+    )
+    .await;
 }
 
 #[cfg(test)]

@@ -125,3 +125,60 @@ impl ConnectionLike for RedisConn {
         }
     }
 }
+
+/// What a [`listen`] subscription is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Subscription {
+    /// Not subscribed (starting, or lost): messages are being missed.
+    Gap,
+    /// Subscribed from now on.
+    Live,
+}
+
+/// Subscribes to `channel` on one of `seeds` (a Redis Cluster broadcasts
+/// every message to every node) and hands each message's payload to
+/// `on_message`, until `shutdown`; after an error, the next seed a second
+/// later. `on_state` hears each gap (before every attempt) and each new
+/// subscription, so a listener can drop what it may have missed.
+pub async fn listen(
+    seeds: Vec<String>,
+    channel: String,
+    what: &'static str,
+    mut on_state: impl FnMut(Subscription) + Send,
+    mut on_message: impl FnMut(&redis::Msg) + Send,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    use futures_util::StreamExt;
+    for seed in seeds.iter().cycle() {
+        on_state(Subscription::Gap);
+        let subscribed = async {
+            let mut pubsub = redis::Client::open(seed.as_str())?
+                .get_async_pubsub()
+                .await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        }
+        .await;
+        match subscribed {
+            Ok(mut pubsub) => {
+                on_state(Subscription::Live);
+                let mut messages = pubsub.on_message();
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        message = messages.next() => match message {
+                            Some(m) => on_message(&m),
+                            None => break,
+                        },
+                    }
+                }
+                tracing::warn!(what, "subscription lost; resubscribing");
+            }
+            Err(e) => tracing::warn!(what, error = %e, "cannot subscribe"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+        }
+    }
+}

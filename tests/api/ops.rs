@@ -93,6 +93,46 @@ fn exported(metrics: &str) -> BTreeMap<String, Vec<String>> {
     series
 }
 
+/// The rules of a Prometheus rules file, `(alert, expr)`, checked for the
+/// shape Prometheus loads: `groups[].rules[]`, each with an alert name, an
+/// expression, a severity and a summary.
+fn alert_rules(text: &str) -> Vec<(String, String)> {
+    use yaml_rust2::{Yaml, YamlLoader};
+    let docs = YamlLoader::load_from_str(text).expect("the rules file is YAML");
+    let groups = docs[0]["groups"].as_vec().expect("groups: a list");
+    let mut rules = Vec::new();
+    for group in groups {
+        assert!(group["name"].as_str().is_some(), "a group has a name");
+        for rule in group["rules"].as_vec().expect("rules: a list") {
+            let name = rule["alert"].as_str().expect("each rule is an alert");
+            let expr = rule["expr"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{name}: expr"));
+            assert!(
+                rule["labels"]["severity"].as_str().is_some(),
+                "{name}: labels.severity"
+            );
+            assert!(
+                rule["annotations"]["summary"].as_str().is_some(),
+                "{name}: annotations.summary"
+            );
+            if let Yaml::String(f) = &rule["for"] {
+                assert!(f.ends_with('m') || f.ends_with('s'), "{name}: for: {f}");
+            }
+            rules.push((name.to_owned(), expr.to_owned()));
+        }
+    }
+    rules
+}
+
+#[test]
+fn the_rules_file_is_read_as_prometheus_reads_it() {
+    let rules = alert_rules(
+        "groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: |\n          up\n          == 0\n        for: 1m\n        labels: {severity: page}\n        annotations: {summary: s}\n",
+    );
+    assert_eq!(rules, vec![("A".to_owned(), "up\n== 0\n".to_owned())]);
+}
+
 #[tokio::test]
 async fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
     let app = spawn_app().await;
@@ -117,15 +157,19 @@ async fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
         }
     }
     assert!(queries.len() >= 20, "the dashboard has its queries");
-    let rules = alerts.matches("alert: ").count();
-    assert!(rules >= 8, "the rules file has its rules ({rules})");
+    let rules = alert_rules(&alerts);
+    assert!(
+        rules.len() >= 8,
+        "the rules file has its rules ({})",
+        rules.len()
+    );
 
     let mut named = BTreeSet::new();
     let mut missing = Vec::new();
     for (file, text) in queries
         .iter()
         .map(|q| ("dashboard", q.as_str()))
-        .chain([("alerts", alerts.as_str())])
+        .chain(rules.iter().map(|(_, expr)| ("alerts", expr.as_str())))
     {
         for (name, matchers) in selectors(text) {
             named.insert(name.clone());

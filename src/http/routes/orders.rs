@@ -9,6 +9,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::admission::admit::{Admitted, Purchase, Refusal};
+use crate::admission::gate::Reservation;
 use crate::admission::{Layout, ThreadGate};
 use crate::domain::{RequestId, UserId};
 use crate::http::auth::AuthUser;
@@ -238,21 +239,85 @@ pub async fn show(
     state: web::Data<AppState>,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let not_found = || ApiError::not_found("no such order");
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
-    let (user_id, now) = (user.user_id, state.clock.now());
+    let user_id = user.user_id;
+    let found = find(&state, order_no, user_id, None)
+        .await?
+        .ok_or_else(|| ApiError::not_found("no such order"))?;
+    Ok(HttpResponse::Ok().json(match found {
+        Found::Row(order) => order_view(&order),
+        Found::Reserved { activity_id, r, .. } => json!({
+            "order_no": order_no.to_string(),
+            "request_id": r.request_id,
+            "activity_id": activity_id,
+            "user_id": user_id,
+            "quantity": r.quantity,
+            "amount_cents": null,
+            "coupon_id": null,
+            "status": found_status(&r),
+            "pay_deadline": null,
+            "created_at": null,
+            "paid_at": null,
+            "failure_reason": if r.released() { json!("RESERVATION_RELEASED") } else { json!(null) },
+        }),
+    }))
+}
+
+/// Where the caller's order was found: its row, or (before the row exists)
+/// its reservation in Redis.
+pub(super) enum Found {
+    Row(Order),
+    Reserved {
+        activity_id: i64,
+        layout: Layout,
+        r: Reservation,
+    },
+}
+
+impl Found {
+    /// The order's status.
+    pub(super) fn status(&self) -> OrderStatus {
+        match self {
+            Self::Row(order) => order.status,
+            Self::Reserved { r, .. } => found_status(r),
+        }
+    }
+}
+
+/// A reservation without its row: PROCESSING, or FAILED once released.
+fn found_status(r: &Reservation) -> OrderStatus {
+    if r.released() {
+        OrderStatus::Failed
+    } else {
+        OrderStatus::Processing
+    }
+}
+
+/// The caller's order (SPEC step 8): the row, else the reservation in one
+/// of the recent activities (or in `activity`, when it is known); `None`
+/// when there is neither, or it is another user's.
+pub(super) async fn find(
+    state: &AppState,
+    order_no: OrderNo,
+    user_id: UserId,
+    activity: Option<(i64, Layout)>,
+) -> Result<Option<Found>, ApiError> {
+    let now = state.clock.now();
     let (row, recent) = store::run(&state.db, move |conn| {
         let row = repo::find_for_user(conn, order_no, user_id)?;
-        let recent = match row {
-            Some(_) => Vec::new(),
-            None => crate::activities::repo::recent_ids(conn, now - chrono::Duration::days(7))?,
+        let recent = match (&row, activity) {
+            (Some(_), _) => Vec::new(),
+            (None, Some(known)) => vec![known],
+            (None, None) => {
+                crate::activities::repo::recent_ids(conn, now - chrono::Duration::days(7))?
+            }
         };
         Ok((row, recent))
     })
     .await
     .map_err(ApiError::unavailable)?;
     if let Some(order) = row {
-        return Ok(HttpResponse::Ok().json(order_view(&order)));
+        return Ok(Some(Found::Row(order)));
     }
     for (activity_id, layout) in recent {
         let reservation = state
@@ -262,24 +327,15 @@ pub async fn show(
             .map_err(|e| ApiError::unavailable(e.into()))?;
         let Some(r) = reservation else { continue };
         if r.user_id != user_id.get() {
-            return Err(not_found());
+            return Ok(None);
         }
-        return Ok(HttpResponse::Ok().json(json!({
-            "order_no": order_no.to_string(),
-            "request_id": r.request_id,
-            "activity_id": activity_id,
-            "user_id": user_id,
-            "quantity": r.quantity,
-            "amount_cents": null,
-            "coupon_id": null,
-            "status": if r.released() { OrderStatus::Failed } else { OrderStatus::Processing },
-            "pay_deadline": null,
-            "created_at": null,
-            "paid_at": null,
-            "failure_reason": if r.released() { json!("RESERVATION_RELEASED") } else { json!(null) },
-        })));
+        return Ok(Some(Found::Reserved {
+            activity_id,
+            layout,
+            r,
+        }));
     }
-    Err(not_found())
+    Ok(None)
 }
 
 /// `POST /api/v1/orders/{order_no}/cancel` (SPEC step 6): WAITING_PAY →

@@ -10,76 +10,17 @@ use actix_web::{HttpResponse, web};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::mpsc;
 
-use crate::admission::Layout;
-use crate::domain::UserId;
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, Problem};
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
 use crate::orders::events::Note;
-use crate::orders::repo;
 use crate::state::AppState;
-use crate::store;
+
+use super::orders::{Found, find};
 
 /// A comment line this often keeps proxies from closing an idle stream.
 const KEEPALIVE: Duration = Duration::from_secs(15);
-
-/// Where an order's status is read: its row, or (before the row exists)
-/// its reservation in Redis.
-#[derive(Clone, Copy)]
-enum Place {
-    Row,
-    Reservation(i64, Layout),
-}
-
-/// The caller's order's status and where it was read; `None` when it is
-/// not the caller's (or does not exist).
-async fn locate(
-    state: &AppState,
-    order_no: OrderNo,
-    user_id: UserId,
-    hint: Option<Place>,
-) -> Result<Option<(OrderStatus, Place)>, ApiError> {
-    let now = state.clock.now();
-    let searched = matches!(hint, None | Some(Place::Reservation(..)));
-    let (row, recent) = store::run(&state.db, move |conn| {
-        let row = repo::find_for_user(conn, order_no, user_id)?;
-        let recent = match (&row, hint) {
-            (Some(_), _) => Vec::new(),
-            (None, Some(Place::Reservation(activity, layout))) => vec![(activity, layout)],
-            (None, _) => {
-                crate::activities::repo::recent_ids(conn, now - chrono::Duration::days(7))?
-            }
-        };
-        Ok((row, recent))
-    })
-    .await
-    .map_err(ApiError::unavailable)?;
-    if let Some(order) = row {
-        return Ok(Some((order.status, Place::Row)));
-    }
-    if !searched {
-        return Ok(None);
-    }
-    for (activity_id, layout) in recent {
-        let reservation = state
-            .gate
-            .reservation(activity_id, layout, order_no.get())
-            .await
-            .map_err(|e| ApiError::unavailable(e.into()))?;
-        let Some(r) = reservation else { continue };
-        if r.user_id != user_id.get() {
-            return Ok(None);
-        }
-        let status = if r.released() {
-            OrderStatus::Failed
-        } else {
-            OrderStatus::Processing
-        };
-        return Ok(Some((status, Place::Reservation(activity_id, layout))));
-    }
-    Ok(None)
-}
 
 /// How far along an order is: a change is news only if it is later.
 fn stage(status: OrderStatus) -> u8 {
@@ -121,9 +62,19 @@ pub async fn order_events(
     // Listening before the first read: a change committed in between is
     // heard, not lost.
     let mut notes = state.order_events.subscribe();
-    let (mut status, place) = locate(&state, order_no, user_id, None)
+    let found = find(&state, order_no, user_id, None)
         .await?
         .ok_or_else(|| ApiError::not_found("no such order"))?;
+    let mut status = found.status();
+    // Where to read it again: its row once it has one, else its activity.
+    let activity = match found {
+        Found::Row(_) => None,
+        Found::Reserved {
+            activity_id,
+            layout,
+            ..
+        } => Some((activity_id, layout)),
+    };
     let timeout = Duration::from_secs(state.settings.orders.events_timeout_secs.max(1));
     let (tx, mut rx) = mpsc::channel::<Bytes>(8);
     let state = state.into_inner();
@@ -153,8 +104,8 @@ pub async fn order_events(
                     Ok(Note::Change(_)) => continue,
                     // Changes may have been missed: read the order again.
                     Ok(Note::Resync) | Err(RecvError::Lagged(_)) => {
-                        match locate(&state, order_no, user_id, Some(place)).await {
-                            Ok(Some((now, _))) => Some(now),
+                        match find(&state, order_no, user_id, activity).await {
+                            Ok(Some(now)) => Some(now.status()),
                             _ => None,
                         }
                     }
