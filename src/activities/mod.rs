@@ -31,7 +31,7 @@ pub struct Activity {
 }
 
 /// The lifecycle state shown to clients.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Lifecycle {
     /// Created, stock not in Redis yet.

@@ -2,8 +2,9 @@
 
 use actix_web::{HttpResponse, web};
 use chrono::{DateTime, Utc};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
+use utoipa::ToSchema;
 
 use crate::activities::cache::Lookup;
 use crate::activities::repo::{self, NewActivity};
@@ -120,21 +121,61 @@ impl CreateActivity {
     }
 }
 
-fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> serde_json::Value {
-    json!({
-        "activity_id": a.id,
-        "sku_id": a.sku_id,
-        "name": a.name,
-        "price_cents": a.price_cents,
-        "stock": stock_total,
-        "start_at": a.start_at,
-        "end_at": a.end_at,
-        "per_user_limit": a.per_user_limit,
-        "pay_timeout_secs": a.pay_timeout_secs,
-        "buckets": a.buckets,
-        "shards": a.shards,
-        "status": a.lifecycle(now),
-    })
+/// An activity as clients see it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ActivityView {
+    activity_id: i64,
+    sku_id: i64,
+    name: String,
+    price_cents: i64,
+    /// Units put on sale.
+    stock: i32,
+    start_at: DateTime<Utc>,
+    end_at: DateTime<Utc>,
+    per_user_limit: i32,
+    pay_timeout_secs: i32,
+    buckets: i32,
+    shards: i32,
+    /// At the server's time.
+    status: Lifecycle,
+    /// Units Redis can still sell (0 before the warm-up); in the public
+    /// views only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    remaining: Option<i64>,
+}
+
+fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> ActivityView {
+    ActivityView {
+        activity_id: a.id,
+        sku_id: a.sku_id,
+        name: a.name.clone(),
+        price_cents: a.price_cents,
+        stock: stock_total,
+        start_at: a.start_at,
+        end_at: a.end_at,
+        per_user_limit: a.per_user_limit,
+        pay_timeout_secs: a.pay_timeout_secs,
+        buckets: a.buckets,
+        shards: a.shards,
+        status: a.lifecycle(now),
+        remaining: None,
+    }
+}
+
+/// `GET /api/v1/activities`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ActivityList {
+    /// The sale clock now (RFC 3339, milliseconds): countdowns follow it.
+    server_time: String,
+    activities: Vec<ActivityView>,
+}
+
+/// A one-time purchase token.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PurchaseToken {
+    token: String,
+    /// Seconds it stays valid.
+    expires_in: u64,
 }
 
 /// `POST /api/v1/admin/activities` → 201.
@@ -142,7 +183,7 @@ fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> serde_json::Value
     request_body = CreateActivity,
     security(("bearer" = [])),
     responses(
-        (status = 201, description = "the activity, status PENDING"),
+        (status = 201, description = "the activity, status PENDING", body = ActivityView),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
@@ -231,7 +272,7 @@ pub async fn warmup(
 #[utoipa::path(get, path = "/api/v1/activities/{id}", tag = "activities",
     params(("id" = i64, Path, description = "activity id")),
     responses(
-        (status = 200, description = "the activity with remaining (Redis) units"),
+        (status = 200, description = "the activity with remaining (Redis) units", body = ActivityView),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
@@ -258,7 +299,7 @@ pub async fn show(
         0
     };
     let mut body = view(&activity, stock.total, state.clock.now());
-    body["remaining"] = json!(remaining);
+    body.remaining = Some(remaining);
     Ok(HttpResponse::Ok().json(body))
 }
 
@@ -271,7 +312,7 @@ pub async fn show(
     params(("id" = i64, Path, description = "activity id")),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "the activity, status ENDED"),
+        (status = 200, description = "the activity, status ENDED", body = ActivityView),
         (status = 400, description = "BAD_REQUEST: a malformed path", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
@@ -308,7 +349,7 @@ const LISTED_AFTER_END: chrono::Duration = chrono::Duration::hours(1);
 /// countdown follows the sale's clock rather than its own.
 #[utoipa::path(get, path = "/api/v1/activities", tag = "activities",
     responses(
-        (status = 200, description = "server_time and the activities on sale, coming up or ended within the hour"),
+        (status = 200, description = "server_time and the activities on sale, coming up or ended within the hour", body = ActivityList),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
@@ -331,13 +372,13 @@ pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> 
             0
         };
         let mut body = view(&activity, stock.total, now);
-        body["remaining"] = json!(remaining);
+        body.remaining = Some(remaining);
         activities.push(body);
     }
-    Ok(HttpResponse::Ok().json(json!({
-        "server_time": now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-        "activities": activities,
-    })))
+    Ok(HttpResponse::Ok().json(ActivityList {
+        server_time: now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        activities,
+    }))
 }
 
 /// `GET /api/v1/admin/activities/{id}/stats`: live figures from Redis and
@@ -416,7 +457,7 @@ pub async fn stats(
     params(("id" = i64, Path, description = "activity id")),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "token, expires_in"),
+        (status = 200, description = "token, expires_in", body = PurchaseToken),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "NOT_ACTIVE", body = Problem, content_type = "application/problem+json"),
@@ -454,5 +495,8 @@ pub async fn token(
         .issue_token(id, meta.layout, user.user_id.get(), &token, ttl)
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
-    Ok(HttpResponse::Ok().json(json!({"token": token, "expires_in": ttl})))
+    Ok(HttpResponse::Ok().json(PurchaseToken {
+        token,
+        expires_in: ttl,
+    }))
 }

@@ -5,8 +5,9 @@ use std::net::IpAddr;
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpRequest, HttpResponse, web};
-use serde::Deserialize;
-use serde_json::json;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::admission::admit::{Admitted, Purchase, Refusal};
 use crate::admission::gate::Reservation;
@@ -99,8 +100,8 @@ fn forwarded_client(values: &[&str], hops: usize) -> Option<IpAddr> {
     request_body = PlaceOrder,
     security(("bearer" = [])),
     responses(
-        (status = 202, description = "order_no, request_id, status PROCESSING"),
-        (status = 200, description = "a replayed request_id: its order and status"),
+        (status = 202, description = "order_no, request_id, status PROCESSING", body = Placed),
+        (status = 200, description = "a replayed request_id: its order and status", body = Placed),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "INVALID_TOKEN", body = Problem, content_type = "application/problem+json"),
@@ -134,11 +135,11 @@ pub async fn place(
         }
         Err(refusal) => return Err(refused(refusal)),
     };
-    Ok(HttpResponse::build(code).json(json!({
-        "order_no": order_no.to_string(),
-        "request_id": purchase.request_id.as_str(),
-        "status": status,
-    })))
+    Ok(HttpResponse::build(code).json(Placed {
+        order_no: order_no.to_string(),
+        request_id: purchase.request_id.as_str(),
+        status,
+    }))
 }
 
 /// The one mapping from a refused purchase to its answer; a 429 or 503
@@ -218,8 +219,61 @@ async fn current_status(
     })
 }
 
-fn order_view(o: &Order) -> serde_json::Value {
-    serde_json::to_value(o).unwrap_or_default()
+/// A purchase's answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Placed<'a> {
+    order_no: String,
+    #[schema(value_type = String)]
+    request_id: &'a str,
+    /// PROCESSING when accepted; a replay's order as it stands now.
+    #[schema(value_type = String)]
+    status: OrderStatus,
+}
+
+/// An order as its owner sees it. Before its row exists (PROCESSING, or
+/// FAILED when its reservation was released) the figures the row would
+/// hold are null.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OrderView {
+    order_no: String,
+    request_id: String,
+    activity_id: i64,
+    user_id: i64,
+    quantity: i32,
+    amount_cents: Option<i64>,
+    coupon_id: Option<i64>,
+    /// PROCESSING, WAITING_PAY, PAID, CANCELLED, CLOSED or FAILED.
+    #[schema(value_type = String)]
+    status: OrderStatus,
+    pay_deadline: Option<DateTime<Utc>>,
+    created_at: Option<DateTime<Utc>>,
+    paid_at: Option<DateTime<Utc>>,
+    failure_reason: Option<String>,
+}
+
+/// A page of the caller's orders.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OrderList {
+    orders: Vec<OrderView>,
+    /// The `cursor` of the next page, while there may be more.
+    next_cursor: Option<String>,
+}
+
+fn order_view(o: &Order) -> OrderView {
+    OrderView {
+        order_no: o.order_no.to_string(),
+        request_id: o.request_id.clone(),
+        activity_id: o.activity_id,
+        user_id: o.user_id,
+        quantity: o.quantity,
+        amount_cents: Some(o.amount_cents),
+        coupon_id: o.coupon_id,
+        status: o.status,
+        pay_deadline: o.pay_deadline,
+        created_at: Some(o.created_at),
+        paid_at: o.paid_at,
+        failure_reason: o.failure_reason.clone(),
+    }
 }
 
 /// `GET /api/v1/orders/{order_no}` (SPEC step 8): the row, else the Redis
@@ -229,7 +283,7 @@ fn order_view(o: &Order) -> serde_json::Value {
     params(("order_no" = String, Path, description = "order number (decimal)")),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "the order"),
+        (status = 200, description = "the order", body = OrderView),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
@@ -246,20 +300,20 @@ pub async fn show(
         .ok_or_else(|| ApiError::not_found("no such order"))?;
     Ok(HttpResponse::Ok().json(match found {
         Found::Row(order) => order_view(&order),
-        Found::Reserved { activity_id, r, .. } => json!({
-            "order_no": order_no.to_string(),
-            "request_id": r.request_id,
-            "activity_id": activity_id,
-            "user_id": user_id,
-            "quantity": r.quantity,
-            "amount_cents": null,
-            "coupon_id": null,
-            "status": found_status(&r),
-            "pay_deadline": null,
-            "created_at": null,
-            "paid_at": null,
-            "failure_reason": if r.released() { json!("RESERVATION_RELEASED") } else { json!(null) },
-        }),
+        Found::Reserved { activity_id, r, .. } => OrderView {
+            order_no: order_no.to_string(),
+            status: found_status(&r),
+            failure_reason: r.released().then(|| "RESERVATION_RELEASED".to_owned()),
+            request_id: r.request_id,
+            activity_id,
+            user_id: user_id.get(),
+            quantity: r.quantity,
+            amount_cents: None,
+            coupon_id: None,
+            pay_deadline: None,
+            created_at: None,
+            paid_at: None,
+        },
     }))
 }
 
@@ -345,7 +399,7 @@ pub(super) async fn find(
     params(("order_no" = String, Path, description = "order number (decimal)")),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "the order, CANCELLED"),
+        (status = 200, description = "the order, CANCELLED", body = OrderView),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "INVALID_STATE", body = Problem, content_type = "application/problem+json"),
@@ -407,7 +461,7 @@ pub struct ListQuery {
     params(ListQuery),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "orders, next_cursor"),
+        (status = 200, description = "orders, next_cursor", body = OrderList),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
@@ -427,7 +481,10 @@ pub async fn list(
         Some(s) => match OrderStatus::parse(s) {
             Some(OrderStatus::Processing) => {
                 // PROCESSING orders live in Redis only; none is listed here.
-                return Ok(HttpResponse::Ok().json(json!({"orders": [], "next_cursor": null})));
+                return Ok(HttpResponse::Ok().json(OrderList {
+                    orders: Vec::new(),
+                    next_cursor: None,
+                }));
             }
             Some(status) => Some(status),
             None => return Err(ApiError::bad_request("unknown status")),
@@ -444,11 +501,13 @@ pub async fn list(
     .await
     .map_err(ApiError::unavailable)?;
     let next_cursor = match orders.last() {
-        Some(last) if orders.len() as i64 == limit => json!(last.order_no.to_string()),
-        _ => json!(null),
+        Some(last) if orders.len() as i64 == limit => Some(last.order_no.to_string()),
+        _ => None,
     };
-    let views: Vec<_> = orders.iter().map(order_view).collect();
-    Ok(HttpResponse::Ok().json(json!({"orders": views, "next_cursor": next_cursor})))
+    Ok(HttpResponse::Ok().json(OrderList {
+        orders: orders.iter().map(order_view).collect(),
+        next_cursor,
+    }))
 }
 
 #[cfg(test)]
