@@ -25,95 +25,71 @@ use utoipa::ToSchema;
 /// The media type of every error body (RFC 9457).
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// Stable, machine-readable error codes. Clients switch on these; never
-/// rename one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorCode {
-    BadRequest,
-    Unauthorized,
-    Forbidden,
-    NotFound,
-    MethodNotAllowed,
-    PayloadTooLarge,
-    UnsupportedMediaType,
-    NotReady,
-    NotActive,
-    SoldOut,
-    LimitExceeded,
-    InvalidToken,
-    InvalidState,
-    CouponInvalid,
-    RateLimited,
-    Busy,
-    RetryLater,
-    BadSignature,
-    AmountMismatch,
-    CouponExhausted,
-    AlreadyClaimed,
-    CouponExpired,
-    Internal,
+/// Declares the error codes once: each variant, its code as clients see
+/// it, and its problem title (`type` is the code's URN, made at compile
+/// time, so no answer allocates for it).
+macro_rules! error_codes {
+    ($($variant:ident => $code:literal, $title:literal;)*) => {
+        /// Stable, machine-readable error codes. Clients switch on these;
+        /// never rename one.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum ErrorCode {
+            $($variant,)*
+        }
+
+        impl ErrorCode {
+            /// The code as it appears in JSON.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $code,)*
+                }
+            }
+
+            /// The problem type (RFC 9457 `type`): `urn:seckill:problem:<code>`.
+            pub fn problem_type(self) -> &'static str {
+                match self {
+                    $(Self::$variant => concat!("urn:seckill:problem:", $code),)*
+                }
+            }
+
+            /// The problem type's short, human summary (RFC 9457 `title`):
+            /// the same for every occurrence of the code.
+            pub fn title(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $title,)*
+                }
+            }
+        }
+    };
+}
+
+error_codes! {
+    BadRequest => "BAD_REQUEST", "Bad request";
+    Unauthorized => "UNAUTHORIZED", "Not signed in";
+    Forbidden => "FORBIDDEN", "Not allowed";
+    NotFound => "NOT_FOUND", "Not found";
+    MethodNotAllowed => "METHOD_NOT_ALLOWED", "Method not allowed";
+    PayloadTooLarge => "PAYLOAD_TOO_LARGE", "Body too large";
+    UnsupportedMediaType => "UNSUPPORTED_MEDIA_TYPE", "Unsupported media type";
+    NotReady => "NOT_READY", "Activity not warmed up";
+    NotActive => "NOT_ACTIVE", "Activity not on sale";
+    SoldOut => "SOLD_OUT", "Sold out";
+    LimitExceeded => "LIMIT_EXCEEDED", "Purchase limit reached";
+    InvalidToken => "INVALID_TOKEN", "Invalid purchase token";
+    InvalidState => "INVALID_STATE", "Not allowed in the current state";
+    CouponInvalid => "COUPON_INVALID", "Coupon not usable";
+    RateLimited => "RATE_LIMITED", "Too many requests";
+    Busy => "BUSY", "Orders are backed up";
+    RetryLater => "RETRY_LATER", "Temporarily unavailable";
+    BadSignature => "BAD_SIGNATURE", "Bad signature";
+    AmountMismatch => "AMOUNT_MISMATCH", "Amount mismatch";
+    CouponExhausted => "COUPON_EXHAUSTED", "Coupons all claimed";
+    AlreadyClaimed => "ALREADY_CLAIMED", "Coupon already claimed";
+    CouponExpired => "COUPON_EXPIRED", "Coupon expired";
+    Internal => "INTERNAL", "Internal error";
 }
 
 impl ErrorCode {
-    /// The code as it appears in JSON.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::BadRequest => "BAD_REQUEST",
-            Self::Unauthorized => "UNAUTHORIZED",
-            Self::Forbidden => "FORBIDDEN",
-            Self::NotFound => "NOT_FOUND",
-            Self::MethodNotAllowed => "METHOD_NOT_ALLOWED",
-            Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
-            Self::UnsupportedMediaType => "UNSUPPORTED_MEDIA_TYPE",
-            Self::NotReady => "NOT_READY",
-            Self::NotActive => "NOT_ACTIVE",
-            Self::SoldOut => "SOLD_OUT",
-            Self::LimitExceeded => "LIMIT_EXCEEDED",
-            Self::InvalidToken => "INVALID_TOKEN",
-            Self::InvalidState => "INVALID_STATE",
-            Self::CouponInvalid => "COUPON_INVALID",
-            Self::RateLimited => "RATE_LIMITED",
-            Self::Busy => "BUSY",
-            Self::RetryLater => "RETRY_LATER",
-            Self::BadSignature => "BAD_SIGNATURE",
-            Self::AmountMismatch => "AMOUNT_MISMATCH",
-            Self::CouponExhausted => "COUPON_EXHAUSTED",
-            Self::AlreadyClaimed => "ALREADY_CLAIMED",
-            Self::CouponExpired => "COUPON_EXPIRED",
-            Self::Internal => "INTERNAL",
-        }
-    }
-
-    /// The problem type's short, human summary (RFC 9457 `title`): the
-    /// same for every occurrence of the code.
-    pub fn title(self) -> &'static str {
-        match self {
-            Self::BadRequest => "Bad request",
-            Self::Unauthorized => "Not signed in",
-            Self::Forbidden => "Not allowed",
-            Self::NotFound => "Not found",
-            Self::MethodNotAllowed => "Method not allowed",
-            Self::PayloadTooLarge => "Body too large",
-            Self::UnsupportedMediaType => "Unsupported media type",
-            Self::NotReady => "Activity not warmed up",
-            Self::NotActive => "Activity not on sale",
-            Self::SoldOut => "Sold out",
-            Self::LimitExceeded => "Purchase limit reached",
-            Self::InvalidToken => "Invalid purchase token",
-            Self::InvalidState => "Not allowed in the current state",
-            Self::CouponInvalid => "Coupon not usable",
-            Self::RateLimited => "Too many requests",
-            Self::Busy => "Orders are backed up",
-            Self::RetryLater => "Temporarily unavailable",
-            Self::BadSignature => "Bad signature",
-            Self::AmountMismatch => "Amount mismatch",
-            Self::CouponExhausted => "Coupons all claimed",
-            Self::AlreadyClaimed => "Coupon already claimed",
-            Self::CouponExpired => "Coupon expired",
-            Self::Internal => "Internal error",
-        }
-    }
-
     /// The HTTP status this code is answered with.
     pub fn status(self) -> StatusCode {
         match self {
@@ -189,26 +165,29 @@ pub struct Problem<'a> {
 }
 
 impl<'a> Problem<'a> {
-    /// Writes the body of `code` answered with `status` (the code's own,
-    /// but for a bare status from actix, e.g. 414, mapped to a nearby code).
-    fn render(
-        code: ErrorCode,
-        status: StatusCode,
-        detail: &'a str,
-        order_no: Option<i64>,
-    ) -> String {
-        let kind = format!("urn:seckill:problem:{}", code.as_str());
-        let problem = Problem {
-            kind: &kind,
+    /// The problem of `code` answered with `status` (the code's own, but
+    /// for a bare status from actix, e.g. 414, mapped to a nearby code).
+    fn new(code: ErrorCode, status: StatusCode, detail: &'a str, order_no: Option<i64>) -> Self {
+        Problem {
+            kind: code.problem_type(),
             title: code.title(),
             status: status.as_u16(),
             detail,
             code: code.as_str(),
             message: detail,
             order_no: order_no.map(|o| o.to_string()),
-        };
+        }
+    }
+
+    /// The body of `code` answered with `status`, as JSON.
+    fn render(
+        code: ErrorCode,
+        status: StatusCode,
+        detail: &'a str,
+        order_no: Option<i64>,
+    ) -> String {
         // Serialising strings and integers cannot fail.
-        serde_json::to_string(&problem).unwrap_or_default()
+        serde_json::to_string(&Self::new(code, status, detail, order_no)).unwrap_or_default()
     }
 }
 
@@ -342,9 +321,10 @@ pub fn problem_with(
     retry_after_secs: Option<u32>,
     extra: serde_json::Map<String, serde_json::Value>,
 ) -> HttpResponse {
-    let mut body: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_str(&Problem::render(code, code.status(), detail, None))
-            .unwrap_or_default();
+    let mut body = match serde_json::to_value(Problem::new(code, code.status(), detail, None)) {
+        Ok(serde_json::Value::Object(members)) => members,
+        _ => serde_json::Map::new(),
+    };
     body.extend(extra);
     let mut response = HttpResponse::build(code.status());
     response.content_type(PROBLEM_JSON);

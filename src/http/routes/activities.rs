@@ -162,6 +162,18 @@ fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> ActivityView {
     }
 }
 
+/// Units Redis can still sell of `activity` (0 before its warm-up).
+async fn remaining(state: &AppState, activity: &Activity) -> Result<i64, ApiError> {
+    if activity.warmed_at.is_none() {
+        return Ok(0);
+    }
+    state
+        .gate
+        .available(activity.id, activity.layout())
+        .await
+        .map_err(|e| ApiError::unavailable(e.into()))
+}
+
 /// `GET /api/v1/activities`.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ActivityList {
@@ -289,17 +301,8 @@ pub async fn show(
     .await
     .map_err(ApiError::unavailable)?
     .ok_or_else(|| ApiError::not_found("no such activity"))?;
-    let remaining = if activity.warmed_at.is_some() {
-        state
-            .gate
-            .available(id, activity.layout())
-            .await
-            .map_err(|e| ApiError::unavailable(e.into()))?
-    } else {
-        0
-    };
     let mut body = view(&activity, stock.total, state.clock.now());
-    body.remaining = Some(remaining);
+    body.remaining = Some(remaining(&state, &activity).await?);
     Ok(HttpResponse::Ok().json(body))
 }
 
@@ -362,17 +365,8 @@ pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> 
     .map_err(ApiError::unavailable)?;
     let mut activities = Vec::with_capacity(rows.len());
     for (activity, stock) in rows {
-        let remaining = if activity.warmed_at.is_some() {
-            state
-                .gate
-                .available(activity.id, activity.layout())
-                .await
-                .map_err(|e| ApiError::unavailable(e.into()))?
-        } else {
-            0
-        };
         let mut body = view(&activity, stock.total, now);
-        body.remaining = Some(remaining);
+        body.remaining = Some(remaining(&state, &activity).await?);
         activities.push(body);
     }
     Ok(HttpResponse::Ok().json(ActivityList {
