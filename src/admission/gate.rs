@@ -1087,16 +1087,25 @@ impl RedisGate {
 
     /// Takes the lease `name` for `owner` for `ttl_ms` unless another owner
     /// holds it; true when `owner` holds it now.
+    ///
+    /// An owner that holds it already takes it again: a run cut short by
+    /// Redis failing (its `SET` applied, the answer or the give-back lost,
+    /// as a paused Redis does on resuming) must not keep the owner's own
+    /// next runs out for the lease's whole lifetime.
     pub async fn try_lease(&self, name: &str, owner: &str, ttl_ms: u64) -> RedisResult<bool> {
-        let taken: Option<String> = redis::cmd("SET")
-            .arg(format!("{}lease:{name}", self.prefix))
+        let script = Script::new(
+            "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end \
+             if redis.call('GET', KEYS[1]) == ARGV[1] then \
+               redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end \
+             return 0",
+        );
+        let taken: i64 = script
+            .key(format!("{}lease:{name}", self.prefix))
             .arg(owner)
-            .arg("NX")
-            .arg("PX")
             .arg(ttl_ms)
-            .query_async(&mut self.conn.clone())
+            .invoke_async(&mut self.conn.clone())
             .await?;
-        Ok(taken.is_some())
+        Ok(taken == 1)
     }
 
     /// Gives the lease `name` back, if `owner` still holds it.
