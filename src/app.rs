@@ -37,6 +37,7 @@ pub struct Workers {
     lag_sampler: Option<WorkerHandle>,
     sold_out_listener: Option<WorkerHandle>,
     order_events_listener: Option<WorkerHandle>,
+    fallback: Option<WorkerHandle>,
 }
 
 impl Workers {
@@ -95,6 +96,12 @@ impl Workers {
                     }))
                 })
                 .transpose()?,
+            fallback: Some(
+                state
+                    .admission
+                    .fallback
+                    .spawn(state.gate.clone(), state.order_progress.clone()),
+            ),
             order_events_listener: Some({
                 let seeds: Vec<String> = crate::store::redis_conn::seed_nodes(&s.redis.url)
                     .into_iter()
@@ -119,6 +126,7 @@ impl Workers {
             self.lag_sampler,
             self.sold_out_listener,
             self.order_events_listener,
+            self.fallback,
             self.releaser,
             self.claimer,
             self.lease,

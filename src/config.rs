@@ -142,6 +142,29 @@ pub struct AdmissionSettings {
     /// 0 turns the sold-out fast path off.
     #[serde(default = "default_sold_out_ttl_ms")]
     pub sold_out_ttl_ms: u64,
+    /// Sell through the database while Redis is down (docs/FALLBACK.md).
+    #[serde(default = "default_true")]
+    pub fallback_enabled: bool,
+    /// How long Redis must have failed every probe before this instance
+    /// takes purchases to the database, in ms.
+    #[serde(default = "default_fallback_after_ms")]
+    pub fallback_after_ms: u64,
+    /// Purchases per second per activity (on each instance) the fallback
+    /// admits; 0 refuses them all (429).
+    #[serde(default = "default_fallback_rate_per_sec")]
+    pub fallback_rate_per_sec: u32,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_fallback_after_ms() -> u64 {
+    2000
+}
+
+fn default_fallback_rate_per_sec() -> u32 {
+    1000
 }
 
 fn default_sold_out_ttl_ms() -> u64 {
@@ -183,7 +206,7 @@ pub struct AppSettings {
     pub host: String,
     /// Port the HTTP server binds; 0 picks a free one (tests).
     pub port: u16,
-    /// This instance's id in the snowflake generator (0..=1023). Unset (the
+    /// This instance's id in the snowflake generator (0..=1022; 1023 is the database fallback's). Unset (the
     /// default): a free one is leased in Redis at start-up. Set: exactly
     /// this one is leased, and `serve` refuses to start while another
     /// running instance holds it. Either way two running instances never
@@ -409,9 +432,12 @@ impl Settings {
         if self
             .app
             .instance_id
-            .is_some_and(|id| id > crate::ids::MAX_INSTANCE)
+            .is_some_and(|id| id > crate::ids::MAX_LEASED_INSTANCE)
         {
-            bail!("app.instance_id must be within 0..=1023 (10 bits of the snowflake id)");
+            bail!(
+                "app.instance_id must be within 0..=1022 (10 bits of the snowflake id; \
+                 1023 is the database's, for orders admitted while Redis is down)"
+            );
         }
         Ok(())
     }

@@ -52,6 +52,11 @@ pub struct Metrics {
     pub instance_id: IntGauge,
     /// Activities this instance answers SOLD_OUT for from memory.
     pub sold_out_activities: IntGauge,
+    /// 1 while Redis answers this instance's probes, 0 while it does not.
+    pub redis_up: IntGauge,
+    /// Activities whose purchases go to the database (Redis fallback), by
+    /// mode (database | restoring), as this instance last read them.
+    pub admission_modes: IntGaugeVec,
     /// Order events whose event_id was applied before with a different
     /// payload (two instances minted one number): dead-lettered, alerting.
     pub event_conflicts: IntCounter,
@@ -73,8 +78,9 @@ pub struct Metrics {
 /// Label values every dashboard and alert reads, created at 0 on start so
 /// each series exists before its first event (a `rate()` or an
 /// `increase()` over a missing series is no data, not zero).
-const ADMISSION_OUTCOMES: [&str; 11] = [
+const ADMISSION_OUTCOMES: [&str; 12] = [
     "accepted",
+    "accepted_fallback",
     "duplicate",
     "sold_out",
     "sold_out_memory",
@@ -185,6 +191,21 @@ impl Metrics {
                 "sold_out_activities",
                 "Activities answered SOLD_OUT from memory (the sold-out fast path)",
             )?,
+            redis_up: {
+                let gauge = IntGauge::new(
+                    "redis_up",
+                    "1 while Redis answers this instance's probes (0: the database fallback may take purchases)",
+                )?;
+                gauge.set(1);
+                gauge
+            },
+            admission_modes: IntGaugeVec::new(
+                Opts::new(
+                    "admission_fallback_activities",
+                    "Activities admitted through the database fallback (database) or being loaded back into Redis (restoring)",
+                ),
+                &["mode"],
+            )?,
             event_conflicts: IntCounter::new(
                 "event_conflicts_total",
                 "Order events applied before under the same event_id with a different payload",
@@ -224,6 +245,9 @@ impl Metrics {
         for outcome in ADMISSION_OUTCOMES {
             metrics.admission.with_label_values(&[outcome]);
         }
+        for mode in ["database", "restoring"] {
+            metrics.admission_modes.with_label_values(&[mode]);
+        }
         for status in OUTBOX_STATUSES {
             metrics.outbox_rows.with_label_values(&[status]);
         }
@@ -258,6 +282,8 @@ impl Metrics {
         r.register(Box::new(metrics.instance_id.clone()))?;
         r.register(Box::new(metrics.sold_out_activities.clone()))?;
         r.register(Box::new(metrics.event_conflicts.clone()))?;
+        r.register(Box::new(metrics.redis_up.clone()))?;
+        r.register(Box::new(metrics.admission_modes.clone()))?;
         r.register(Box::new(metrics.stock_units.clone()))?;
         r.register(Box::new(metrics.open_reservations.clone()))?;
         r.register(Box::new(metrics.reconcile_inconsistent.clone()))?;

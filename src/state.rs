@@ -12,6 +12,7 @@ use crate::activities::cache::ActivityCache;
 use crate::admission::RedisGate;
 use crate::admission::acks::Acks;
 use crate::admission::admit::Admitter;
+use crate::admission::fallback::Fallback;
 use crate::admission::limits::{KeyedLimiter, Limits};
 use crate::admission::publish::{Breaker, Publisher};
 use crate::admission::soldout::SoldOut;
@@ -151,6 +152,13 @@ impl AppState {
         };
         let in_flight = Arc::new(Semaphore::new(a.max_in_flight.max(1)));
         let settings = Arc::new(settings);
+        let fallback = Arc::new(Fallback::new(
+            settings.clone(),
+            db.clone(),
+            metrics.clone(),
+            clock.clone(),
+            order_events.clone(),
+        ));
         let admission = Admitter {
             settings: settings.clone(),
             limits,
@@ -165,6 +173,7 @@ impl AppState {
             restore_wanted: restore_wanted.clone(),
             metrics: metrics.clone(),
             clock: clock.clone(),
+            fallback,
         };
         Ok(Self {
             coupons,

@@ -6,6 +6,7 @@ use diesel::sql_types::{BigInt, Text};
 
 use super::Activity;
 use crate::admission::Layout;
+use crate::admission::fallback::Mode;
 use crate::orders::OrderStatus;
 use crate::store::PgConn;
 use crate::store::schema::{activities, stock};
@@ -99,10 +100,20 @@ pub fn order_counts(conn: &mut PgConn, id: i64) -> QueryResult<Vec<(OrderStatus,
     Ok(rows.into_iter().map(|r| (r.status, r.n)).collect())
 }
 
+/// A warmed activity reconciliation looks at.
+#[derive(Debug, Clone, Copy)]
+pub struct ToReconcile {
+    pub id: i64,
+    pub layout: Layout,
+    pub end_at: DateTime<Utc>,
+    /// Where its purchases are admitted.
+    pub mode: Mode,
+}
+
 /// Warmed activities still to reconcile: not yet ENDED (their Redis keys
-/// not yet removed). `(id, layout, end_at)`.
-pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<(i64, Layout, DateTime<Utc>)>> {
-    let rows: Vec<(i64, i32, i32, DateTime<Utc>)> = activities::table
+/// not yet removed).
+pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<ToReconcile>> {
+    let rows: Vec<(i64, i32, i32, DateTime<Utc>, String)> = activities::table
         .filter(activities::warmed_at.is_not_null())
         .filter(activities::status.ne("ENDED"))
         .select((
@@ -110,12 +121,45 @@ pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<(i64, Layout, DateTime
             activities::buckets,
             activities::shards,
             activities::end_at,
+            activities::admission,
         ))
         .load(conn)?;
     Ok(rows
         .into_iter()
-        .map(|(id, buckets, shards, end_at)| (id, super::layout(buckets, shards), end_at))
+        .map(|(id, buckets, shards, end_at, mode)| ToReconcile {
+            id,
+            layout: super::layout(buckets, shards),
+            end_at,
+            mode: Mode::parse(&mode),
+        })
         .collect())
+}
+
+/// Moves the activity's admission from `from` to `to` under its stock
+/// row's lock, the lock every fallback purchase takes before it reads the
+/// mode; false if it was not in `from`.
+pub fn switch_admission(conn: &mut PgConn, id: i64, from: &[Mode], to: Mode) -> QueryResult<bool> {
+    conn.transaction(|conn| {
+        stock::table
+            .find(id)
+            .select(stock::activity_id)
+            .for_update()
+            .first::<i64>(conn)
+            .optional()?;
+        let from: Vec<&str> = from.iter().map(|m| m.as_str()).collect();
+        let n = diesel::update(
+            activities::table
+                .find(id)
+                .filter(activities::admission.eq_any(from)),
+        )
+        .set((
+            activities::admission.eq(to.as_str()),
+            activities::admission_since.eq(diesel::dsl::now),
+            activities::updated_at.eq(diesel::dsl::now),
+        ))
+        .execute(conn)?;
+        Ok(n == 1)
+    })
 }
 
 /// Records that an ended activity's Redis keys are gone.

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, Semaphore};
 
+use super::fallback::{Decided, Declined, Fallback, Route};
 use super::gate::Meta as ActivityMeta;
 use super::limits::Limits;
 use super::publish::{Confirmation, Published, Publisher};
@@ -58,6 +59,9 @@ pub struct Purchase {
 pub enum Admitted {
     /// Reserved and delivered now.
     Accepted(OrderNo),
+    /// Written to the database now, WAITING_PAY: Redis is down and the
+    /// activity is sold through the fallback ([`super::fallback`]).
+    Fallback(OrderNo),
     /// The request id was already bound to this order, whose delivery this
     /// retry confirmed just now (`confirmed_now`), or which was confirmed
     /// or settled before (answer with its current status).
@@ -109,6 +113,9 @@ pub enum Refusal {
     Busy(&'static str, u32),
     /// No instance id is leased, so no number can be made (503).
     NoOrderNumber,
+    /// Redis is down and the database fallback does not take this
+    /// purchase yet (503 RETRY_LATER): why, and when to retry.
+    Degraded(&'static str, u32),
     /// The buyer already holds the per-user limit (409).
     LimitExceeded,
     /// The purchase token is missing, used, expired or not the buyer's.
@@ -131,7 +138,9 @@ impl Refusal {
     /// `Retry-After` of its 429 or 503).
     pub fn retry_after(&self) -> Option<u32> {
         match self {
-            Self::RateLimited(_, secs) | Self::Busy(_, secs) => Some(*secs),
+            Self::RateLimited(_, secs) | Self::Busy(_, secs) | Self::Degraded(_, secs) => {
+                Some(*secs)
+            }
             Self::Restoring
             | Self::NoOrderNumber
             | Self::NotQueued
@@ -153,9 +162,11 @@ impl Refusal {
         Some(match self {
             Self::RateLimited(..) => "rate_limited",
             Self::NotActive => "not_active",
-            Self::Restoring | Self::NoOrderNumber | Self::NotQueued | Self::ReserveFailed(_) => {
-                "retry_later"
-            }
+            Self::Restoring
+            | Self::NoOrderNumber
+            | Self::NotQueued
+            | Self::ReserveFailed(_)
+            | Self::Degraded(..) => "retry_later",
             Self::SoldOut { from_memory: true } => "sold_out_memory",
             Self::SoldOut { from_memory: false } => "sold_out",
             Self::Busy(..) => "busy",
@@ -197,6 +208,8 @@ pub struct Admitter {
     pub metrics: Metrics,
     /// The sale clock (windows, reservation stamps).
     pub clock: SharedClock,
+    /// The database fallback while Redis is down.
+    pub fallback: Arc<Fallback>,
 }
 
 impl Admitter {
@@ -206,6 +219,7 @@ impl Admitter {
         let result = self.run(gate, purchase).await;
         let outcome = match &result {
             Ok(Admitted::Accepted(_)) => Some("accepted"),
+            Ok(Admitted::Fallback(_)) => Some("accepted_fallback"),
             Ok(Admitted::Replayed { .. }) => None, // counted as "duplicate" on the way
             Err(refusal) => refusal.outcome(),
         };
@@ -224,6 +238,11 @@ impl Admitter {
             return Err(Refusal::Invalid("quantity must be at least 1"));
         }
         self.within_rate(p)?;
+        match self.fallback.route(p.activity_id) {
+            Route::Redis => {}
+            Route::Database => return self.through_database(p).await,
+            Route::Wait(why, secs) => return Err(Refusal::Degraded(why, secs)),
+        }
         let meta = self.open_activity(gate, p.activity_id).await?;
         if p.quantity > meta.per_user_limit {
             return Err(Refusal::Invalid("quantity exceeds the per-user limit"));
@@ -316,6 +335,38 @@ impl Admitter {
                 self.activities.forget(p.activity_id);
                 Err(self.restoring())
             }
+        }
+    }
+
+    /// Redis is down: the purchase in one database transaction.
+    async fn through_database(&self, p: &Purchase) -> Result<Admitted, Refusal> {
+        let decided = self.fallback.admit(p).await.map_err(Refusal::Unavailable)?;
+        match decided {
+            Ok(Decided::Created(order_no)) => Ok(Admitted::Fallback(order_no)),
+            Ok(Decided::Replayed(order_no)) => {
+                self.count("duplicate");
+                Ok(Admitted::Replayed {
+                    order_no,
+                    // Its row exists: the layout is never read.
+                    layout: Layout::single(1),
+                    confirmed_now: false,
+                })
+            }
+            Err(declined) => Err(match declined {
+                Declined::RateLimited(secs) => Refusal::RateLimited(
+                    "too many purchases for this activity while Redis is down",
+                    secs,
+                ),
+                Declined::InvalidToken => Refusal::InvalidToken,
+                Declined::NotActive => Refusal::NotActive,
+                Declined::TooMany => Refusal::Invalid("quantity exceeds the per-user limit"),
+                Declined::LimitExceeded => Refusal::LimitExceeded,
+                Declined::SoldOut => Refusal::SoldOut { from_memory: false },
+                Declined::CouponInvalid => Refusal::CouponInvalid,
+                Declined::NotInFallback => {
+                    Refusal::Degraded("the sale is moving between Redis and the database", 1)
+                }
+            }),
         }
     }
 

@@ -4,10 +4,12 @@
 //! back-pressure, then one `EVALSHA` ([`gate`]) that does the replay check,
 //! token consumption, per-user limit, stock and reservation at once, then
 //! the publish with its three-valued outcome ([`publish`]) and the queued
-//! acknowledgement ([`acks`]).
+//! acknowledgement ([`acks`]). While Redis is down, [`fallback`] takes
+//! purchases to the database instead.
 
 pub mod acks;
 pub mod admit;
+pub mod fallback;
 pub mod gate;
 pub mod keys;
 pub mod limits;

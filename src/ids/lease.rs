@@ -4,7 +4,7 @@
 //! - A lease is a key per instance id, `SET NX PX` with the owner's name,
 //!   renewed by a heartbeat (compare-and-set on the owner).
 //! - `app.instance_id` unset: the first free id from a random point of
-//!   0..=1023. Set: exactly that id; held by a live instance, `serve`
+//!   0..=1022. Set: exactly that id; held by a live instance, `serve`
 //!   waits one lease lifetime (a crashed predecessor's lease runs out) and
 //!   then refuses to start.
 //! - The process makes numbers only while its lease is certainly valid:
@@ -25,7 +25,7 @@ use anyhow::bail;
 use prometheus::IntGauge;
 use redis::{RedisResult, Script};
 
-use super::{IdGenerator, MAX_INSTANCE, Snowflake, epoch_ms_now};
+use super::{IdGenerator, MAX_LEASED_INSTANCE, Snowflake, epoch_ms_now};
 use crate::store::redis_conn::RedisConn;
 use crate::worker::WorkerHandle;
 
@@ -189,10 +189,10 @@ impl InstanceLease {
                 let first = if self.ids.ever_held.load(Ordering::Acquire) {
                     self.ids.ids.instance()
                 } else {
-                    fastrand::u16(..=MAX_INSTANCE)
+                    fastrand::u16(..=MAX_LEASED_INSTANCE)
                 };
-                (0..=MAX_INSTANCE)
-                    .map(|i| (first + i) % (MAX_INSTANCE + 1))
+                (0..=MAX_LEASED_INSTANCE)
+                    .map(|i| (first + i) % (MAX_LEASED_INSTANCE + 1))
                     .collect()
             }
         };
@@ -222,7 +222,7 @@ impl InstanceLease {
                  give each instance its own id, or leave app.instance_id unset \
                  to lease a free one"
             ),
-            None => "every instance id (0..=1023) is leased by a running instance".into(),
+            None => "every instance id (0..=1022) is leased by a running instance".into(),
         }))
     }
 

@@ -35,6 +35,13 @@ pub const EPOCH_UNIX_MS: u64 = 1_704_067_200_000;
 /// The largest instance id (10 bits).
 pub const MAX_INSTANCE: u16 = 1023;
 
+/// The instance id of the numbers the database makes for orders it admits
+/// while Redis is down (`admission/fallback.rs`); no lease grants it.
+pub const DATABASE_INSTANCE: u16 = MAX_INSTANCE;
+
+/// The largest instance id a lease (or `app.instance_id`) may take.
+pub const MAX_LEASED_INSTANCE: u16 = MAX_INSTANCE - 1;
+
 const SEQUENCE_BITS: u32 = 12;
 const INSTANCE_BITS: u32 = 10;
 const SEQUENCE_MASK: u64 = (1 << SEQUENCE_BITS) - 1;
@@ -167,6 +174,20 @@ impl IdGenerator for Snowflake {
     fn next_id_with_gene(&self, gene: u8) -> Option<i64> {
         Some(self.next_with_gene_at(epoch_ms_now(), gene))
     }
+}
+
+/// A number of [`DATABASE_INSTANCE`] for millisecond `ms` (since the
+/// epoch) and `seq` (a database sequence's value, of which the low 12 bits
+/// are kept), with `gene` in its low bits when it has one. Distinct as long
+/// as fewer than 4,096 (256 with a gene) come from the sequence within one
+/// millisecond; a clash is refused by the orders' primary key anyway.
+pub fn database_id(ms: u64, seq: u64, gene: Option<u8>) -> i64 {
+    let seq = match gene {
+        Some(g) => (seq << GENE_BITS | u64::from(g) & GENE_MASK) & SEQUENCE_MASK,
+        None => seq & SEQUENCE_MASK,
+    };
+    let id = ms << MS_SHIFT | u64::from(DATABASE_INSTANCE) << SEQUENCE_BITS | seq;
+    (id & (i64::MAX as u64)) as i64
 }
 
 /// The instance id inside a snowflake.

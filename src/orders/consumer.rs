@@ -29,6 +29,7 @@ use crate::bus::runner::{self, Handler, Subscription, Supervision};
 use crate::bus::{Producer, Topics};
 use crate::config::Settings;
 use crate::metrics::Metrics;
+use crate::store::redis_conn::unreachable;
 use crate::store::{self, PgPool};
 
 /// Name of this consumer in `consume_log` and in its group id.
@@ -219,7 +220,11 @@ async fn dead_letter_conflict(
 }
 
 /// DB transaction, then Redis marks. Either failing fails the whole call;
-/// a retry is safe because both steps are idempotent.
+/// a retry is safe because both steps are idempotent — except Redis being
+/// unreachable: then the orders are still written (the database is the
+/// truth, and the fallback waits for these very orders before it sells) and
+/// the marks are left to reconciliation, which settles every open
+/// reservation by its row once Redis answers.
 async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result<BatchOutcome> {
     let activity_ids: Vec<i64> = events
         .iter()
@@ -233,7 +238,17 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
         Ok(repo::activity_terms(conn, &activity_ids)?)
     })
     .await?;
-    let released = released_reservations(&deps.gate, &terms, events).await?;
+    let released = match released_reservations(&deps.gate, &terms, events).await {
+        Ok(released) => released,
+        Err(e) if unreachable(&e) => {
+            // A reservation is released before its event is applied only
+            // when its FAILED row is written first (voids) or librdkafka
+            // said the event was never sent: the rows decide without it.
+            tracing::warn!(error = %e, "Redis unreachable: order batch written without its reservation marks");
+            HashSet::new()
+        }
+        Err(e) => return Err(e.into()),
+    };
     let db_started = std::time::Instant::now();
     let owned = events.to_vec();
     let (outcome, terms, statuses) = store::run(&deps.db, move |conn| {
@@ -256,16 +271,20 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
         let layout = layout_of(&terms, e.activity_id);
         match statuses.get(&order_no) {
             Some(OrderStatus::Failed) | None => {
-                deps.gate
+                let released = deps
+                    .gate
                     .release(e.activity_id, order_no, layout, ReleaseReason::OrderFailed)
-                    .await?;
+                    .await;
+                left_to_reconciliation(released)?;
             }
             Some(_) => commit.entry(e.activity_id).or_default().push(order_no),
         }
     }
     for (activity_id, order_nos) in commit {
         let layout = layout_of(&terms, activity_id);
-        let conflicts = deps.gate.commit(activity_id, layout, &order_nos).await?;
+        let conflicts =
+            left_to_reconciliation(deps.gate.commit(activity_id, layout, &order_nos).await)?
+                .unwrap_or_default();
         for order_no in conflicts {
             if statuses.get(&order_no) == Some(&OrderStatus::WaitingPay) {
                 tracing::error!(
@@ -286,6 +305,19 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
     deps.order_events.publish(&changes).await;
     tracing::debug!(events = events.len(), total = ?started.elapsed(), db = ?db, "order batch applied");
     Ok(outcome)
+}
+
+/// A reservation mark's result: an error unless Redis is unreachable, when
+/// the mark is left to reconciliation (`None`).
+fn left_to_reconciliation<T>(result: redis::RedisResult<T>) -> redis::RedisResult<Option<T>> {
+    match result {
+        Ok(done) => Ok(Some(done)),
+        Err(e) if unreachable(&e) => {
+            tracing::debug!(error = %e, "Redis unreachable: reservation mark left to reconciliation");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// An activity's layout among `terms`; the unsharded one for an activity

@@ -26,6 +26,7 @@ use diesel::sql_types::{BigInt, Integer};
 use serde::Serialize;
 use tokio::sync::Notify;
 
+use crate::admission::fallback::Mode;
 use crate::admission::gate::{Reservation, Status, VoidClaim};
 use crate::admission::{Layout, RedisGate, ReleaseReason};
 use crate::bus::progress::GroupProgress;
@@ -278,8 +279,13 @@ impl Reconciler {
         // Asked of Kafka once per run, for every activity.
         let cutoff = self.void_cutoff().await;
         let mut reports = Vec::with_capacity(ids.len());
-        for (id, layout, end_at) in ids {
-            if !self.gate.is_warm(id).await? {
+        for a in ids {
+            let (id, layout, end_at) = (a.id, a.layout, a.end_at);
+            let mut warm = self.gate.is_warm(id).await?;
+            if warm && a.mode != Mode::Redis {
+                warm = self.back_from_fallback(id, layout, a.mode).await?;
+            }
+            if !warm {
                 reports.push(self.restore(id, &cutoff).await?);
                 continue;
             }
@@ -290,6 +296,56 @@ impl Reconciler {
             reports.push(report);
         }
         Ok(reports)
+    }
+
+    /// Redis answers again for an activity admitted through the database
+    /// (or being loaded back): true when it is warm in Redis and back on
+    /// the Redis path. In DATABASE mode Redis holds the activity as it was
+    /// before the fallback sold from the database, without those orders'
+    /// units, request ids and holdings: its keys are dropped, and the
+    /// restore loads it from the database once that is safe. In RESTORING
+    /// mode the restore ran and only the switch back is left.
+    async fn back_from_fallback(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        mode: Mode,
+    ) -> anyhow::Result<bool> {
+        if mode == Mode::Restoring {
+            self.switch_admission(activity_id, &[Mode::Restoring], Mode::Redis)
+                .await?;
+            return Ok(true);
+        }
+        self.gate.remove_activity(activity_id, layout).await?;
+        self.count("repair", "fallback_keys_dropped");
+        tracing::warn!(
+            activity_id,
+            "Redis answers again: its keys of an activity sold through the database \
+             are dropped, to be restored from the database"
+        );
+        Ok(false)
+    }
+
+    /// Moves the activity's admission from `from` to `to`.
+    async fn switch_admission(
+        &self,
+        activity_id: i64,
+        from: &'static [Mode],
+        to: Mode,
+    ) -> anyhow::Result<()> {
+        let switched = store::run(&self.db, move |conn| {
+            Ok(crate::activities::repo::switch_admission(
+                conn,
+                activity_id,
+                from,
+                to,
+            )?)
+        })
+        .await?;
+        if switched && to == Mode::Redis {
+            tracing::warn!(activity_id, "activity admitted through Redis again");
+        }
+        Ok(())
     }
 
     /// After the end plus a grace, once every order is settled (none

@@ -17,12 +17,19 @@
 //! order), the holdings of live orders (the per-user limit), committed
 //! records for WAITING_PAY orders and released ones for cancelled or closed
 //! orders (a later release applies exactly once), and the meta last.
+//!
+//! The same restore brings an activity back from the database fallback
+//! (`admission/fallback.rs`): its orders are rows like any other. Before
+//! the snapshot the activity's admission moves to RESTORING under its
+//! stock row's lock, so no fallback purchase is written after it; once
+//! Redis holds the activity, admission moves back to REDIS.
 
 use chrono::Utc;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text, Timestamptz};
 
 use super::{Cutoff, Reconciler, Report};
+use crate::admission::fallback::Mode;
 use crate::admission::gate::{Restore, RestoredOrder, RestoredState};
 use crate::orders::OrderStatus;
 use crate::store::{self, PgConn};
@@ -79,6 +86,8 @@ impl Reconciler {
             return Ok(report);
         }
         let ttl_secs = self.settings.admission.reservation_ttl_secs as f64;
+        self.switch_admission(activity_id, &[Mode::Database, Mode::Redis], Mode::Restoring)
+            .await?;
         let restore = store::run(&self.db, move |conn| {
             Ok(conn
                 .build_transaction()
@@ -91,6 +100,8 @@ impl Reconciler {
             return Ok(report);
         };
         self.gate.restore(&restore).await?;
+        self.switch_admission(activity_id, &[Mode::Restoring], Mode::Redis)
+            .await?;
         self.metrics
             .reconcile
             .with_label_values(&["repair", "restored"])

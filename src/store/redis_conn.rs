@@ -80,6 +80,16 @@ impl RedisClient {
     }
 }
 
+/// Whether `e` says Redis could not be reached (or did not answer in
+/// time), as opposed to Redis refusing the command.
+pub fn unreachable(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_unrecoverable_error()
+}
+
 /// The seed nodes of a cluster's `redis.url` (comma-separated URLs).
 pub fn seed_nodes(url: &str) -> Vec<&str> {
     url.split(',')

@@ -17,6 +17,8 @@ diesel::table! {
         created_at -> Timestamptz,
         updated_at -> Timestamptz,
         shards -> Int4,
+        admission -> Text,
+        admission_since -> Nullable<Timestamptz>,
     }
 }
 

@@ -9,8 +9,12 @@ use serde_json::json;
 use crate::helpers::{KillOnDrop, TestApp, json, spawn_app, spawn_app_with};
 
 #[tokio::test]
-async fn with_redis_down_a_purchase_is_503_retry_later() {
-    let app = spawn_app_with(|s| s.redis.url = "redis://127.0.0.1:1".into()).await;
+async fn with_redis_down_and_no_fallback_a_purchase_is_503_retry_later() {
+    let app = spawn_app_with(|s| {
+        s.redis.url = "redis://127.0.0.1:1".into();
+        s.admission.fallback_enabled = false;
+    })
+    .await;
     let res = app
         .order(1, 1, &json!({"request_id": "r", "token": "t"}))
         .await;

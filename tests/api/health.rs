@@ -8,14 +8,23 @@ async fn ready_is_200_when_redis_kafka_and_postgres_answer() {
     let res = app.get("/health/ready", None).await;
     assert_eq!(res.status(), 200);
     let body = json(res).await;
+    assert_eq!(body["status"], "ready");
     assert_eq!(body["checks"]["redis"], "up");
     assert_eq!(body["checks"]["postgres"], "up");
     assert_eq!(body["checks"]["kafka"], "up");
+    assert_eq!(body["admission"], "redis");
+    assert_eq!(body["fallback"]["database"], serde_json::json!([]));
 }
 
 #[tokio::test]
 async fn ready_is_503_naming_redis_when_redis_is_down_while_live_stays_200() {
-    let app = spawn_app_with(|s| s.redis.url = "redis://127.0.0.1:1".into()).await;
+    // Without the database fallback, which would leave it ready (degraded)
+    // once it sells (tests/api/fallback.rs).
+    let app = spawn_app_with(|s| {
+        s.redis.url = "redis://127.0.0.1:1".into();
+        s.admission.fallback_enabled = false;
+    })
+    .await;
     let res = app.get("/health/ready", None).await;
     assert_eq!(res.status(), 503);
     assert_eq!(

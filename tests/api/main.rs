@@ -10,6 +10,7 @@ mod db;
 mod degradation;
 mod delivery;
 mod errors_and_auth;
+mod fallback;
 mod forensics;
 mod health;
 mod helpers;

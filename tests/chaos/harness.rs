@@ -535,6 +535,8 @@ pub struct Bought {
     /// The last answer: status and code.
     last: String,
     attempts: u32,
+    /// Accepted by the database fallback (`X-Seckill-Admission: database`).
+    pub through_database: bool,
 }
 
 /// Every buyer's end.
@@ -543,6 +545,14 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// Buyers accepted by the database fallback.
+    pub fn through_database(&self) -> usize {
+        self.bought
+            .iter()
+            .filter(|b| b.accepted && b.through_database)
+            .count()
+    }
+
     fn summary(&self) -> String {
         let mut by_end = std::collections::BTreeMap::<String, usize>::new();
         for b in &self.bought {
@@ -655,6 +665,7 @@ impl<'a> Sale<'a> {
             order_no: None,
             last: "never answered".into(),
             attempts: 0,
+            through_database: false,
         };
         while Instant::now() < give_up {
             bought.attempts += 1;
@@ -687,12 +698,17 @@ impl<'a> Sale<'a> {
                 continue;
             };
             let status = res.status().as_u16();
+            let through_database = res
+                .headers()
+                .get("x-seckill-admission")
+                .is_some_and(|v| v == "database");
             let body: Value = res.json().await.unwrap_or(Value::Null);
             let code = body["code"].as_str().unwrap_or("").to_owned();
             bought.last = format!("{status} {code}");
             match status {
                 202 | 200 if body["status"] != "FAILED" => {
                     bought.accepted = true;
+                    bought.through_database = status == 202 && through_database;
                     bought.order_no = body["order_no"].as_str().map(str::to_owned);
                     bought.last = format!("{status} {}", body["status"].as_str().unwrap_or(""));
                     return bought;
@@ -705,8 +721,9 @@ impl<'a> Sale<'a> {
                 // A token lost with Redis: a new one next time.
                 403 if code == "INVALID_TOKEN" => pause().await,
                 // 408: a server too starved to read the request in time
-                // (actix's request timeout) never processed it.
-                503 | 408 => pause().await,
+                // (actix's request timeout) never processed it. 429: the
+                // database fallback's rate while Redis is down.
+                503 | 408 | 429 => pause().await,
                 _ => panic!("buyer {user}: unexpected {status} {body}"),
             }
         }

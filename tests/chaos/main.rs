@@ -12,7 +12,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Chaos, Fault, Sale};
+use harness::{Chaos, Fault, OnDrop, Outcome, Sale, signal};
 
 /// 20 s of a stopped broker (SIGSTOP) in the middle of the burst, buyers
 /// retrying 503s with the same request_id throughout.
@@ -89,6 +89,99 @@ async fn redis_flushed_mid_sale_is_restored_and_loses_and_duplicates_nothing() {
         chaos.log_lines_with("activity restored into Redis from the database") > 0,
         "the reconciler restored the activity"
     );
+}
+
+/// Redis killed (SIGKILL) mid-sale and started again 40 s later, empty:
+/// the sale goes on through the database fallback, then returns to Redis,
+/// which reconciliation loads from the database (the fallback's orders'
+/// request ids and holdings with it).
+#[tokio::test]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn redis_killed_mid_sale_falls_back_to_the_database_and_returns() {
+    let chaos = Chaos::start_with("redis_killed", fallback_env).await;
+    let sale = Sale::new(&chaos, 4000, 3000).await;
+    let outcome = sale
+        .run_with_fault(Fault::At(0.2), || async {
+            signal(chaos.services.pid("redis"), "KILL");
+            tokio::time::sleep(Duration::from_secs(40)).await;
+            chaos.services.up().await;
+        })
+        .await;
+    chaos.settle_and_check(&sale, &outcome).await;
+    fallback_then_redis(&chaos, &sale, &outcome).await;
+}
+
+/// Redis stopped (SIGSTOP) mid-sale for 40 s: it comes back holding the
+/// activity as it was before the fallback sold from the database, so its
+/// keys are dropped and loaded again from the database.
+#[tokio::test]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn redis_paused_mid_sale_falls_back_to_the_database_and_returns() {
+    let chaos = Chaos::start_with("redis_paused", fallback_env).await;
+    let sale = Sale::new(&chaos, 4000, 3000).await;
+    let pid = chaos.services.pid("redis");
+    let _resume = OnDrop(move || signal(pid, "CONT"));
+    let outcome = sale
+        .run_with_fault(Fault::At(0.2), || async {
+            signal(pid, "STOP");
+            tokio::time::sleep(Duration::from_secs(40)).await;
+            signal(pid, "CONT");
+        })
+        .await;
+    chaos.settle_and_check(&sale, &outcome).await;
+    fallback_then_redis(&chaos, &sale, &outcome).await;
+    assert!(
+        chaos.log_lines_with("are dropped, to be restored from the database") > 0,
+        "the stale keys were dropped"
+    );
+}
+
+/// The fallback rate is low enough that stock is left for Redis after it.
+fn fallback_env(env: &mut Vec<(&'static str, String)>) {
+    env.push(("SECKILL__ADMISSION__FALLBACK_RATE_PER_SEC", "40".to_owned()));
+}
+
+/// After [`Chaos::settle_and_check`]: the database sold during the outage
+/// and Redis after it.
+async fn fallback_then_redis(chaos: &Chaos, sale: &Sale<'_>, outcome: &Outcome) {
+    let by_database = chaos
+        .count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE activity_id = {} \
+             AND (order_no >> 12) & 1023 = 1023",
+            sale.activity
+        ))
+        .await;
+    assert!(by_database > 0, "the database fallback sold");
+    assert!(
+        outcome.through_database() > 0,
+        "202s marked X-Seckill-Admission: database"
+    );
+    assert!(
+        i64::try_from(outcome.through_database()).unwrap() <= by_database,
+        "each marked 202 is a database order"
+    );
+    let after = chaos
+        .count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE activity_id = {0} \
+             AND (order_no >> 12) & 1023 <> 1023 AND created_at > \
+             (SELECT max(created_at) FROM orders WHERE activity_id = {0} \
+              AND (order_no >> 12) & 1023 = 1023)",
+            sale.activity
+        ))
+        .await;
+    assert!(after > 0, "Redis sold again after the fallback");
+    assert_eq!(
+        chaos
+            .count(&format!(
+                "SELECT count(*) AS n FROM activities WHERE id = {} AND admission = 'REDIS'",
+                sale.activity
+            ))
+            .await,
+        1,
+        "admission is back on Redis"
+    );
+    assert!(chaos.log_lines_with("activity moved to the database fallback") > 0);
+    assert!(chaos.log_lines_with("activity admitted through Redis again") > 0);
 }
 
 /// The server killed (SIGKILL) mid-burst and started again; buyers retry

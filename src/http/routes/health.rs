@@ -26,6 +26,11 @@ pub async fn live() -> HttpResponse {
 /// down, the service's topics not created yet, or consumers stalled (the
 /// watchdog's verdict for this process's consumers, and the order
 /// consumers' progress as seen from the broker, wherever they run).
+/// `admission` says where purchases go: `redis`, or `database` while this
+/// instance sells through the fallback (Redis down); then a Redis that
+/// does not answer leaves the instance ready, `"status": "degraded"`.
+/// `fallback` lists the activities in the database fallback and those
+/// being loaded back into Redis.
 #[utoipa::path(get, path = "/health/ready", tag = "health",
     responses(
         (status = 200, description = "every check passes"),
@@ -43,8 +48,10 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
         ("kafka", kafka),
         ("consumers", consumers(&state)),
     ];
+    let (selling_from_db, database, restoring) = state.admission.fallback.status();
     let failed: Vec<String> = checks
         .iter()
+        .filter(|(name, _)| !(selling_from_db && *name == "redis"))
         .filter_map(|(name, result)| result.as_ref().err().map(|e| format!("{name}: {e}")))
         .collect();
     let detail: serde_json::Map<String, serde_json::Value> = checks
@@ -54,11 +61,25 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
             (name.to_string(), json!(status))
         })
         .collect();
+    let admission = if selling_from_db { "database" } else { "redis" };
+    let fallback = json!({"database": database, "restoring": restoring});
     if failed.is_empty() {
-        HttpResponse::Ok().json(json!({"status": "ready", "checks": detail}))
+        let status = if checks.iter().all(|(_, r)| r.is_ok()) {
+            "ready"
+        } else {
+            "degraded"
+        };
+        HttpResponse::Ok().json(json!({
+            "status": status,
+            "checks": detail,
+            "admission": admission,
+            "fallback": fallback,
+        }))
     } else {
         let mut extra = serde_json::Map::new();
         extra.insert("checks".into(), detail.into());
+        extra.insert("admission".into(), admission.into());
+        extra.insert("fallback".into(), fallback);
         // A dependency that went away is retried by the pool about every
         // few seconds; asking sooner finds the same answer.
         problem_with(

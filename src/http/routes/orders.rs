@@ -120,8 +120,13 @@ pub async fn place(
     let activity_id = path.into_inner();
     let ip = client_ip(&req, state.settings.forwarded_hops());
     let purchase = body.into_inner().purchase(activity_id, user.user_id, ip)?;
+    let mut through_database = false;
     let (code, order_no, status) = match state.admission.admit(&gate.0, &purchase).await {
         Ok(Admitted::Accepted(no)) => (StatusCode::ACCEPTED, no, OrderStatus::Processing),
+        Ok(Admitted::Fallback(no)) => {
+            through_database = true;
+            (StatusCode::ACCEPTED, no, OrderStatus::WaitingPay)
+        }
         Ok(Admitted::Replayed {
             order_no,
             confirmed_now: true,
@@ -135,12 +140,20 @@ pub async fn place(
         }
         Err(refusal) => return Err(refused(refusal)),
     };
-    Ok(HttpResponse::build(code).json(Placed {
+    let mut answer = HttpResponse::build(code);
+    if through_database {
+        // Redis was down: the order was written by the database fallback.
+        answer.insert_header((ADMISSION_HEADER, "database"));
+    }
+    Ok(answer.json(Placed {
         order_no: order_no.to_string(),
         request_id: purchase.request_id.as_str(),
         status,
     }))
 }
+
+/// Marks a 202 whose order the database fallback wrote (Redis was down).
+pub const ADMISSION_HEADER: &str = "X-Seckill-Admission";
 
 /// The one mapping from a refused purchase to its answer; a 429 or 503
 /// says when to retry (`Retry-After`).
@@ -162,6 +175,7 @@ fn answer(refusal: Refusal) -> ApiError {
         Refusal::Restoring => {
             ApiError::new(RetryLater, "the sale is being restored; retry shortly")
         }
+        Refusal::Degraded(why, _) => ApiError::new(RetryLater, why),
         Refusal::SoldOut { .. } => ApiError::new(ErrorCode::SoldOut, "sold out"),
         Refusal::CouponInvalid => {
             ApiError::new(ErrorCode::CouponInvalid, "you hold no such coupon")

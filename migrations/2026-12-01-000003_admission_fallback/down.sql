@@ -1,0 +1,2 @@
+DROP SEQUENCE fallback_order_seq;
+ALTER TABLE activities DROP COLUMN admission_since, DROP COLUMN admission;

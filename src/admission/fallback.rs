@@ -1,0 +1,752 @@
+//! The database fallback: purchases while Redis is down
+//! (`docs/FALLBACK.md`).
+//!
+//! Each instance probes Redis four times a second. Once every probe has
+//! failed for `admission.fallback_after_ms`, purchases of a warmed activity
+//! go to PostgreSQL instead, one transaction each, throttled per activity
+//! (`admission.fallback_rate_per_sec`) — but only after the order events
+//! sent before the outage are provably written: Redis had already taken
+//! their units, and the database learns of them only from the consumers.
+//! That is the proof a restore waits for: `kafka.message_timeout_ms +
+//! admission.publish_budget_ms` since the outage began (no send starts
+//! without Redis, and one in flight is decided by then) and, read after
+//! that, the order consumers at the end of every partition.
+//!
+//! The transaction locks the activity's stock row first. Under that lock it
+//! reads the activity's `admission` mode, the buyer's request id and live
+//! orders, and the available stock; then it writes the order as
+//! WAITING_PAY with its LOCK flow row through the ledger, under a number
+//! the database makes (instance id 1023, which no lease grants). The first
+//! such purchase moves the activity from REDIS to DATABASE, which every
+//! instance reads once a second and follows, whatever its own view of
+//! Redis. Reconciliation moves it back (REDIS → RESTORING → REDIS) under
+//! the same row lock once Redis answers, so no fallback order is written
+//! after the snapshot that loads the activity back into Redis.
+//!
+//! Purchase tokens live in Redis, so while this instance sends purchases
+//! to the database it hands out signed ones instead: bound to the buyer
+//! and the activity, valid for `admission.token_ttl_secs`, and not one-time
+//! (the per-user limit, checked in the database, still holds).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
+use hmac::{Hmac, KeyInit, Mac};
+use secrecy::ExposeSecret;
+use sha2::Sha256;
+use tokio_util::sync::CancellationToken;
+
+use super::RedisGate;
+use super::limits::KeyedLimiter;
+use crate::bus::progress::GroupProgress;
+use crate::clock::SharedClock;
+use crate::config::Settings;
+use crate::ids::{EPOCH_UNIX_MS, OrderNo, database_id};
+use crate::metrics::Metrics;
+use crate::orders::OrderStatus;
+use crate::orders::events::{OrderEvents, StatusChange};
+use crate::stock::{self, Units};
+use crate::store::{self, PgConn, PgPool};
+use crate::worker::WorkerHandle;
+
+/// How often Redis is probed.
+const PROBE_EVERY: Duration = Duration::from_millis(250);
+/// How long one probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+/// How often the activities' modes are read from the database.
+const POLL_EVERY: Duration = Duration::from_secs(1);
+
+/// Where an activity's purchases are admitted (`activities.admission`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The normal path.
+    Redis,
+    /// The database fallback.
+    Database,
+    /// Being loaded back into Redis by reconciliation.
+    Restoring,
+}
+
+impl Mode {
+    /// The column's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Redis => "REDIS",
+            Self::Database => "DATABASE",
+            Self::Restoring => "RESTORING",
+        }
+    }
+
+    /// The mode a column value names (REDIS for anything unknown).
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "DATABASE" => Self::Database,
+            "RESTORING" => Self::Restoring,
+            _ => Self::Redis,
+        }
+    }
+}
+
+/// Where a purchase goes now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Through Redis, as usual.
+    Redis,
+    /// Through the database fallback.
+    Database,
+    /// Neither yet: 503 with why, and in how many seconds to retry.
+    Wait(&'static str, u32),
+}
+
+/// A purchase the fallback decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decided {
+    /// Written now, WAITING_PAY.
+    Created(OrderNo),
+    /// The request id already has this order.
+    Replayed(OrderNo),
+}
+
+/// Why the fallback refused a purchase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Declined {
+    /// Too many fallback purchases for the activity; retry in so many
+    /// seconds (429).
+    RateLimited(u32),
+    /// Not a signed token of this buyer and activity (403).
+    InvalidToken,
+    /// No such warmed activity, or outside its window (409).
+    NotActive,
+    /// More than the per-user limit in one purchase (400).
+    TooMany,
+    /// The buyer's live orders would pass the limit (409).
+    LimitExceeded,
+    /// Not enough stock (409).
+    SoldOut,
+    /// The buyer holds no such unused coupon (400).
+    CouponInvalid,
+    /// The activity is not (or no longer) in the fallback: retry (503).
+    NotInFallback,
+}
+
+/// Redis as this instance's probes see it; times in unix ms.
+#[derive(Default)]
+struct Health {
+    /// Since when every probe failed; 0 while Redis answers.
+    down_since: AtomicI64,
+    /// When a probe last succeeded after failing ones.
+    back_at: AtomicI64,
+}
+
+/// What the mode poll last read.
+#[derive(Default)]
+struct Polled {
+    /// Activities not in REDIS mode.
+    modes: HashMap<i64, Mode>,
+    /// Warmed activities' windows (unix ms), for signed tokens.
+    windows: HashMap<i64, (i64, i64)>,
+}
+
+/// The fallback's state on one instance: shared by admission, the token
+/// route, readiness and its worker.
+pub struct Fallback {
+    settings: Arc<Settings>,
+    db: PgPool,
+    limiter: KeyedLimiter<i64>,
+    health: Health,
+    polled: RwLock<Polled>,
+    /// When the last completed mode poll started (unix ms).
+    polled_at: AtomicI64,
+    /// The order events sent before this outage are provably written.
+    proven: AtomicBool,
+    token_key: Vec<u8>,
+    metrics: Metrics,
+    clock: SharedClock,
+    events: Arc<OrderEvents>,
+}
+
+fn unix_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+fn secs_of(ms: i64) -> u32 {
+    u32::try_from((ms.max(0) + 999) / 1000)
+        .unwrap_or(u32::MAX)
+        .clamp(1, 60)
+}
+
+impl Fallback {
+    /// The fallback of one instance.
+    pub fn new(
+        settings: Arc<Settings>,
+        db: PgPool,
+        metrics: Metrics,
+        clock: SharedClock,
+        events: Arc<OrderEvents>,
+    ) -> Self {
+        let rate = settings.admission.fallback_rate_per_sec;
+        let mut token_key = b"seckill fallback token\0".to_vec();
+        token_key.extend_from_slice(settings.auth.jwt_secret.expose_secret().as_bytes());
+        Self {
+            limiter: KeyedLimiter::new(rate, rate.max(1)),
+            settings,
+            db,
+            health: Health::default(),
+            polled: RwLock::default(),
+            polled_at: AtomicI64::new(0),
+            proven: AtomicBool::new(false),
+            token_key,
+            metrics,
+            clock,
+            events,
+        }
+    }
+
+    fn enabled(&self) -> bool {
+        self.settings.admission.fallback_enabled
+    }
+
+    /// How long every probe has failed, if Redis is down.
+    fn down_for(&self, now: i64) -> Option<i64> {
+        match self.health.down_since.load(Ordering::Acquire) {
+            0 => None,
+            since => Some(now - since),
+        }
+    }
+
+    /// How long the events sent before an outage may still be arriving:
+    /// what the fallback waits out before it sells (a probe's worth more,
+    /// as the last Redis call may come just after a failed probe).
+    fn proof_wait_ms(&self) -> i64 {
+        let wait = self.settings.restore_wait_ms()
+            + u64::try_from((PROBE_EVERY + PROBE_TIMEOUT).as_millis()).unwrap_or(0);
+        i64::try_from(wait).unwrap_or(i64::MAX / 2)
+    }
+
+    /// This instance may move an activity into the fallback: Redis down
+    /// long enough, and what was sent before provably written.
+    fn may_enter(&self, now: i64) -> bool {
+        self.enabled()
+            && self
+                .down_for(now)
+                .is_some_and(|d| d >= self.settings.admission.fallback_after_ms as i64)
+            && self.proven.load(Ordering::Acquire)
+    }
+
+    /// An activity's mode as last read.
+    fn mode(&self, activity_id: i64) -> Mode {
+        let polled = self.polled.read().unwrap_or_else(|e| e.into_inner());
+        polled
+            .modes
+            .get(&activity_id)
+            .copied()
+            .unwrap_or(Mode::Redis)
+    }
+
+    /// Where a purchase of `activity_id` goes now.
+    pub fn route(&self, activity_id: i64) -> Route {
+        if !self.enabled() {
+            return Route::Redis;
+        }
+        match self.mode(activity_id) {
+            Mode::Database => return Route::Database,
+            Mode::Restoring => {
+                return Route::Wait("the sale is moving back to Redis; retry shortly", 1);
+            }
+            Mode::Redis => {}
+        }
+        let now = unix_ms();
+        match self.down_for(now) {
+            Some(down) if down >= self.settings.admission.fallback_after_ms as i64 => {
+                if self.proven.load(Ordering::Acquire) {
+                    Route::Database
+                } else {
+                    Route::Wait(
+                        "Redis is unreachable; purchases move to the database once \
+                         the orders accepted before are written",
+                        secs_of(self.proof_wait_ms() - down),
+                    )
+                }
+            }
+            // A blip: Redis itself answers (or fails) this purchase.
+            Some(_) => Route::Redis,
+            // Back, but the modes were last read before it came back: an
+            // activity another instance moved to the database meanwhile
+            // must not be sold from what Redis still holds.
+            None if self.health.back_at.load(Ordering::Acquire)
+                > self.polled_at.load(Ordering::Acquire) =>
+            {
+                Route::Wait("Redis is back; retry shortly", 1)
+            }
+            None => Route::Redis,
+        }
+    }
+
+    /// Whether this instance sends any purchase to the database now, and
+    /// the activities it reads in each mode other than REDIS.
+    pub fn status(&self) -> (bool, Vec<i64>, Vec<i64>) {
+        let polled = self.polled.read().unwrap_or_else(|e| e.into_inner());
+        let mut database: Vec<i64> = Vec::new();
+        let mut restoring: Vec<i64> = Vec::new();
+        for (&id, &mode) in &polled.modes {
+            match mode {
+                Mode::Database => database.push(id),
+                Mode::Restoring => restoring.push(id),
+                Mode::Redis => {}
+            }
+        }
+        database.sort_unstable();
+        restoring.sort_unstable();
+        let active = self.enabled() && (!database.is_empty() || self.may_enter(unix_ms()));
+        (active, database, restoring)
+    }
+
+    /// Whether Redis answers this instance's probes.
+    pub fn redis_up(&self) -> bool {
+        self.health.down_since.load(Ordering::Acquire) == 0
+    }
+
+    /// A signed purchase token for the buyer, when purchases of the
+    /// activity go to the database; `Err(NotActive)` outside its window,
+    /// `Ok(None)` when they go through Redis.
+    pub fn token(&self, activity_id: i64, user_id: i64) -> Result<Option<String>, Declined> {
+        if self.route(activity_id) != Route::Database {
+            return Ok(None);
+        }
+        let window = {
+            let polled = self.polled.read().unwrap_or_else(|e| e.into_inner());
+            polled.windows.get(&activity_id).copied()
+        };
+        let now = self.clock.now_ms();
+        match window {
+            Some((start, end)) if start <= now && now < end => {}
+            _ => return Err(Declined::NotActive),
+        }
+        let expires =
+            unix_ms() / 1000 + i64::try_from(self.settings.admission.token_ttl_secs).unwrap_or(60);
+        Ok(Some(format!(
+            "fb.{expires}.{}",
+            self.sign(activity_id, user_id, expires)
+        )))
+    }
+
+    fn sign(&self, activity_id: i64, user_id: i64, expires: i64) -> String {
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(&self.token_key).expect("HMAC takes any key length");
+        mac.update(format!("{activity_id}:{user_id}:{expires}").as_bytes());
+        hex::encode(mac.finalize().into_bytes())
+    }
+
+    fn token_valid(&self, activity_id: i64, user_id: i64, token: Option<&str>) -> bool {
+        let Some(rest) = token.and_then(|t| t.strip_prefix("fb.")) else {
+            return false;
+        };
+        let Some((expires, signature)) = rest.split_once('.') else {
+            return false;
+        };
+        let Ok(expires) = expires.parse::<i64>() else {
+            return false;
+        };
+        if expires < unix_ms() / 1000 || signature.len() != 64 {
+            return false;
+        }
+        let Ok(signature) = hex::decode(signature) else {
+            return false;
+        };
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(&self.token_key).expect("HMAC takes any key length");
+        mac.update(format!("{activity_id}:{user_id}:{expires}").as_bytes());
+        mac.verify_slice(&signature).is_ok()
+    }
+
+    /// A purchase through the database, in one transaction.
+    pub async fn admit(
+        &self,
+        purchase: &super::admit::Purchase,
+    ) -> anyhow::Result<Result<Decided, Declined>> {
+        if let Err(wait) = self.limiter.try_acquire(purchase.activity_id) {
+            return Ok(Err(Declined::RateLimited(secs_of(
+                i64::try_from(wait.as_millis()).unwrap_or(1000),
+            ))));
+        }
+        let user_id = purchase.user_id.get();
+        if !self.token_valid(purchase.activity_id, user_id, purchase.token.as_deref()) {
+            return Ok(Err(Declined::InvalidToken));
+        }
+        let buy = Buy {
+            activity_id: purchase.activity_id,
+            user_id,
+            request_id: purchase.request_id.as_str().to_owned(),
+            quantity: purchase.quantity,
+            coupon_id: purchase.coupon_id,
+            now_ms: self.clock.now_ms(),
+            may_enter: self.may_enter(unix_ms()),
+        };
+        let decided = store::run(&self.db, move |conn| Ok(buy.run(conn)?)).await?;
+        if let Ok(Decided::Created(order_no)) = decided {
+            let status = OrderStatus::WaitingPay;
+            let order_no = order_no.get();
+            self.events
+                .publish(&[StatusChange { order_no, status }])
+                .await;
+        }
+        Ok(decided)
+    }
+
+    /// Probes Redis and reads the modes until `shutdown`.
+    pub fn spawn(
+        self: &Arc<Self>,
+        gate: Arc<RedisGate>,
+        progress: Arc<GroupProgress>,
+    ) -> WorkerHandle {
+        let this = self.clone();
+        WorkerHandle::spawn(move |shutdown| async move {
+            this.watch(gate, progress, shutdown).await;
+        })
+    }
+
+    async fn watch(
+        &self,
+        gate: Arc<RedisGate>,
+        progress: Arc<GroupProgress>,
+        shutdown: CancellationToken,
+    ) {
+        let mut next_poll = tokio::time::Instant::now();
+        loop {
+            let was_up = self.redis_up();
+            let up = matches!(
+                tokio::time::timeout(PROBE_TIMEOUT, gate.ping()).await,
+                Ok(Ok(_))
+            );
+            let now = unix_ms();
+            if up && !was_up {
+                self.health.back_at.store(now, Ordering::Release);
+                self.health.down_since.store(0, Ordering::Release);
+                self.proven.store(false, Ordering::Release);
+                tracing::warn!("Redis answers again");
+                next_poll = tokio::time::Instant::now();
+            } else if !up && was_up {
+                self.health.down_since.store(now, Ordering::Release);
+                tracing::warn!("Redis does not answer");
+            }
+            self.metrics.redis_up.set(i64::from(self.redis_up()));
+            if tokio::time::Instant::now() >= next_poll {
+                next_poll = tokio::time::Instant::now() + POLL_EVERY;
+                if let Err(e) = self.poll().await {
+                    tracing::warn!(error = format!("{e:#}"), "reading admission modes failed");
+                }
+                self.prove(&progress).await;
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(PROBE_EVERY) => {}
+            }
+        }
+    }
+
+    /// Reads every warmed, unfinished activity's mode and window.
+    async fn poll(&self) -> anyhow::Result<()> {
+        let started = unix_ms();
+        let rows = store::run(&self.db, |conn| Ok(modes(conn)?)).await?;
+        let mut polled = Polled::default();
+        for r in rows {
+            let mode = Mode::parse(&r.admission);
+            if mode != Mode::Redis {
+                polled.modes.insert(r.id, mode);
+            }
+            polled.windows.insert(
+                r.id,
+                (r.start_at.timestamp_millis(), r.end_at.timestamp_millis()),
+            );
+        }
+        for (mode, label) in [(Mode::Database, "database"), (Mode::Restoring, "restoring")] {
+            let n = polled.modes.values().filter(|m| **m == mode).count();
+            self.metrics
+                .admission_modes
+                .with_label_values(&[label])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+        *self.polled.write().unwrap_or_else(|e| e.into_inner()) = polled;
+        self.polled_at.store(started, Ordering::Release);
+        Ok(())
+    }
+
+    /// While Redis is down: once the events sent before the outage can no
+    /// longer arrive, asks Kafka whether the order consumers have applied
+    /// every one (read after that moment, so each is among them).
+    async fn prove(&self, progress: &Arc<GroupProgress>) {
+        if !self.enabled() || self.proven.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(down) = self.down_for(unix_ms()) else {
+            return;
+        };
+        if down < self.proof_wait_ms() {
+            return;
+        }
+        match progress.caught_up().await {
+            Ok(true) if !self.redis_up() => {
+                self.proven.store(true, Ordering::Release);
+                tracing::warn!(
+                    down_ms = down,
+                    "Redis down and every order accepted before is written: \
+                     purchases go to the database"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = format!("{e:#}"), "consumer progress unknown"),
+        }
+    }
+}
+
+#[derive(QueryableByName)]
+struct ModeRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Text)]
+    admission: String,
+    #[diesel(sql_type = Timestamptz)]
+    start_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    end_at: chrono::DateTime<chrono::Utc>,
+}
+
+fn modes(conn: &mut PgConn) -> QueryResult<Vec<ModeRow>> {
+    diesel::sql_query(
+        "SELECT id, admission, start_at, end_at FROM activities \
+         WHERE warmed_at IS NOT NULL AND (status <> 'ENDED' OR admission <> 'REDIS')",
+    )
+    .load(conn)
+}
+
+/// One fallback purchase, as the blocking task runs it.
+struct Buy {
+    activity_id: i64,
+    user_id: i64,
+    request_id: String,
+    quantity: i32,
+    coupon_id: Option<i64>,
+    /// The sale clock (windows).
+    now_ms: i64,
+    /// This instance may move the activity from REDIS to DATABASE.
+    may_enter: bool,
+}
+
+#[derive(QueryableByName)]
+struct Available {
+    #[diesel(sql_type = Integer)]
+    available: i32,
+}
+
+/// The activity, read after its stock row is locked.
+#[derive(QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = Text)]
+    admission: String,
+    #[diesel(sql_type = Timestamptz)]
+    start_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    end_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = Integer)]
+    per_user_limit: i32,
+    #[diesel(sql_type = BigInt)]
+    price_cents: i64,
+    #[diesel(sql_type = Integer)]
+    pay_timeout_secs: i32,
+    #[diesel(sql_type = Integer)]
+    buckets: i32,
+    #[diesel(sql_type = Integer)]
+    shards: i32,
+    #[diesel(sql_type = Bool)]
+    warmed: bool,
+}
+
+#[derive(QueryableByName)]
+struct Existing {
+    #[diesel(sql_type = BigInt)]
+    order_no: i64,
+}
+
+#[derive(QueryableByName)]
+struct Held {
+    #[diesel(sql_type = BigInt)]
+    held: i64,
+}
+
+#[derive(QueryableByName)]
+struct Minted {
+    #[diesel(sql_type = BigInt)]
+    seq: i64,
+    #[diesel(sql_type = BigInt)]
+    unix_ms: i64,
+}
+
+impl Buy {
+    /// The transaction: every check under the stock row's lock, then the
+    /// writes; a refusal writes nothing.
+    fn run(&self, conn: &mut PgConn) -> QueryResult<Result<Decided, Declined>> {
+        conn.transaction(|conn| {
+            // The lock first, alone: a statement that waited for it sees the
+            // locked row's newest version but the other rows of its join as
+            // they were when it started, so the mode is read after it, by a
+            // statement of its own (READ COMMITTED: a fresh snapshot).
+            let Some(available) =
+                diesel::sql_query("SELECT available FROM stock WHERE activity_id = $1 FOR UPDATE")
+                    .bind::<BigInt, _>(self.activity_id)
+                    .get_result::<Available>(conn)
+                    .optional()?
+            else {
+                return Ok(Err(Declined::NotActive));
+            };
+            let a: Locked = diesel::sql_query(
+                "SELECT admission, start_at, end_at, per_user_limit, price_cents, \
+                   pay_timeout_secs, buckets, shards, warmed_at IS NOT NULL AS warmed \
+                 FROM activities WHERE id = $1",
+            )
+            .bind::<BigInt, _>(self.activity_id)
+            .get_result(conn)?;
+            let open = a.start_at.timestamp_millis() <= self.now_ms
+                && self.now_ms < a.end_at.timestamp_millis();
+            if !a.warmed || !open {
+                return Ok(Err(Declined::NotActive));
+            }
+            let mode = Mode::parse(&a.admission);
+            if mode == Mode::Restoring || (mode == Mode::Redis && !self.may_enter) {
+                return Ok(Err(Declined::NotInFallback));
+            }
+            if let Some(e) = diesel::sql_query(
+                "SELECT order_no FROM orders \
+                 WHERE activity_id = $1 AND user_id = $2 AND request_id = $3",
+            )
+            .bind::<BigInt, _>(self.activity_id)
+            .bind::<BigInt, _>(self.user_id)
+            .bind::<Text, _>(&self.request_id)
+            .get_result::<Existing>(conn)
+            .optional()?
+            {
+                return Ok(Ok(Decided::Replayed(OrderNo::new(e.order_no))));
+            }
+            if self.quantity > a.per_user_limit {
+                return Ok(Err(Declined::TooMany));
+            }
+            let held = diesel::sql_query(format!(
+                "SELECT COALESCE(sum(quantity), 0)::bigint AS held FROM orders \
+                 WHERE activity_id = $1 AND user_id = $2 AND status IN ({})",
+                OrderStatus::sql_list(&OrderStatus::HOLDING)
+            ))
+            .bind::<BigInt, _>(self.activity_id)
+            .bind::<BigInt, _>(self.user_id)
+            .get_result::<Held>(conn)?
+            .held;
+            if held + i64::from(self.quantity) > i64::from(a.per_user_limit) {
+                return Ok(Err(Declined::LimitExceeded));
+            }
+            if available.available < self.quantity {
+                return Ok(Err(Declined::SoldOut));
+            }
+            let order_no = self.number(conn, &a)?;
+            let gross = a.price_cents.saturating_mul(i64::from(self.quantity));
+            let amount = match self.coupon_id {
+                Some(coupon_id) => {
+                    match crate::coupons::repo::lock_for_order(
+                        conn,
+                        coupon_id,
+                        self.user_id,
+                        order_no,
+                        gross,
+                    )? {
+                        Some(discount) => gross.saturating_sub(discount).max(0),
+                        None => return Ok(Err(Declined::CouponInvalid)),
+                    }
+                }
+                None => gross,
+            };
+            if mode == Mode::Redis {
+                diesel::sql_query(
+                    "UPDATE activities SET admission = 'DATABASE', admission_since = now(), \
+                     updated_at = now() WHERE id = $1",
+                )
+                .bind::<BigInt, _>(self.activity_id)
+                .execute(conn)?;
+                tracing::warn!(
+                    activity_id = self.activity_id,
+                    "activity moved to the database fallback"
+                );
+            }
+            diesel::sql_query(format!(
+                "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, \
+                   amount_cents, coupon_id, status, pay_deadline) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, {}, now() + make_interval(secs => $8))",
+                OrderStatus::WaitingPay.sql()
+            ))
+            .bind::<BigInt, _>(order_no)
+            .bind::<Text, _>(&self.request_id)
+            .bind::<BigInt, _>(self.activity_id)
+            .bind::<BigInt, _>(self.user_id)
+            .bind::<Integer, _>(self.quantity)
+            .bind::<BigInt, _>(amount)
+            .bind::<Nullable<BigInt>, _>(self.coupon_id)
+            .bind::<diesel::sql_types::Double, _>(f64::from(a.pay_timeout_secs))
+            .execute(conn)?;
+            let units = Units {
+                activity_id: self.activity_id,
+                order_no,
+                quantity: self.quantity,
+            };
+            if !stock::lock(conn, &[units])?.is_empty() {
+                // Checked under the row lock above; never expected.
+                return Err(diesel::result::Error::RollbackTransaction);
+            }
+            Ok(Ok(Decided::Created(OrderNo::new(order_no))))
+        })
+    }
+
+    /// A number of the database's instance id; a sharded activity's
+    /// carries its buyer's shard.
+    fn number(&self, conn: &mut PgConn, a: &Locked) -> QueryResult<i64> {
+        let m = diesel::sql_query(
+            "SELECT nextval('fallback_order_seq') AS seq, \
+               (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS unix_ms",
+        )
+        .get_result::<Minted>(conn)?;
+        let layout = crate::activities::layout(a.buckets, a.shards);
+        let gene = layout
+            .is_sharded()
+            .then(|| layout.shard_of_user(self.user_id) as u8);
+        let ms = u64::try_from(m.unix_ms)
+            .unwrap_or(0)
+            .saturating_sub(EPOCH_UNIX_MS);
+        Ok(database_id(ms, u64::try_from(m.seq).unwrap_or(0), gene))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_numbers_carry_the_database_instance_and_the_gene() {
+        let id = database_id(1_000, 5, None);
+        assert_eq!(crate::ids::instance_of(id), crate::ids::DATABASE_INSTANCE);
+        assert_eq!(id & 0xfff, 5);
+        let sharded = database_id(1_000, 5, Some(3));
+        assert_eq!(crate::ids::gene_of(sharded), 3);
+        assert_eq!(crate::ids::instance_of(sharded), 1023);
+        assert_ne!(
+            database_id(1_000, 6, None),
+            id,
+            "the sequence tells them apart"
+        );
+    }
+
+    #[test]
+    fn modes_read_back_what_they_write() {
+        for mode in [Mode::Redis, Mode::Database, Mode::Restoring] {
+            assert_eq!(Mode::parse(mode.as_str()), mode);
+        }
+    }
+}

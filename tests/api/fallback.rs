@@ -1,0 +1,242 @@
+//! The database fallback (docs/FALLBACK.md) on a server whose Redis never
+//! answers (a closed port), against the real PostgreSQL and Kafka: the
+//! contract of a purchase written by the database, and readiness and
+//! metrics showing the mode. The way in mid-sale and the way back to Redis
+//! are the fault tests' (`tests/chaos`: Redis killed, Redis paused).
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::helpers::{OPEN, TestApp, eventually, json, spawn_app_with};
+
+/// The server, and an activity of `stock` units (limit 1) it would have
+/// warmed before Redis went away (the warm-up itself needs Redis).
+async fn without_redis(stock: i32, rate: u32) -> (TestApp, i64) {
+    let app = spawn_app_with(|s| {
+        s.redis.url = "redis://127.0.0.1:1".into();
+        s.admission.fallback_after_ms = 200;
+        s.admission.fallback_rate_per_sec = rate;
+    })
+    .await;
+    let activity = app.create_activity(stock, 1, 1, OPEN).await;
+    app.execute(&format!(
+        "UPDATE activities SET warmed_at = now(), status = 'READY' WHERE id = {activity}"
+    ))
+    .await;
+    // Down past fallback_after_ms, then the order events sent before the
+    // outage provably written (the publish window, then the consumers at
+    // the end of their topic).
+    eventually(
+        "the fallback takes purchases",
+        Duration::from_secs(120),
+        || async {
+            let body = json(app.get("/health/ready", None).await).await;
+            (body["admission"] == "database").then_some(())
+        },
+    )
+    .await;
+    (app, activity)
+}
+
+/// A signed token, then the purchase; a 429 is retried after its
+/// `Retry-After`: (status, admission header, body).
+async fn buy(app: &TestApp, user: i64, activity: i64, request_id: &str) -> (u16, String, Value) {
+    loop {
+        let res = app
+            .get(
+                &format!("/api/v1/activities/{activity}/token"),
+                Some(&app.user_token(user)),
+            )
+            .await;
+        assert_eq!(res.status(), 200, "a token without Redis");
+        let token = json(res).await["token"].as_str().unwrap().to_owned();
+        assert!(token.starts_with("fb."), "a signed token: {token}");
+        let res = app
+            .order(
+                user,
+                activity,
+                &json!({"request_id": request_id, "token": token}),
+            )
+            .await;
+        let status = res.status().as_u16();
+        if status == 429 {
+            let secs: u64 = res.headers()["retry-after"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            continue;
+        }
+        let header = res
+            .headers()
+            .get("x-seckill-admission")
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        return (status, header, json(res).await);
+    }
+}
+
+#[tokio::test]
+async fn with_redis_down_the_database_sells_each_unit_once_within_the_limit() {
+    let (app, activity) = without_redis(2, 1000).await;
+
+    let res = app.get("/health/ready", None).await;
+    assert_eq!(res.status(), 200, "ready: the fallback sells");
+    let body = json(res).await;
+    assert_eq!(body["status"], "degraded");
+    assert_eq!(body["checks"]["redis"], "down");
+
+    let (status, header, first) = buy(&app, 1, activity, "r1").await;
+    assert_eq!(status, 202, "{first}");
+    assert_eq!(header, "database");
+    assert_eq!(first["status"], "WAITING_PAY");
+    let order_no = first["order_no"].as_str().unwrap().to_owned();
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE order_no = {order_no} \
+             AND status = 'WAITING_PAY' AND user_id = 1 AND request_id = 'r1' \
+             AND (order_no >> 12) & 1023 = 1023"
+        ))
+        .await,
+        1,
+        "the order row, under the database's instance id"
+    );
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM stock_flow WHERE biz_type = 'LOCK' AND biz_no = {order_no}"
+        ))
+        .await,
+        1,
+        "its LOCK flow row"
+    );
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM activities WHERE id = {activity} AND admission = 'DATABASE'"
+        ))
+        .await,
+        1,
+        "the activity is in the fallback"
+    );
+
+    // The same request again: the same order, nothing new.
+    let (status, _, again) = buy(&app, 1, activity, "r1").await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["order_no"], order_no.as_str());
+    // Another request of the same buyer: over the limit of 1.
+    let (status, _, over) = buy(&app, 1, activity, "r2").await;
+    assert_eq!(status, 409, "{over}");
+    assert_eq!(over["code"], "LIMIT_EXCEEDED");
+    // The second unit, then none.
+    let (status, _, second) = buy(&app, 2, activity, "r1").await;
+    assert_eq!(status, 202, "{second}");
+    let (status, _, none) = buy(&app, 3, activity, "r1").await;
+    assert_eq!(status, 409, "{none}");
+    assert_eq!(none["code"], "SOLD_OUT");
+
+    // A token Redis would have issued is not one the database can check.
+    let res = app
+        .order(
+            4,
+            activity,
+            &json!({"request_id": "r1", "token": "0123abcd"}),
+        )
+        .await;
+    assert_eq!(res.status(), 403);
+    assert_eq!(json(res).await["code"], "INVALID_TOKEN");
+
+    // I1 / I7: two units locked by the two orders, nothing else.
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM stock WHERE activity_id = {activity} \
+             AND available = 0 AND locked = 2 AND sold = 0 AND total = 2"
+        ))
+        .await,
+        1
+    );
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE activity_id = {activity}"
+        ))
+        .await,
+        2,
+        "no order twice"
+    );
+
+    let metrics = app
+        .get("/metrics", None)
+        .await
+        .text()
+        .await
+        .unwrap_or_default();
+    assert!(metrics.contains("seckill_redis_up 0"), "{metrics}");
+    assert!(
+        metrics.contains("seckill_admission_total{outcome=\"accepted_fallback\"} 2"),
+        "{metrics}"
+    );
+    eventually("the mode gauge", Duration::from_secs(30), || async {
+        let metrics = app.get("/metrics", None).await.text().await.ok()?;
+        metrics
+            .contains("seckill_admission_fallback_activities{mode=\"database\"} 1")
+            .then_some(())
+    })
+    .await;
+    let body = json(app.get("/health/ready", None).await).await;
+    assert_eq!(body["fallback"]["database"], json!([activity]));
+}
+
+#[tokio::test]
+async fn the_fallback_is_rate_limited_per_activity_with_a_retry_after() {
+    let (app, activity) = without_redis(100, 1).await;
+    let token = |user: i64| {
+        let app = &app;
+        async move {
+            let res = app
+                .get(
+                    &format!("/api/v1/activities/{activity}/token"),
+                    Some(&app.user_token(user)),
+                )
+                .await;
+            json(res).await["token"].as_str().unwrap().to_owned()
+        }
+    };
+    let mut tokens = Vec::new();
+    for user in 1..=20 {
+        tokens.push((user, token(user).await));
+    }
+    // Twenty purchases at once against one a second: however slow the
+    // host, most of them find the bucket empty.
+    let answers = futures_util::future::join_all(tokens.into_iter().map(|(user, token)| {
+        let app = &app;
+        async move {
+            let res = app
+                .order(user, activity, &json!({"request_id": "r", "token": token}))
+                .await;
+            let status = res.status().as_u16();
+            let retry_after = res
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_owned());
+            (status, retry_after, json(res).await)
+        }
+    }))
+    .await;
+    let limited: Vec<&(u16, Option<String>, Value)> =
+        answers.iter().filter(|(s, _, _)| *s == 429).collect();
+    let accepted = answers.iter().filter(|(s, _, _)| *s == 202).count();
+    assert!(accepted >= 1, "{answers:?}");
+    assert!(limited.len() >= 10, "{answers:?}");
+    for (_, retry_after, body) in limited {
+        assert_eq!(body["code"], "RATE_LIMITED");
+        assert_eq!(retry_after.as_deref(), Some("1"));
+    }
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE activity_id = {activity}"
+        ))
+        .await,
+        i64::try_from(accepted).unwrap(),
+        "a 429 writes nothing"
+    );
+}
