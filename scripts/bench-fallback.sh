@@ -94,11 +94,12 @@ fallback() {
     "$url/api/v1/admin/activities/$id/warmup" >/dev/null
   kill -9 "$(cat "$OUT/redis.pid")"
   say "$name: Redis killed; waiting for the fallback"
-  for _ in $(seq 1 300); do
-    curl -s "$url/health/ready" | grep -q '"admission":"database"' && break
-    sleep 0.2
-  done
-  curl -s "$url/health/ready" | grep -q '"admission":"database"' || { echo "the fallback never started; see $OUT/$name.log" >&2; exit 1; }
+  # Its tokens are signed ones once its purchases go to the database.
+  local buyer
+  buyer=$($BIN token --user 1)
+  fb_token() { curl -s -H "Authorization: Bearer $buyer" "$url/api/v1/activities/$id/token" | grep -q '"token":"fb\.'; }
+  for _ in $(seq 1 300); do fb_token && break; sleep 0.2; done
+  fb_token || { echo "the fallback never started; see $OUT/$name.log" >&2; exit 1; }
   local result
   result=$(loadgen --url "$url" --users "$USERS" --activity "$id" --concurrency "$CONC" --first-user "$first" --no-check)
   # The invariants, from the database: I7 on the stock row, every accepted

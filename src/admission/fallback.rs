@@ -563,18 +563,27 @@ struct Locked {
     shards: i32,
     #[diesel(sql_type = Bool)]
     warmed: bool,
-}
-
-#[derive(QueryableByName)]
-struct Existing {
-    #[diesel(sql_type = BigInt)]
-    order_no: i64,
-}
-
-#[derive(QueryableByName)]
-struct Held {
+    /// The order of this request id, if it has one.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    existing: Option<i64>,
+    /// Units of the buyer's live orders.
     #[diesel(sql_type = BigInt)]
     held: i64,
+}
+
+/// The read before the lock.
+#[derive(QueryableByName)]
+struct Peek {
+    #[diesel(sql_type = Integer)]
+    available: i32,
+    #[diesel(sql_type = Timestamptz)]
+    start_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    end_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = Bool)]
+    warmed: bool,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    existing: Option<i64>,
 }
 
 #[derive(QueryableByName)]
@@ -589,6 +598,40 @@ impl Buy {
     /// The transaction: every check under the stock row's lock, then the
     /// writes; a refusal writes nothing.
     fn run(&self, conn: &mut PgConn) -> QueryResult<Result<Decided, Declined>> {
+        // One read without the lock first: a replay, a closed window or a
+        // sale with too little left is answered as the naive design
+        // answers its sold-out buyers, without queueing behind every
+        // purchase on the stock row. Everything is checked again under
+        // the lock before anything is written.
+        let Some(peek) = diesel::sql_query(
+            "SELECT s.available, a.start_at, a.end_at, a.warmed_at IS NOT NULL AS warmed, \
+               (SELECT order_no FROM orders \
+                WHERE activity_id = $1 AND user_id = $2 AND request_id = $3) AS existing \
+             FROM stock s JOIN activities a ON a.id = s.activity_id WHERE s.activity_id = $1",
+        )
+        .bind::<BigInt, _>(self.activity_id)
+        .bind::<BigInt, _>(self.user_id)
+        .bind::<Text, _>(&self.request_id)
+        .get_result::<Peek>(conn)
+        .optional()?
+        else {
+            return Ok(Err(Declined::NotActive));
+        };
+        if let Some(order_no) = peek.existing {
+            return Ok(Ok(Decided::Replayed(OrderNo::new(order_no))));
+        }
+        let open = peek.start_at.timestamp_millis() <= self.now_ms
+            && self.now_ms < peek.end_at.timestamp_millis();
+        if !peek.warmed || !open {
+            return Ok(Err(Declined::NotActive));
+        }
+        if peek.available < self.quantity {
+            return Ok(Err(Declined::SoldOut));
+        }
+        self.under_the_lock(conn)
+    }
+
+    fn under_the_lock(&self, conn: &mut PgConn) -> QueryResult<Result<Decided, Declined>> {
         conn.transaction(|conn| {
             // The lock first, alone: a statement that waited for it sees the
             // locked row's newest version but the other rows of its join as
@@ -602,12 +645,19 @@ impl Buy {
             else {
                 return Ok(Err(Declined::NotActive));
             };
-            let a: Locked = diesel::sql_query(
+            let a: Locked = diesel::sql_query(format!(
                 "SELECT admission, start_at, end_at, per_user_limit, price_cents, \
-                   pay_timeout_secs, buckets, shards, warmed_at IS NOT NULL AS warmed \
+                   pay_timeout_secs, buckets, shards, warmed_at IS NOT NULL AS warmed, \
+                   (SELECT order_no FROM orders \
+                    WHERE activity_id = $1 AND user_id = $2 AND request_id = $3) AS existing, \
+                   (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders \
+                    WHERE activity_id = $1 AND user_id = $2 AND status IN ({})) AS held \
                  FROM activities WHERE id = $1",
-            )
+                OrderStatus::sql_list(&OrderStatus::HOLDING)
+            ))
             .bind::<BigInt, _>(self.activity_id)
+            .bind::<BigInt, _>(self.user_id)
+            .bind::<Text, _>(&self.request_id)
             .get_result(conn)?;
             let open = a.start_at.timestamp_millis() <= self.now_ms
                 && self.now_ms < a.end_at.timestamp_millis();
@@ -618,31 +668,13 @@ impl Buy {
             if mode == Mode::Restoring || (mode == Mode::Redis && !self.may_enter) {
                 return Ok(Err(Declined::NotInFallback));
             }
-            if let Some(e) = diesel::sql_query(
-                "SELECT order_no FROM orders \
-                 WHERE activity_id = $1 AND user_id = $2 AND request_id = $3",
-            )
-            .bind::<BigInt, _>(self.activity_id)
-            .bind::<BigInt, _>(self.user_id)
-            .bind::<Text, _>(&self.request_id)
-            .get_result::<Existing>(conn)
-            .optional()?
-            {
-                return Ok(Ok(Decided::Replayed(OrderNo::new(e.order_no))));
+            if let Some(order_no) = a.existing {
+                return Ok(Ok(Decided::Replayed(OrderNo::new(order_no))));
             }
             if self.quantity > a.per_user_limit {
                 return Ok(Err(Declined::TooMany));
             }
-            let held = diesel::sql_query(format!(
-                "SELECT COALESCE(sum(quantity), 0)::bigint AS held FROM orders \
-                 WHERE activity_id = $1 AND user_id = $2 AND status IN ({})",
-                OrderStatus::sql_list(&OrderStatus::HOLDING)
-            ))
-            .bind::<BigInt, _>(self.activity_id)
-            .bind::<BigInt, _>(self.user_id)
-            .get_result::<Held>(conn)?
-            .held;
-            if held + i64::from(self.quantity) > i64::from(a.per_user_limit) {
+            if a.held + i64::from(self.quantity) > i64::from(a.per_user_limit) {
                 return Ok(Err(Declined::LimitExceeded));
             }
             if available.available < self.quantity {
