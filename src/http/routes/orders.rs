@@ -100,7 +100,8 @@ fn forwarded_client(values: &[&str], hops: usize) -> Option<IpAddr> {
     request_body = PlaceOrder,
     security(("bearer" = [])),
     responses(
-        (status = 202, description = "order_no, request_id, status PROCESSING", body = Placed),
+        (status = 202, description = "order_no, request_id, status PROCESSING; or, written by the database fallback while Redis is down, status WAITING_PAY with the header X-Seckill-Admission: database", body = Placed,
+            headers(("X-Seckill-Admission" = String, description = "`database` when the database fallback wrote the order"))),
         (status = 200, description = "a replayed request_id: its order and status", body = Placed),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
