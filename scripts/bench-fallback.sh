@@ -24,47 +24,12 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-say() { printf '\n== %s\n' "$*" >&2; }
-
-scripts/services.sh up >/dev/null
-eval "$(python3 scripts/settings.py)"
-say "building (release)"
-cargo build --release --quiet --bin seckill --example naive
-BIN=target/release/seckill
-OUT=$(mktemp -d /tmp/seckill-bench-fallback.XXXXXX)
-RUN=fb$(date +%s)
-export SECKILL__LOG__LEVEL=warn
-export SECKILL__REDIS__KEY_PREFIX="$RUN:" SECKILL__KAFKA__TOPIC_PREFIX="$RUN."
-export PGPASSWORD=$PG_PASSWORD
-DB=seckill_bench_fallback
-export SECKILL__POSTGRES__URL="postgres://$PG_USER:$PG_PASSWORD@$PG_HOST:$PG_PORT/$DB"
-psql_admin() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -qtA "$@"; }
-psql_bench() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d "$DB" -qtA "$@"; }
-psql_admin -c "drop database if exists $DB with (force)"
-psql_admin -c "create database $DB"
-$BIN migrate >/dev/null
-ADMIN=$($BIN token --admin)
-
+# shellcheck source=scripts/bench-common.sh
+. scripts/bench-common.sh
+bench_setup bench-fallback --bin seckill --example naive
 # The fallback servers get a Redis of their own, which the run kills.
 REDIS_PORT=16391
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
-start() {
-  local name=$1 port=$2; shift 2
-  "$@" >"$OUT/$name.log" 2>&1 &
-  PIDS+=($!)
-  for _ in $(seq 1 100); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return 0
-    sleep 0.1
-  done
-  echo "$name did not start; see $OUT/$name.log" >&2; exit 1
-}
-stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; PIDS=(); }
+trap 'cleanup; redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true' EXIT
 loadgen() { $BIN loadgen --json "$@" 2>>"$OUT/loadgen.err" | tee -a "$OUT/loadgen.txt" | tail -n 1; }
 
 say "F1 naive baseline: $USERS buyers, $STOCK units, concurrency $CONC"

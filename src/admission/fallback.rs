@@ -542,15 +542,37 @@ struct Available {
     available: i32,
 }
 
+/// A warmed activity's sale window and the buyer's order under this
+/// request id, as both reads of a fallback purchase see them.
+#[derive(QueryableByName)]
+struct Window {
+    #[diesel(sql_type = Timestamptz)]
+    start_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    end_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = Bool)]
+    warmed: bool,
+    /// The order of this request id, if it has one.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    existing: Option<i64>,
+}
+
+impl Window {
+    /// Warmed, and open at `now_ms` (the sale clock).
+    fn open(&self, now_ms: i64) -> bool {
+        self.warmed
+            && self.start_at.timestamp_millis() <= now_ms
+            && now_ms < self.end_at.timestamp_millis()
+    }
+}
+
 /// The activity, read after its stock row is locked.
 #[derive(QueryableByName)]
 struct Locked {
     #[diesel(sql_type = Text)]
     admission: String,
-    #[diesel(sql_type = Timestamptz)]
-    start_at: chrono::DateTime<chrono::Utc>,
-    #[diesel(sql_type = Timestamptz)]
-    end_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(embed)]
+    window: Window,
     #[diesel(sql_type = Integer)]
     per_user_limit: i32,
     #[diesel(sql_type = BigInt)]
@@ -561,11 +583,6 @@ struct Locked {
     buckets: i32,
     #[diesel(sql_type = Integer)]
     shards: i32,
-    #[diesel(sql_type = Bool)]
-    warmed: bool,
-    /// The order of this request id, if it has one.
-    #[diesel(sql_type = Nullable<BigInt>)]
-    existing: Option<i64>,
     /// Units of the buyer's live orders.
     #[diesel(sql_type = BigInt)]
     held: i64,
@@ -576,14 +593,8 @@ struct Locked {
 struct Peek {
     #[diesel(sql_type = Integer)]
     available: i32,
-    #[diesel(sql_type = Timestamptz)]
-    start_at: chrono::DateTime<chrono::Utc>,
-    #[diesel(sql_type = Timestamptz)]
-    end_at: chrono::DateTime<chrono::Utc>,
-    #[diesel(sql_type = Bool)]
-    warmed: bool,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    existing: Option<i64>,
+    #[diesel(embed)]
+    window: Window,
 }
 
 #[derive(QueryableByName)]
@@ -617,12 +628,10 @@ impl Buy {
         else {
             return Ok(Err(Declined::NotActive));
         };
-        if let Some(order_no) = peek.existing {
+        if let Some(order_no) = peek.window.existing {
             return Ok(Ok(Decided::Replayed(OrderNo::new(order_no))));
         }
-        let open = peek.start_at.timestamp_millis() <= self.now_ms
-            && self.now_ms < peek.end_at.timestamp_millis();
-        if !peek.warmed || !open {
+        if !peek.window.open(self.now_ms) {
             return Ok(Err(Declined::NotActive));
         }
         if peek.available < self.quantity {
@@ -659,16 +668,14 @@ impl Buy {
             .bind::<BigInt, _>(self.user_id)
             .bind::<Text, _>(&self.request_id)
             .get_result(conn)?;
-            let open = a.start_at.timestamp_millis() <= self.now_ms
-                && self.now_ms < a.end_at.timestamp_millis();
-            if !a.warmed || !open {
+            if !a.window.open(self.now_ms) {
                 return Ok(Err(Declined::NotActive));
             }
             let mode = Mode::parse(&a.admission);
             if mode == Mode::Restoring || (mode == Mode::Redis && !self.may_enter) {
                 return Ok(Err(Declined::NotInFallback));
             }
-            if let Some(order_no) = a.existing {
+            if let Some(order_no) = a.window.existing {
                 return Ok(Ok(Decided::Replayed(OrderNo::new(order_no))));
             }
             if self.quantity > a.per_user_limit {
