@@ -13,13 +13,13 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::{Notify, Semaphore};
 
 use super::fallback::{Decided, Declined, Fallback, Route};
 use super::gate::Meta as ActivityMeta;
-use super::limits::Limits;
+use super::limits::{Limits, retry_secs};
 use super::publish::{Confirmation, Published, Publisher};
 use super::soldout::SoldOut;
 use super::{Admission, Layout, RedisGate, ReserveRequest};
@@ -353,9 +353,9 @@ impl Admitter {
                 })
             }
             Err(declined) => Err(match declined {
-                Declined::RateLimited(secs) => Refusal::RateLimited(
+                Declined::RateLimited(wait) => Refusal::RateLimited(
                     "too many purchases for this activity while Redis is down",
-                    secs,
+                    retry_secs(wait),
                 ),
                 Declined::InvalidToken => Refusal::InvalidToken,
                 Declined::NotActive => Refusal::NotActive,
@@ -372,19 +372,18 @@ impl Admitter {
 
     /// The client's own bucket, then the activity's.
     fn within_rate(&self, p: &Purchase) -> Result<(), Refusal> {
-        let secs = |wait: Duration| (wait.as_secs_f64().ceil() as u32).max(1);
         if let Some(ip) = p.client_ip
             && let Err(wait) = self.limits.ip.try_acquire(ip)
         {
             return Err(Refusal::RateLimited(
                 "too many requests from this address",
-                secs(wait),
+                retry_secs(wait),
             ));
         }
         if let Err(wait) = self.limits.activity.try_acquire(p.activity_id) {
             return Err(Refusal::RateLimited(
                 "too many requests for this activity",
-                secs(wait),
+                retry_secs(wait),
             ));
         }
         Ok(())

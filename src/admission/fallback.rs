@@ -114,9 +114,9 @@ pub enum Decided {
 /// Why the fallback refused a purchase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Declined {
-    /// Too many fallback purchases for the activity; retry in so many
-    /// seconds (429).
-    RateLimited(u32),
+    /// Too many fallback purchases for the activity; the bucket holds a
+    /// token again after this long (429).
+    RateLimited(Duration),
     /// Not a signed token of this buyer and activity (403).
     InvalidToken,
     /// No such warmed activity, or outside its window (409).
@@ -161,6 +161,8 @@ pub struct Fallback {
     polled: RwLock<Polled>,
     /// When the last completed mode poll started (unix ms).
     polled_at: AtomicI64,
+    /// Some activity is in a mode other than REDIS (as last read).
+    any_moved: AtomicBool,
     /// The order events sent before this outage are provably written.
     proven: AtomicBool,
     token_key: Vec<u8>,
@@ -198,6 +200,7 @@ impl Fallback {
             health: Health::default(),
             polled: RwLock::default(),
             polled_at: AtomicI64::new(0),
+            any_moved: AtomicBool::new(false),
             proven: AtomicBool::new(false),
             token_key,
             metrics,
@@ -252,37 +255,40 @@ impl Fallback {
         if !self.enabled() {
             return Route::Redis;
         }
-        match self.mode(activity_id) {
-            Mode::Database => return Route::Database,
-            Mode::Restoring => {
-                return Route::Wait("the sale is moving back to Redis; retry shortly", 1);
-            }
-            Mode::Redis => {}
-        }
-        let now = unix_ms();
-        match self.down_for(now) {
-            Some(down) if down >= self.settings.admission.fallback_after_ms as i64 => {
-                if self.proven.load(Ordering::Acquire) {
-                    Route::Database
-                } else {
-                    Route::Wait(
-                        "Redis is unreachable; purchases move to the database once \
-                         the orders accepted before are written",
-                        secs_of(self.proof_wait_ms() - down),
-                    )
+        // The hot path, with Redis up and every activity on it: three
+        // atomic loads, no lock, no clock.
+        if self.any_moved.load(Ordering::Acquire) {
+            match self.mode(activity_id) {
+                Mode::Database => return Route::Database,
+                Mode::Restoring => {
+                    return Route::Wait("the sale is moving back to Redis; retry shortly", 1);
                 }
+                Mode::Redis => {}
             }
-            // A blip: Redis itself answers (or fails) this purchase.
-            Some(_) => Route::Redis,
+        }
+        let down_since = self.health.down_since.load(Ordering::Acquire);
+        if down_since == 0 {
             // Back, but the modes were last read before it came back: an
             // activity another instance moved to the database meanwhile
             // must not be sold from what Redis still holds.
-            None if self.health.back_at.load(Ordering::Acquire)
-                > self.polled_at.load(Ordering::Acquire) =>
+            if self.health.back_at.load(Ordering::Acquire) > self.polled_at.load(Ordering::Acquire)
             {
-                Route::Wait("Redis is back; retry shortly", 1)
+                return Route::Wait("Redis is back; retry shortly", 1);
             }
-            None => Route::Redis,
+            return Route::Redis;
+        }
+        let down = unix_ms() - down_since;
+        if down < self.settings.admission.fallback_after_ms as i64 {
+            // A blip: Redis itself answers (or fails) this purchase.
+            Route::Redis
+        } else if self.proven.load(Ordering::Acquire) {
+            Route::Database
+        } else {
+            Route::Wait(
+                "Redis is unreachable; purchases move to the database once \
+                 the orders accepted before are written",
+                secs_of(self.proof_wait_ms() - down),
+            )
         }
     }
 
@@ -369,9 +375,7 @@ impl Fallback {
         purchase: &super::admit::Purchase,
     ) -> anyhow::Result<Result<Decided, Declined>> {
         if let Err(wait) = self.limiter.try_acquire(purchase.activity_id) {
-            return Ok(Err(Declined::RateLimited(secs_of(
-                i64::try_from(wait.as_millis()).unwrap_or(1000),
-            ))));
+            return Ok(Err(Declined::RateLimited(wait)));
         }
         let user_id = purchase.user_id.get();
         if !self.token_valid(purchase.activity_id, user_id, purchase.token.as_deref()) {
@@ -470,7 +474,9 @@ impl Fallback {
                 .with_label_values(&[label])
                 .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
+        let any_moved = !polled.modes.is_empty();
         *self.polled.write().unwrap_or_else(|e| e.into_inner()) = polled;
+        self.any_moved.store(any_moved, Ordering::Release);
         self.polled_at.store(started, Ordering::Release);
         Ok(())
     }
@@ -705,12 +711,14 @@ impl Buy {
                 None => gross,
             };
             if mode == Mode::Redis {
-                diesel::sql_query(
-                    "UPDATE activities SET admission = 'DATABASE', admission_since = now(), \
-                     updated_at = now() WHERE id = $1",
-                )
-                .bind::<BigInt, _>(self.activity_id)
-                .execute(conn)?;
+                // The stock row is ours already: the repo's lock of it is
+                // granted at once (a savepoint, on this one purchase).
+                crate::activities::repo::switch_admission(
+                    conn,
+                    self.activity_id,
+                    &[Mode::Redis],
+                    Mode::Database,
+                )?;
                 tracing::warn!(
                     activity_id = self.activity_id,
                     "activity moved to the database fallback"

@@ -8,6 +8,11 @@ use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// A bucket's wait, in the whole seconds of a `Retry-After` (at least 1).
+pub fn retry_secs(wait: Duration) -> u32 {
+    (wait.as_secs_f64().ceil() as u32).max(1)
+}
+
 /// One token bucket.
 #[derive(Debug, Clone, Copy)]
 struct Bucket {
