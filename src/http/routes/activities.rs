@@ -413,14 +413,20 @@ pub async fn stats(
     .map_err(ApiError::unavailable)?;
     let (activity, stock) = found.ok_or_else(|| ApiError::not_found("no such activity"))?;
     let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
-    let redis_available = state
-        .gate
-        .available(id, activity.layout())
-        .await
-        .map_err(redis_err)?;
+    // The open reservations before the stock: a release (which closes a
+    // reservation and gives its units back in one script) that the open
+    // count already shows is in the stock read after it. The other way
+    // round, a release landing between the two reads showed nothing open
+    // and its units still taken, and a caller waiting for "nothing open"
+    // read a stock it then never saw again.
     let open = state
         .gate
         .open_reservations(id, activity.layout())
+        .await
+        .map_err(redis_err)?;
+    let redis_available = state
+        .gate
+        .available(id, activity.layout())
         .await
         .map_err(redis_err)?;
     // Every state, the ones with no order too.
