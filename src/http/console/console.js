@@ -472,6 +472,12 @@ function sumOf(metrics, name, labelFilter) {
 
 const operator = {
   activities: [],
+  // The table is fetched by the refresh timer and again after each action,
+  // so answers can come back out of order: only a fetch started after the
+  // one on screen may replace it (an older one would show, say, an
+  // activity as it was before its warm-up).
+  tableStarted: 0,
+  tableShown: 0,
   last: null, // {at (ms), metrics}
 
   async start() {
@@ -529,19 +535,23 @@ const operator = {
   },
 
   async table() {
+    const started = ++this.tableStarted;
     const sentAt = Date.now();
     const res = await api("GET", "/api/v1/activities");
     if (!res.ok) return;
     syncClock(res.data.server_time, sentAt, Date.now());
-    this.activities = res.data.activities;
+    const activities = res.data.activities;
     const stats = session.token
       ? await Promise.all(
-          this.activities.map((a) =>
+          activities.map((a) =>
             api("GET", "/api/v1/admin/activities/" + a.activity_id + "/stats", undefined, session.token),
           ),
         )
       : [];
-    const rows = this.activities.map((a, i) => {
+    if (started < this.tableShown) return;
+    this.tableShown = started;
+    this.activities = activities;
+    const rows = activities.map((a, i) => {
       const s = stats[i] && stats[i].ok ? stats[i].data : null;
       const cell = (v, cls) => el("td", { class: cls || "num" }, v == null ? "–" : v);
       const orders = s
