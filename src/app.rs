@@ -28,6 +28,7 @@ use crate::worker::WorkerHandle;
 #[derive(Default)]
 pub struct Workers {
     lease: Option<WorkerHandle>,
+    producer_watch: Option<WorkerHandle>,
     consumer: Option<WorkerHandle>,
     releaser: Option<WorkerHandle>,
     claimer: Option<WorkerHandle>,
@@ -47,6 +48,7 @@ impl Workers {
         let w = &s.workers;
         Ok(Self {
             lease: None,
+            producer_watch: Some(state.producer.supervise(state.supervision())),
             consumer: s
                 .orders
                 .consumer_enabled
@@ -81,6 +83,8 @@ impl Workers {
                         Duration::from_millis(s.admission.lag_sample_ms.max(50)),
                         state.metrics.order_consumer_lag.clone(),
                         state.metrics.order_consumer_stalled_seconds.clone(),
+                        state.supervision(),
+                        Duration::from_secs(s.kafka.consumer_stall_secs),
                     )
                 }),
             sold_out_listener: (s.admission.sold_out_ttl_ms > 0)
@@ -129,6 +133,7 @@ impl Workers {
             self.fallback,
             self.releaser,
             self.claimer,
+            self.producer_watch,
             self.lease,
         ];
         for worker in workers.into_iter().flatten() {
@@ -142,6 +147,7 @@ pub struct Application {
     port: u16,
     server: Server,
     workers: Workers,
+    deadline: Duration,
 }
 
 impl Application {
@@ -156,8 +162,12 @@ impl Application {
         let address = format!("{}:{}", settings.app.host, settings.app.port);
         let listener = TcpListener::bind(&address).with_context(|| format!("binding {address}"))?;
         let port = listener.local_addr()?.port();
-        let shutdown = settings.app.shutdown_timeout_secs;
-        let keys = web::Data::new(JwtKeys::new(&settings.auth.jwt_secret)?);
+        // Connections get two thirds of the shutdown deadline to finish,
+        // the workers the rest; at the deadline the process exits anyway
+        // (`run_until_stopped`).
+        let shutdown = (settings.app.shutdown_timeout_secs * 2 / 3).max(1);
+        let deadline = Duration::from_secs(settings.app.shutdown_timeout_secs);
+        let keys = web::Data::new(JwtKeys::from_settings(&settings.auth)?);
         let mut state = AppState::connect_with_clock(settings, clock)?;
         state.self_url = format!("http://{}:{port}", loopback(&state.settings.app.host));
         let state = web::Data::new(state);
@@ -203,6 +213,7 @@ impl Application {
             port,
             server,
             workers,
+            deadline,
         })
     }
 
@@ -218,10 +229,47 @@ impl Application {
     }
 
     /// Serves until SIGINT / SIGTERM, drains in-flight requests, then lets
-    /// each worker finish its batch.
+    /// each worker finish its batch. `app.shutdown_timeout_secs` after the
+    /// signal the process exits, whatever a worker is stuck on (a Kafka
+    /// client closing against a coordinator that never answers).
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
+        let deadline = self.deadline;
+        let armed = tokio::spawn(async move {
+            shutdown_signal().await;
+            exit_at(deadline);
+        });
         let result = self.server.await;
         self.workers.stop().await;
+        armed.abort();
         result
+    }
+}
+
+/// Ends the process `deadline` from now, with an ERROR and exit status 1,
+/// unless it has ended by then.
+pub fn exit_at(deadline: Duration) {
+    std::thread::spawn(move || {
+        std::thread::sleep(deadline);
+        tracing::error!(
+            deadline_secs = deadline.as_secs(),
+            "shutdown did not finish within app.shutdown_timeout_secs; exiting now"
+        );
+        std::process::exit(1);
+    });
+}
+
+/// SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }

@@ -12,6 +12,7 @@ pub mod coupons;
 pub mod domain;
 pub mod http;
 pub mod ids;
+pub mod liveness;
 pub mod loadgen;
 pub mod metrics;
 pub mod orders;

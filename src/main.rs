@@ -136,9 +136,15 @@ async fn main() -> anyhow::Result<()> {
                 settings.workers.releaser_enabled = false;
                 settings.workers.claimer_enabled = false;
             }
-            serve(settings).await
+            serve(settings).await?;
+            // Everything is stopped: the runtime's blocking threads (a
+            // Kafka client's destructor) must not hold the exit.
+            std::process::exit(0)
         }
-        Command::Consume { which } => consume(settings, which.all_if_none()).await,
+        Command::Consume { which } => {
+            consume(settings, which.all_if_none()).await?;
+            std::process::exit(0)
+        }
         Command::Reconcile => {
             let state = seckill::state::AppState::connect(settings)?;
             let reports = state.reconciler().run().await?;
@@ -165,7 +171,7 @@ async fn main() -> anyhow::Result<()> {
             let role = if admin { Role::Admin } else { Role::User };
             println!(
                 "{}",
-                JwtKeys::new(&settings.auth.jwt_secret)?.mint(user, role, ttl)?
+                JwtKeys::from_settings(&settings.auth)?.mint(user, role, ttl)?
             );
             Ok(())
         }
@@ -204,29 +210,20 @@ async fn consume(settings: Settings, which: Consumers) -> anyhow::Result<()> {
             seckill::coupons::consumer::spawn(deps.clone())?,
         ));
     }
+    // Judged like the server's: by a fresh client, the producer too.
+    let producer_watch = deps.producer.supervise(deps.supervision.clone());
     let names: Vec<&str> = running.iter().map(|(name, _)| *name).collect();
     tracing::info!(consumers = ?names, "consumers running");
-    shutdown_signal().await;
+    seckill::app::shutdown_signal().await;
+    seckill::app::exit_at(std::time::Duration::from_secs(
+        deps.settings.app.shutdown_timeout_secs,
+    ));
     for (_, handle) in running {
         handle.stop().await;
     }
+    producer_watch.stop().await;
     tracing::info!("consumers stopped");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }
 
 fn outbox(settings: &Settings, action: OutboxAction) -> anyhow::Result<()> {

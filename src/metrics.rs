@@ -29,6 +29,10 @@ pub struct Metrics {
     pub deliveries_pending: IntGauge,
     /// Consumer clients rebuilt by the watchdog, by group.
     pub consumer_restarts: IntCounterVec,
+    /// Kafka clients rebuilt because they were wedged while the broker
+    /// answered a fresh client, by client (producer, progress, or the
+    /// consumer's name).
+    pub kafka_client_rebuilds: IntCounterVec,
     /// How long the order consumers have had messages waiting without
     /// committing any, in seconds (admission's BUSY and readiness read it).
     pub order_consumer_stalled_seconds: IntGauge,
@@ -145,6 +149,13 @@ impl Metrics {
                     "Consumer clients rebuilt by the watchdog",
                 ),
                 &["group"],
+            )?,
+            kafka_client_rebuilds: IntCounterVec::new(
+                Opts::new(
+                    "kafka_client_rebuilds_total",
+                    "Kafka clients rebuilt because they were wedged while the broker answered a fresh client",
+                ),
+                &["client"],
             )?,
             order_consumer_stalled_seconds: IntGauge::new(
                 "order_consumer_stalled_seconds",
@@ -269,6 +280,7 @@ impl Metrics {
         r.register(Box::new(metrics.produce_errors.clone()))?;
         r.register(Box::new(metrics.deliveries_pending.clone()))?;
         r.register(Box::new(metrics.consumer_restarts.clone()))?;
+        r.register(Box::new(metrics.kafka_client_rebuilds.clone()))?;
         r.register(Box::new(metrics.order_consumer_stalled_seconds.clone()))?;
         r.register(Box::new(metrics.consumer_batch_size.clone()))?;
         r.register(Box::new(metrics.consumer_events.clone()))?;

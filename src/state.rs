@@ -16,6 +16,7 @@ use crate::admission::fallback::Fallback;
 use crate::admission::limits::{KeyedLimiter, Limits};
 use crate::admission::publish::{Breaker, Publisher};
 use crate::admission::soldout::SoldOut;
+use crate::bus::probe::BrokerProbe;
 use crate::bus::progress::GroupProgress;
 use crate::bus::runner::Supervision;
 use crate::bus::watchdog::Registry;
@@ -24,6 +25,7 @@ use crate::clock::{SharedClock, SystemClock};
 use crate::config::{RedisSettings, Settings};
 use crate::coupons::gate::CouponGate;
 use crate::ids::{IdGenerator, InstanceLease, LeasedIds};
+use crate::liveness::Liveness;
 use crate::metrics::Metrics;
 use crate::orders::consumer::ConsumerDeps;
 use crate::orders::events::OrderEvents;
@@ -90,6 +92,11 @@ pub struct AppState {
     /// Order status changes: announced after each commit, heard by the
     /// order streams (`orders::events`).
     pub order_events: Arc<OrderEvents>,
+    /// Whether the broker answers a fresh client: the judge of every
+    /// long-lived Kafka client, and readiness's view of Kafka.
+    pub kafka_probe: Arc<BrokerProbe>,
+    /// Whether this process can still heal itself (`/health/live`).
+    pub liveness: Arc<Liveness>,
 }
 
 impl AppState {
@@ -175,6 +182,8 @@ impl AppState {
             clock: clock.clone(),
             fallback,
         };
+        let kafka_probe = BrokerProbe::new(&settings.kafka, &topics.order_requested);
+        kafka_probe.start();
         Ok(Self {
             coupons,
             publisher,
@@ -214,11 +223,24 @@ impl AppState {
                 loopback(&settings.app.host),
                 settings.app.port
             ),
+            kafka_probe,
+            liveness: Arc::default(),
             settings,
             background: tokio::runtime::Handle::current(),
             clock,
             order_events,
         })
+    }
+
+    /// Who watches this process's Kafka clients.
+    pub fn supervision(&self) -> Supervision {
+        Supervision {
+            registry: self.consumers.clone(),
+            restarts: self.metrics.consumer_restarts.clone(),
+            rebuilds: self.metrics.kafka_client_rebuilds.clone(),
+            probe: self.kafka_probe.clone(),
+            liveness: self.liveness.clone(),
+        }
     }
 
     /// What reconciliation needs, sharing this state's clients.
@@ -273,10 +295,7 @@ impl AppState {
             settings: self.settings.clone(),
             metrics: self.metrics.clone(),
             order_events: self.order_events.clone(),
-            supervision: Supervision {
-                registry: self.consumers.clone(),
-                restarts: self.metrics.consumer_restarts.clone(),
-            },
+            supervision: self.supervision(),
         }
     }
 }

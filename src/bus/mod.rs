@@ -4,6 +4,7 @@
 //! librdkafka's own background thread.
 
 pub mod events;
+pub mod probe;
 pub mod producer;
 pub mod progress;
 pub mod runner;

@@ -15,7 +15,8 @@
 //!   [`PublishError::Unconfirmed`] (a success librdkafka inferred, with no
 //!   offset from the broker) is handled the same way.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -24,7 +25,7 @@ use rdkafka::bindings::{rd_kafka_message_status, rd_kafka_msg_status_t};
 use rdkafka::client::ClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{DeliveryResult, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, Producer as _, ProducerContext, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, ProducerContext, ThreadedProducer};
 use tokio::sync::oneshot;
 
 use crate::config::KafkaSettings;
@@ -110,8 +111,9 @@ fn is_transport(code: RDKafkaErrorCode) -> bool {
 /// What a delivery callback hands back.
 type Outcome = Result<(), PublishError>;
 
-/// Turns librdkafka's delivery reports into [`Outcome`]s.
-struct DeliveryContext;
+/// Turns librdkafka's delivery reports into [`Outcome`]s, and keeps the
+/// producer's [`Progress`].
+struct DeliveryContext(Arc<Progress>);
 
 impl ClientContext for DeliveryContext {
     fn error(&self, error: KafkaError, reason: &str) {
@@ -125,8 +127,14 @@ impl ProducerContext for DeliveryContext {
     type DeliveryOpaque = Box<oneshot::Sender<Outcome>>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, tx: Self::DeliveryOpaque) {
+        let outcome = outcome(result);
+        self.0.reported(
+            outcome
+                .as_ref()
+                .map_or_else(|e| !e.is_transient(), |()| true),
+        );
         // The publisher may have stopped waiting (its request ended): fine.
-        let _ = tx.send(outcome(result));
+        let _ = tx.send(outcome);
     }
 }
 
@@ -184,30 +192,158 @@ fn outcome(result: &DeliveryResult<'_>) -> Outcome {
     }
 }
 
+/// Whether the producer gets its messages delivered: how many wait for a
+/// report, and since when it has had work without one answer from the
+/// broker (the stretch opens at a send and closes at a delivery; a
+/// timeout leaves it open, so messages timing out and sent again add up
+/// to one long stall).
+#[derive(Debug, Default)]
+struct Progress {
+    pending: AtomicI64,
+    /// Unix ms since which messages have waited with no delivery in
+    /// between; 0 while nothing waits or the last report was a delivery.
+    waiting_since: AtomicI64,
+}
+
+impl Progress {
+    fn sent(&self) {
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        let _ =
+            self.waiting_since
+                .compare_exchange(0, now_ms(), Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// Refused before it was handed over (a full queue waits on the
+    /// messages before it, which keep the stretch open).
+    fn not_sent(&self) {
+        if self.pending.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.waiting_since.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// One delivery report. `answered`: delivered, or refused by the broker
+    /// for the message's own sake (the broker answered); a timeout or a
+    /// transport failure is no progress.
+    fn reported(&self, answered: bool) {
+        let left = self.pending.fetch_sub(1, Ordering::Relaxed) - 1;
+        if answered {
+            // Progress: the clock starts again, or stops if nothing waits.
+            self.waiting_since
+                .store(if left > 0 { now_ms() } else { 0 }, Ordering::Relaxed);
+        }
+    }
+
+    /// A new client gets a whole window of its own.
+    fn restart(&self) {
+        if self.waiting_since.load(Ordering::Relaxed) != 0 {
+            self.waiting_since.store(now_ms(), Ordering::Relaxed);
+        }
+    }
+}
+
+type Client = ThreadedProducer<DeliveryContext>;
+
 /// The idempotent producer: `acks=all`, retried by librdkafka without
 /// duplicates or reordering within a partition until
-/// `kafka.message_timeout_ms`. Cheap to clone.
+/// `kafka.message_timeout_ms`. Cheap to clone; every clone sends through
+/// the same client, which [`Producer::rebuild`] replaces for all of them.
 #[derive(Clone)]
 pub struct Producer {
-    inner: Arc<ThreadedProducer<DeliveryContext>>,
+    inner: Arc<RwLock<Arc<Client>>>,
+    progress: Arc<Progress>,
+    settings: Arc<KafkaSettings>,
 }
 
 impl Producer {
     /// Creates the producer (it connects on first use).
     pub fn new(settings: &KafkaSettings) -> anyhow::Result<Self> {
-        let inner = super::client_config(settings)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("linger.ms", settings.linger_ms.to_string())
-            .set("queue.buffering.max.messages", "200000")
-            .set(
-                "message.timeout.ms",
-                settings.message_timeout_ms.max(1000).to_string(),
-            )
-            .create_with_context(DeliveryContext)
-            .context("creating the Kafka producer")?;
+        let progress = Arc::new(Progress::default());
+        let inner = build(settings, &progress)?;
         Ok(Self {
-            inner: Arc::new(inner),
+            inner: Arc::new(RwLock::new(Arc::new(inner))),
+            progress,
+            settings: Arc::new(settings.clone()),
+        })
+    }
+
+    fn current(&self) -> Arc<Client> {
+        self.inner.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// How long messages have waited with not one delivered; zero while
+    /// the producer is idle or delivering.
+    pub fn stalled_for(&self) -> Duration {
+        super::watchdog::elapsed(&self.progress.waiting_since)
+    }
+
+    /// Replaces the client for every clone. The old one is destroyed on
+    /// the blocking pool once nobody sends through it: its queue is purged,
+    /// each message reported as never sent or as unknown, as librdkafka
+    /// knows it (the unknown ones are sent again from their reservations).
+    pub fn rebuild(&self) -> anyhow::Result<()> {
+        let new = Arc::new(build(&self.settings, &self.progress)?);
+        let old = std::mem::replace(
+            &mut *self.inner.write().unwrap_or_else(|e| e.into_inner()),
+            new,
+        );
+        self.progress.restart();
+        tokio::task::spawn_blocking(move || {
+            // A send in hand holds a clone for a moment: the last drop,
+            // which blocks, is this thread's.
+            while Arc::strong_count(&old) > 1 {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            drop(old);
+        });
+        Ok(())
+    }
+
+    /// Rebuilds the client whenever it has delivered nothing for
+    /// `kafka.consumer_stall_secs` while the broker answers a fresh client
+    /// for as long; gives up (the process exits, to be restarted) after
+    /// [`super::watchdog::MAX_REBUILDS_IN_A_ROW`] rebuilds with no delivery
+    /// in between.
+    pub fn supervise(&self, watch: super::runner::Supervision) -> crate::worker::WorkerHandle {
+        let producer = self.clone();
+        let stall = Duration::from_secs(self.settings.consumer_stall_secs);
+        watch.rebuilds.with_label_values(&["producer"]);
+        crate::worker::WorkerHandle::spawn(move |stop| async move {
+            let in_a_row = AtomicU32::new(0);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                let stalled = producer.stalled_for();
+                if stalled.is_zero() {
+                    in_a_row.store(0, Ordering::Relaxed);
+                }
+                if stall.is_zero() || stalled < stall || watch.probe.answering_for() < stall {
+                    continue;
+                }
+                let why = format!(
+                    "nothing delivered for {}s while the broker answers a fresh client",
+                    stalled.as_secs()
+                );
+                if in_a_row.fetch_add(1, Ordering::Relaxed)
+                    >= super::watchdog::MAX_REBUILDS_IN_A_ROW
+                {
+                    watch.liveness.give_up(format!(
+                        "the Kafka producer: {why}, after {} rebuilds",
+                        super::watchdog::MAX_REBUILDS_IN_A_ROW
+                    ));
+                    break;
+                }
+                tracing::warn!(
+                    client = "producer",
+                    reason = why,
+                    "Kafka client wedged; rebuilding it"
+                );
+                watch.rebuilds.with_label_values(&["producer"]).inc();
+                if let Err(e) = producer.rebuild() {
+                    tracing::warn!(error = format!("{e:#}"), "rebuilding the producer failed");
+                }
+            }
         })
     }
 
@@ -228,7 +364,12 @@ impl Producer {
         if let Some(h) = headers {
             record = record.headers(h);
         }
-        match self.inner.send(record) {
+        self.progress.sent();
+        let result = self.current().send(record);
+        if result.is_err() {
+            self.progress.not_sent();
+        }
+        match result {
             Ok(()) => Ok(Delivery(rx)),
             Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
                 Err(PublishError::QueueFull)
@@ -248,25 +389,24 @@ impl Producer {
     ) -> Result<(), PublishError> {
         self.enqueue(topic, key, payload, headers)?.await
     }
+}
 
-    /// Asks the cluster for its metadata: the readiness probe. Runs on the
-    /// blocking pool because `fetch_metadata` blocks.
-    pub async fn ping(&self, timeout: Duration) -> anyhow::Result<()> {
-        let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || {
-            let metadata = inner
-                .client()
-                .fetch_metadata(None, timeout)
-                .context("fetching cluster metadata")?;
-            anyhow::ensure!(
-                !metadata.brokers().is_empty(),
-                "the cluster reports no broker"
-            );
-            Ok(())
-        })
-        .await
-        .context("Kafka probe task failed")?
-    }
+fn build(settings: &KafkaSettings, progress: &Arc<Progress>) -> anyhow::Result<Client> {
+    super::client_config(settings)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", settings.linger_ms.to_string())
+        .set("queue.buffering.max.messages", "200000")
+        .set(
+            "message.timeout.ms",
+            settings.message_timeout_ms.max(1000).to_string(),
+        )
+        .create_with_context(DeliveryContext(progress.clone()))
+        .context("creating the Kafka producer")
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
 }
 
 /// The wait for one delivery report.

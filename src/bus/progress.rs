@@ -9,7 +9,8 @@
 //! before the watermarks were read has its order row, and one still open is
 //! an orphan (a crash between the script and the publish).
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -23,24 +24,77 @@ use crate::worker::WorkerHandle;
 /// Reads one group's committed offsets against its topic's end offsets.
 pub struct GroupProgress {
     /// Never subscribes: only asks the group coordinator and the leaders.
-    client: BaseConsumer,
+    /// Replaced by [`GroupProgress::heal`] when it wedges.
+    client: Mutex<Arc<BaseConsumer>>,
+    kafka: KafkaSettings,
+    group: String,
     topic: String,
     timeout: Duration,
+    /// Unix ms since which every sample has failed; 0 while they succeed.
+    failing_since: AtomicI64,
 }
 
 impl GroupProgress {
     /// For consumer group `group` on `topic`. Connects on first use.
     pub fn new(kafka: &KafkaSettings, group: &str, topic: &str) -> anyhow::Result<Self> {
-        let client = super::client_config(kafka)
+        Ok(Self {
+            client: Mutex::new(Arc::new(Self::client(kafka, group)?)),
+            kafka: kafka.clone(),
+            group: group.to_owned(),
+            topic: topic.to_owned(),
+            timeout: Duration::from_millis(kafka.timeout_ms.max(100)),
+            failing_since: AtomicI64::new(0),
+        })
+    }
+
+    fn client(kafka: &KafkaSettings, group: &str) -> anyhow::Result<BaseConsumer> {
+        super::client_config(kafka)
             .set("group.id", group)
             .set("enable.auto.commit", "false")
             .create()
-            .context("creating the Kafka progress client")?;
-        Ok(Self {
-            client,
-            topic: topic.to_owned(),
-            timeout: Duration::from_millis(kafka.timeout_ms.max(100)),
-        })
+            .context("creating the Kafka progress client")
+    }
+
+    fn current(&self) -> Arc<BaseConsumer> {
+        self.client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Rebuilds this client when its samples have failed for `stall` while
+    /// the broker answered a fresh client as long: it wedged like any
+    /// other long-lived client can. The old one is destroyed on the
+    /// blocking pool.
+    pub fn heal(&self, supervision: &super::runner::Supervision, stall: Duration) {
+        let failing_for = super::watchdog::elapsed(&self.failing_since);
+        if stall.is_zero() || failing_for < stall || supervision.probe.answering_for() < stall {
+            return;
+        }
+        let new = match Self::client(&self.kafka, &self.group) {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "rebuilding the progress client failed"
+                );
+                return;
+            }
+        };
+        tracing::warn!(
+            client = "progress",
+            group = self.group,
+            failing_secs = failing_for.as_secs(),
+            "Kafka progress client wedged (its queries fail while a fresh client gets answers); rebuilding it"
+        );
+        supervision.rebuilds.with_label_values(&["progress"]).inc();
+        let old = std::mem::replace(
+            &mut *self.client.lock().unwrap_or_else(|e| e.into_inner()),
+            new,
+        );
+        // A new client gets a whole window of its own.
+        self.failing_since.store(now_ms(), Ordering::Relaxed);
+        tokio::task::spawn_blocking(move || drop(old));
     }
 
     /// True when the group has committed every partition up to its end:
@@ -59,21 +113,23 @@ impl GroupProgress {
     /// The lag and how far the group has committed. Runs on the blocking pool.
     pub async fn sample(self: &Arc<Self>) -> anyhow::Result<Sample> {
         let this = self.clone();
-        tokio::task::spawn_blocking(move || this.sample_blocking())
+        let result = tokio::task::spawn_blocking(move || this.sample_blocking())
             .await
-            .context("Kafka progress task failed")?
+            .context("Kafka progress task failed")?;
+        super::watchdog::holds_since(&self.failing_since, result.is_err(), now_ms());
+        result
     }
 
     fn sample_blocking(&self) -> anyhow::Result<Sample> {
+        let client = self.current();
         // Never subscribed, so nothing but client errors (a broker down)
         // queues up here; drain them so they do not pile up between calls.
         for _ in 0..1000 {
-            if self.client.poll(Duration::ZERO).is_none() {
+            if client.poll(Duration::ZERO).is_none() {
                 break;
             }
         }
-        let metadata = self
-            .client
+        let metadata = client
             .fetch_metadata(Some(&self.topic), self.timeout)
             .context("fetching topic metadata")?;
         let partitions: Vec<i32> = metadata
@@ -92,15 +148,13 @@ impl GroupProgress {
         let mut ends = Vec::with_capacity(partitions.len());
         let mut tpl = TopicPartitionList::new();
         for &p in &partitions {
-            let (low, high) = self
-                .client
+            let (low, high) = client
                 .fetch_watermarks(&self.topic, p, self.timeout)
                 .with_context(|| format!("watermarks of {}[{p}]", self.topic))?;
             ends.push((p, low, high));
             tpl.add_partition(&self.topic, p);
         }
-        let committed = self
-            .client
+        let committed = client
             .committed_offsets(tpl, self.timeout)
             .context("fetching the group's committed offsets")?;
         let mut sample = Sample { lag: 0, done: 0 };
@@ -144,8 +198,10 @@ pub fn spawn_sampler(
     every: Duration,
     lag: prometheus::IntGauge,
     stalled_secs: prometheus::IntGauge,
+    supervision: super::runner::Supervision,
+    stall: Duration,
 ) -> WorkerHandle {
-    WorkerHandle::spawn(|stop| async move {
+    WorkerHandle::spawn(move |stop| async move {
         let mut tracker = StallTracker::default();
         loop {
             let sample = match progress.sample().await {
@@ -155,6 +211,7 @@ pub fn spawn_sampler(
                     None
                 }
             };
+            progress.heal(&supervision, stall);
             lag.set(sample.map_or(UNKNOWN_LAG, |s| s.lag));
             let stalled = tracker.observe(sample, std::time::Instant::now());
             stalled_secs.set(i64::try_from(stalled.as_secs()).unwrap_or(i64::MAX));
@@ -164,6 +221,10 @@ pub fn spawn_sampler(
             }
         }
     })
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
 }
 
 #[cfg(test)]

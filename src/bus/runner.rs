@@ -56,13 +56,19 @@ pub trait Handler: Send + Sync + 'static {
 /// A running consumer.
 pub type ConsumerHandle = WorkerHandle;
 
-/// Who watches the consumers of this process.
+/// Who watches the Kafka clients of this process.
 #[derive(Clone)]
 pub struct Supervision {
     /// Where readiness finds each consumer's health.
     pub registry: Arc<Registry>,
     /// `seckill_consumer_restarts_total{group}`.
     pub restarts: prometheus::IntCounterVec,
+    /// `seckill_kafka_client_rebuilds_total{client}`.
+    pub rebuilds: prometheus::IntCounterVec,
+    /// Whether the broker answers a fresh client: the judge of every client.
+    pub probe: Arc<super::probe::BrokerProbe>,
+    /// Where a client beyond healing gives up.
+    pub liveness: Arc<crate::liveness::Liveness>,
 }
 
 type Client = StreamConsumer<WatchedContext>;
@@ -129,22 +135,23 @@ async fn supervise<H: Handler>(
     // The group's series exists from the start (at 0), so a dashboard or an
     // alert on its increase sees it before the first rebuild.
     supervision.restarts.with_label_values(&[&group]);
+    supervision.rebuilds.with_label_values(&[sub.group]);
     let stall = Duration::from_secs(kafka.consumer_stall_secs);
     // How long the group has had messages waiting with nothing committed,
     // sampled from outside the client by a task of its own (a sample can
     // take seconds while the broker is away).
     let waiting = Arc::new(AtomicI64::new(0));
-    // Since when (unix ms) the sampler's queries have all been answered; 0
-    // while the broker does not answer them.
-    let answering_since = Arc::new(AtomicI64::new(0));
     let restarted = Arc::new(tokio::sync::Notify::new());
     let sampler = tokio::spawn(sample(
         progress.clone(),
         waiting.clone(),
-        answering_since.clone(),
         restarted.clone(),
+        supervision.clone(),
+        stall,
         shutdown.clone(),
     ));
+    // Rebuilds with no progress in between.
+    let mut in_a_row = 0;
     let mut client = Some(first);
     while !shutdown.is_cancelled() {
         let consumer = match client.take() {
@@ -182,10 +189,13 @@ async fn supervise<H: Handler>(
                 0 => None,
                 since => Some(Duration::from_millis((now_ms() - since).max(0) as u64)),
             };
-            let answering_for = super::watchdog::elapsed(&answering_since);
+            let answering_for = supervision.probe.answering_for();
             let client = consumer.context().observed(answering_for);
             match verdict(stall, client, waiting_for, busy) {
-                Verdict::Healthy => health.set(None),
+                Verdict::Healthy => {
+                    health.set(None);
+                    in_a_row = 0;
+                }
                 Verdict::Stalled(why) => health.set(Some(why)),
                 Verdict::Rebuild(why) => {
                     health.set(Some(why.clone()));
@@ -194,13 +204,26 @@ async fn supervise<H: Handler>(
             }
         };
         match rebuild {
+            Some(why) if in_a_row >= super::watchdog::MAX_REBUILDS_IN_A_ROW => {
+                supervision.liveness.give_up(format!(
+                    "the {group} consumer: {why}, after {in_a_row} rebuilds"
+                ));
+                // Stop consuming; the process is about to exit.
+                running.abort();
+                let _ = running.await;
+                std::mem::forget(consumer);
+                break;
+            }
             Some(why) => {
+                in_a_row += 1;
                 tracing::warn!(
                     group,
+                    client = sub.group,
                     reason = why,
                     "consumer stalled; rebuilding its Kafka client"
                 );
                 supervision.restarts.with_label_values(&[&group]).inc();
+                supervision.rebuilds.with_label_values(&[sub.group]).inc();
                 running.abort();
                 let _ = running.await;
                 restarted.notify_one();
@@ -223,19 +246,21 @@ async fn supervise<H: Handler>(
     let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
 }
 
-/// Every second: how long the group has been stalled, into `waiting` (s),
-/// and whether the broker answered, into `answering_since`.
+/// Every second: how long the group has been stalled, into `waiting` (s).
+/// The progress client is itself long-lived: when it fails while the
+/// broker answers a fresh client, it is rebuilt too.
 async fn sample(
     progress: Arc<GroupProgress>,
     waiting: Arc<AtomicI64>,
-    answering_since: Arc<AtomicI64>,
     restarted: Arc<tokio::sync::Notify>,
+    supervision: Supervision,
+    stall: Duration,
     shutdown: CancellationToken,
 ) {
     let mut tracker = StallTracker::default();
     loop {
         let sample = progress.sample().await.ok();
-        super::watchdog::holds_since(&answering_since, sample.is_some(), now_ms());
+        progress.heal(&supervision, stall);
         let stalled = tracker.observe(sample, Instant::now());
         waiting.store(stalled.as_secs() as i64, Ordering::Relaxed);
         tokio::select! {

@@ -12,9 +12,14 @@
 //!   new client would not help), or
 //! - its group coordinator is unreachable (the client's own statistics),
 //!
-//! and the broker has been answering for that whole window: its client
-//! connections are up and the watchdog's own offset queries come back. A
-//! client is blamed only for what it fails to do with a broker that works.
+//! - none of its broker connections is up (the client's own statistics),
+//!
+//! and the broker has been answering for that whole window. That is judged
+//! from outside every long-lived client, by [`super::probe::BrokerProbe`]:
+//! a fresh client on a fresh connection each second. A client is blamed
+//! only for what it fails to do with a broker that works; the judge is
+//! never a client that could be wedged with the accused (the incident of
+//! 2026-12-01, where the watchdog's own offset client was).
 //! Through an outage (a broker killed or stopped) the consumer is reported
 //! stalled, not rebuilt: a new client would meet the same outage, and
 //! tearing a consumer down in the middle of one is what crashes librdkafka
@@ -23,8 +28,12 @@
 //! the broker-kill fault test; librdkafka issue #4027). After the outage the
 //! client gets a whole window to recover by itself.
 //!
-//! Each rebuild logs a WARN and counts `seckill_consumer_restarts_total`.
-//! While a consumer is stalled, `/health/ready` answers 503 and says why.
+//! Each rebuild logs a WARN and counts `seckill_consumer_restarts_total` and
+//! `seckill_kafka_client_rebuilds_total`. While a consumer is stalled,
+//! `/health/ready` answers 503 and says why. A client rebuilt
+//! [`MAX_REBUILDS_IN_A_ROW`] times with no progress in between is beyond
+//! what a rebuild mends: the process gives up ([`crate::liveness`]) and
+//! exits, to be restarted by its supervisor.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,6 +43,10 @@ use rdkafka::client::ClientContext;
 use rdkafka::consumer::ConsumerContext;
 
 use super::progress::Sample;
+
+/// Rebuilds of one client with no progress in between, after which the
+/// process gives up and exits to be restarted.
+pub const MAX_REBUILDS_IN_A_ROW: u32 = 3;
 
 /// Tracks how long a group has had messages waiting without committing any.
 #[derive(Debug, Default)]
@@ -97,16 +110,12 @@ impl WatchedContext {
     }
 
     /// What the client's statistics say now; `answering_for` is how long
-    /// the watchdog's own queries to the broker have been answered.
+    /// the broker has answered a fresh client ([`super::probe`]).
     pub fn observed(&self, answering_for: Duration) -> ClientState {
-        let brokers_down_for = elapsed(&self.brokers_down_since);
         ClientState {
             coordinator_down_for: elapsed(&self.coordinator_down_since),
-            answering_for: if brokers_down_for.is_zero() {
-                answering_for
-            } else {
-                Duration::ZERO
-            },
+            brokers_down_for: elapsed(&self.brokers_down_since),
+            answering_for,
         }
     }
 
@@ -141,9 +150,10 @@ pub fn elapsed(at: &AtomicI64) -> Duration {
 pub struct ClientState {
     /// How long the group coordinator has been unreachable.
     pub coordinator_down_for: Duration,
-    /// How long the broker has been answering without a break (the
-    /// client's connections up, the watchdog's queries answered); zero
-    /// during an outage.
+    /// How long none of the client's broker connections has been up.
+    pub brokers_down_for: Duration,
+    /// How long the broker has answered a fresh client without a break;
+    /// zero during an outage.
     pub answering_for: Duration,
 }
 
@@ -276,6 +286,12 @@ pub fn verdict(
             client.coordinator_down_for.as_secs()
         ));
     }
+    if client.brokers_down_for >= stall {
+        return unless_blamed(format!(
+            "no broker connection up for {}s",
+            client.brokers_down_for.as_secs()
+        ));
+    }
     if waiting_for >= stall {
         let why = format!(
             "messages waiting, nothing committed for {}s",
@@ -350,6 +366,7 @@ mod tests {
         let s = Duration::from_secs;
         let answering = |down: u64| ClientState {
             coordinator_down_for: s(down),
+            brokers_down_for: s(0),
             answering_for: s(60),
         };
         assert_eq!(
@@ -382,6 +399,7 @@ mod tests {
         // A broker killed or stopped: reported, not rebuilt, whatever waits.
         let outage = ClientState {
             coordinator_down_for: s(30),
+            brokers_down_for: s(30),
             answering_for: s(0),
         };
         assert!(
@@ -392,6 +410,7 @@ mod tests {
                 s(10),
                 ClientState {
                     coordinator_down_for: s(0),
+                    brokers_down_for: s(0),
                     ..outage
                 },
                 s(30),
@@ -402,6 +421,7 @@ mod tests {
         // Back for 9 s: the client still has time to recover by itself.
         let back = ClientState {
             coordinator_down_for: s(39),
+            brokers_down_for: s(0),
             answering_for: s(9),
         };
         assert!(matches!(
@@ -419,22 +439,37 @@ mod tests {
     }
 
     #[test]
-    fn a_client_without_a_broker_connection_is_not_answered() {
+    fn a_client_whose_connections_stay_down_while_a_fresh_client_gets_answers_is_rebuilt() {
+        // The incident of 2026-12-01: the broker answered a new client, but
+        // the long-lived one never reconnected. Its own statistics must not
+        // excuse it.
         let c = WatchedContext {
             coordinator_down_since: AtomicI64::new(0),
             brokers_down_since: AtomicI64::new(0),
         };
         let t = now_ms();
-        c.observe(false, false, t - 30_000);
+        c.observe(true, false, t - 30_000);
         let o = c.observed(Duration::from_secs(60));
-        assert_eq!(o.answering_for, Duration::ZERO, "no connection up");
-        assert!(o.coordinator_down_for >= Duration::from_secs(29));
-        c.observe(false, true, t);
         assert_eq!(
-            c.observed(Duration::from_secs(5)).answering_for,
-            Duration::from_secs(5)
+            o.answering_for,
+            Duration::from_secs(60),
+            "the probe's, not the client's"
         );
+        assert!(o.brokers_down_for >= Duration::from_secs(29));
+        assert!(
+            matches!(verdict(Duration::from_secs(10), o, Duration::ZERO, None), Verdict::Rebuild(w) if w.contains("no broker connection")),
+        );
+        // During an outage (the probe unanswered), the same client waits.
+        let outage = c.observed(Duration::ZERO);
+        assert!(matches!(
+            verdict(Duration::from_secs(10), outage, Duration::ZERO, None),
+            Verdict::Stalled(_)
+        ));
         c.observe(true, true, t);
-        assert_eq!(c.observed(Duration::ZERO), ClientState::default());
+        assert_eq!(
+            c.observed(Duration::ZERO),
+            ClientState::default(),
+            "all clear"
+        );
     }
 }

@@ -315,6 +315,90 @@ impl Chaos {
             .unwrap()
     }
 
+    /// Whether the server process has ended by itself (its exit status).
+    pub fn server_exited(&self) -> Option<std::process::ExitStatus> {
+        let mut server = self.server.lock().unwrap();
+        let status = server.as_mut()?.try_wait().expect("try_wait")?;
+        server.take();
+        Some(status)
+    }
+
+    /// What a supervisor does: a server that ended by itself is started
+    /// again. True if it had to be.
+    pub async fn restart_if_exited(&self) -> bool {
+        let Some(status) = self.server_exited() else {
+            return false;
+        };
+        eprintln!("{}: the server exited ({status}); restarting it", self.name);
+        self.restart_server().await;
+        true
+    }
+
+    /// SIGTERM to the server, then waits for it to end, at most `within`:
+    /// how long it took, or `None` if it was still running then (it is
+    /// killed, so the test goes on).
+    pub async fn terminate_server(
+        &self,
+        within: Duration,
+    ) -> Option<(Duration, std::process::ExitStatus)> {
+        let pid = self.server.lock().unwrap().as_ref().expect("a server").id();
+        let sent = Instant::now();
+        signal(pid, "TERM");
+        loop {
+            if let Some(status) = self.server_exited() {
+                return Some((sent.elapsed(), status));
+            }
+            if sent.elapsed() > within {
+                self.kill_server();
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Whether `/health/ready` answers 200 now.
+    pub async fn ready(&self) -> bool {
+        matches!(
+            self.client.get(self.url("/health/ready")).send().await,
+            Ok(res) if res.status() == 200
+        )
+    }
+
+    /// One purchase by `user` with a request id of its own, not retried:
+    /// the purchase's status (0 when no answer came).
+    pub async fn purchase_once(&self, activity: i64, user: i64) -> u16 {
+        let jwt = self.user(user);
+        let token = match self
+            .client
+            .get(self.url(&format!("/api/v1/activities/{activity}/token")))
+            .bearer_auth(&jwt)
+            .send()
+            .await
+        {
+            Ok(res) if res.status() == 200 => match res.json::<Value>().await {
+                Ok(body) => body["token"].as_str().unwrap_or_default().to_owned(),
+                Err(_) => return 0,
+            },
+            Ok(res) => return res.status().as_u16(),
+            Err(_) => return 0,
+        };
+        let request_id = format!(
+            "p{user}-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        match self
+            .client
+            .post(self.url(&format!("/api/v1/activities/{activity}/orders")))
+            .bearer_auth(&jwt)
+            .json(&json!({"request_id": request_id, "token": token}))
+            .send()
+            .await
+        {
+            Ok(res) => res.status().as_u16(),
+            Err(_) => 0,
+        }
+    }
+
     /// SIGKILL to the server: no shutdown path runs.
     pub fn kill_server(&self) {
         if let Some(mut child) = self.server.lock().unwrap().take() {
@@ -541,7 +625,8 @@ pub struct Bought {
 
 /// Every buyer's end.
 pub struct Outcome {
-    bought: Vec<Bought>,
+    /// Each buyer's end, in no particular order.
+    pub bought: Vec<Bought>,
 }
 
 impl Outcome {
@@ -650,7 +735,7 @@ impl<'a> Sale<'a> {
     /// One buyer: a token, then the purchase; a 503 or a dropped
     /// connection is retried with the same request_id (a new token each
     /// time, as the old one may be spent or lost) until a final answer.
-    async fn buyer(&self, user: i64) -> Bought {
+    pub async fn buyer(&self, user: i64) -> Bought {
         let c = self.chaos;
         let jwt = c.user(user);
         let request_id = format!(

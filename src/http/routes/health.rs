@@ -12,13 +12,25 @@ use crate::state::AppState;
 /// How long one dependency may take to answer the readiness probe.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// `GET /health/live`: the process runs and serves HTTP.
+/// `GET /health/live`: the process runs, serves HTTP and can still heal
+/// itself. 503 once a part of it gave up (a Kafka client rebuilt again and
+/// again without progress): the process exits a moment later, to be
+/// restarted by its supervisor.
 #[utoipa::path(get, path = "/health/live", tag = "health",
     responses(
         (status = 200, description = "the process runs"),
+        (status = 503, description = "NOT_READY: the process gave up healing itself and is exiting", body = Problem, content_type = "application/problem+json"),
     ))]
-pub async fn live() -> HttpResponse {
-    HttpResponse::Ok().json(json!({"status": "live"}))
+pub async fn live(state: web::Data<AppState>) -> HttpResponse {
+    match state.liveness.gave_up() {
+        None => HttpResponse::Ok().json(json!({"status": "live"})),
+        Some(why) => problem_with(
+            ErrorCode::NotReady,
+            &format!("not live: {why}; exiting to be restarted"),
+            None,
+            serde_json::Map::new(),
+        ),
+    }
 }
 
 /// `GET /health/ready`: 200 when Redis, Kafka and PostgreSQL all answer and
@@ -157,12 +169,24 @@ async fn postgres_ping(state: &AppState) -> Result<(), Unready> {
     .map_err(Unready::because("unreachable"))
 }
 
+/// Kafka as a fresh client sees it ([`crate::bus::probe`]): never through
+/// the producer, which may be the very client that wedged.
 async fn kafka_ping(state: &AppState) -> Result<(), Unready> {
-    state
-        .producer
-        .ping(PROBE_TIMEOUT)
-        .await
-        .map_err(Unready::because("no broker answers"))?;
+    if !state.kafka_probe.answers() {
+        return Err(Unready::because("no broker answers")(anyhow::anyhow!(
+            "the broker has not answered a fresh client for {}s",
+            state.kafka_probe.answering_for().as_secs()
+        )));
+    }
+    let stall = Duration::from_secs(state.settings.kafka.consumer_stall_secs);
+    if !stall.is_zero() && state.producer.stalled_for() >= stall {
+        return Err(Unready::because(
+            "the producer delivers nothing while the broker answers",
+        )(anyhow::anyhow!(
+            "no delivery for {}s",
+            state.producer.stalled_for().as_secs()
+        )));
+    }
     if !state
         .topics_created
         .load(std::sync::atomic::Ordering::Relaxed)
