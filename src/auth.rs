@@ -1,5 +1,7 @@
 //! JWT (HS256) tokens: claims `sub` (user id), `role` (`user` | `admin`)
-//! and `exp`, minted and verified with `auth.jwt_secret`. The HTTP
+//! and `exp`, minted and verified with `auth.jwt_secret`. A token with an
+//! `nbf` in the future is refused; with `auth.issuer` / `auth.audience`
+//! set, a token's `iss` / `aud` must match them. The HTTP
 //! extractors that read them are in `http/auth.rs`.
 
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
@@ -27,6 +29,15 @@ pub struct Claims {
     pub role: Role,
     /// Expiry, unix seconds.
     pub exp: i64,
+    /// Not valid before, unix seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbf: Option<i64>,
+    /// Issuer (checked when `auth.issuer` is set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iss: Option<String>,
+    /// Audience (checked when `auth.audience` is set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aud: Option<String>,
 }
 
 /// Signing and verification keys derived from `auth.jwt_secret`.
@@ -34,19 +45,49 @@ pub struct JwtKeys {
     encoding: EncodingKey,
     decoding: DecodingKey,
     validation: Validation,
+    issuer: Option<String>,
+    audience: Option<String>,
 }
 
 impl JwtKeys {
-    /// Keys for the shared HS256 secret.
+    /// Keys for the shared HS256 secret, with no issuer or audience.
     pub fn new(secret: &SecretString) -> anyhow::Result<Self> {
+        Self::with(secret, None, None)
+    }
+
+    /// Keys as `auth` configures them.
+    pub fn from_settings(auth: &crate::config::AuthSettings) -> anyhow::Result<Self> {
+        Self::with(&auth.jwt_secret, auth.issuer.clone(), auth.audience.clone())
+    }
+
+    fn with(
+        secret: &SecretString,
+        issuer: Option<String>,
+        audience: Option<String>,
+    ) -> anyhow::Result<Self> {
         let bytes = secret.expose_secret().as_bytes();
         let mut validation = Validation::new(Algorithm::HS256);
         validation.leeway = 5;
-        validation.set_required_spec_claims(&["exp", "sub"]);
+        validation.validate_nbf = true;
+        let mut required = vec!["exp", "sub"];
+        if let Some(iss) = &issuer {
+            validation.set_issuer(&[iss]);
+            required.push("iss");
+        }
+        match &audience {
+            Some(aud) => {
+                validation.set_audience(&[aud]);
+                required.push("aud");
+            }
+            None => validation.validate_aud = false,
+        }
+        validation.set_required_spec_claims(&required);
         Ok(Self {
             encoding: EncodingKey::from_secret(bytes)?,
             decoding: DecodingKey::from_secret(bytes)?,
             validation,
+            issuer,
+            audience,
         })
     }
 
@@ -56,6 +97,9 @@ impl JwtKeys {
             sub: user_id.to_string(),
             role,
             exp: chrono::Utc::now().timestamp() + ttl_secs,
+            nbf: None,
+            iss: self.issuer.clone(),
+            aud: self.audience.clone(),
         };
         Ok(jsonwebtoken::encode(
             &Header::new(Algorithm::HS256),
@@ -72,5 +116,67 @@ impl JwtKeys {
         let user_id = UserId::parse(&data.claims.sub)
             .ok_or_else(|| "token subject is not a user id".to_owned())?;
         Ok((user_id, data.claims.role))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret() -> SecretString {
+        SecretString::from("s".repeat(40))
+    }
+
+    fn signed(claims: serde_json::Value) -> String {
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(secret().expose_secret().as_bytes()).unwrap(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_token_not_valid_yet_is_refused() {
+        let keys = JwtKeys::new(&secret()).unwrap();
+        let now = chrono::Utc::now().timestamp();
+        let early = signed(serde_json::json!({
+            "sub": "7", "role": "user", "exp": now + 600, "nbf": now + 300
+        }));
+        assert!(keys.verify(&early).is_err(), "nbf in the future");
+        let valid = signed(serde_json::json!({
+            "sub": "7", "role": "user", "exp": now + 600, "nbf": now - 1
+        }));
+        assert!(keys.verify(&valid).is_ok());
+    }
+
+    #[test]
+    fn a_configured_issuer_and_audience_must_match() {
+        let keys = JwtKeys::with(&secret(), Some("shop".into()), Some("seckill".into())).unwrap();
+        let now = chrono::Utc::now().timestamp();
+        let token = |iss: Option<&str>, aud: Option<&str>| {
+            let mut c = serde_json::json!({"sub": "7", "role": "user", "exp": now + 600});
+            if let Some(iss) = iss {
+                c["iss"] = iss.into();
+            }
+            if let Some(aud) = aud {
+                c["aud"] = aud.into();
+            }
+            signed(c)
+        };
+        assert!(keys.verify(&token(Some("shop"), Some("seckill"))).is_ok());
+        assert!(
+            keys.verify(&token(None, Some("seckill"))).is_err(),
+            "no iss"
+        );
+        assert!(keys.verify(&token(Some("other"), Some("seckill"))).is_err());
+        assert!(keys.verify(&token(Some("shop"), None)).is_err(), "no aud");
+        assert!(keys.verify(&token(Some("shop"), Some("other"))).is_err());
+        // What it mints it accepts.
+        let minted = keys.mint(7, Role::User, 60).unwrap();
+        assert!(keys.verify(&minted).is_ok());
+        // Without them configured, neither is required.
+        let plain = JwtKeys::new(&secret()).unwrap();
+        assert!(plain.verify(&token(None, None)).is_ok());
     }
 }

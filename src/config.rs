@@ -200,7 +200,9 @@ fn default_events_timeout_secs() -> u64 {
 /// Process-level settings.
 #[derive(Debug, Clone, Deserialize)]
 pub struct AppSettings {
-    /// `development`, `test` or `production`; production enforces real secrets.
+    /// The environment's name, from `SECKILL_ENV` (default `development`).
+    /// Only `development` and `test` allow the development secrets and the
+    /// mock payment provider; every other name must set real ones.
     pub env: String,
     /// Address the HTTP server binds.
     pub host: String,
@@ -225,6 +227,12 @@ pub struct AppSettings {
 pub struct AuthSettings {
     /// HS256 secret shared with whoever issues tokens.
     pub jwt_secret: SecretString,
+    /// When set, a token's `iss` must be exactly this.
+    #[serde(default)]
+    pub issuer: Option<String>,
+    /// When set, a token's `aud` must name this.
+    #[serde(default)]
+    pub audience: Option<String>,
 }
 
 /// Redis connection settings.
@@ -313,9 +321,14 @@ impl Settings {
     /// from the folder in `SECKILL_CONFIG_DIR` (default `config`).
     pub fn load_env(env: &str) -> anyhow::Result<Self> {
         let dir = config_dir();
+        // The environment is the one named, whether or not a file of its
+        // own exists: `staging` without config/staging.toml is staging, not
+        // the development that default.toml describes.
+        let named = format!("[app]\nenv = {env:?}\n");
         let settings: Settings = config::Config::builder()
             .add_source(config::File::from(dir.join("default.toml")))
             .add_source(config::File::from(dir.join(format!("{env}.toml"))).required(false))
+            .add_source(config::File::from_str(&named, config::FileFormat::Toml))
             .add_source(
                 config::Environment::with_prefix("SECKILL")
                     .prefix_separator("__")
@@ -361,9 +374,12 @@ impl Settings {
         }
     }
 
-    /// Whether this is a production deployment.
-    pub fn is_production(&self) -> bool {
-        self.app.env == "production"
+    /// Whether development conveniences may run: the development secrets,
+    /// the mock payment provider. Only in an environment named exactly
+    /// `development` or `test`; any other name (`production`, `staging`,
+    /// `prod`, a typo) is held to production's rules.
+    pub fn allows_development_conveniences(&self) -> bool {
+        matches!(self.app.env.as_str(), "development" | "test")
     }
 
     /// What a production deployment must set and has not, each named by
@@ -397,11 +413,12 @@ impl Settings {
 
     /// Refuses settings that would run but be unsafe or wrong.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.is_production() {
+        if !self.allows_development_conveniences() {
             let problems = self.production_problems();
             if !problems.is_empty() {
+                let env = &self.app.env;
                 bail!(
-                    "production (SECKILL_ENV=production) needs: {}",
+                    "{env} (SECKILL_ENV={env}) needs: {} (only development and test run without them)",
                     problems.join("; ")
                 );
             }
@@ -499,6 +516,36 @@ mod tests {
         assert!(err.to_string().contains("payment.mock"), "{err}");
         s.payment.mock = false;
         assert!(s.validate().is_ok());
+    }
+
+    #[test]
+    fn every_environment_but_development_and_test_is_held_to_production_rules() {
+        for env in ["staging", "prod", "Production", "developmnet", ""] {
+            let mut s = settings(env, DEV_JWT_SECRET);
+            s.payment.mock = true;
+            let err = s.validate().expect_err(env).to_string();
+            for name in [
+                "SECKILL__AUTH__JWT_SECRET",
+                "SECKILL__PAYMENT__NOTIFY_SECRET",
+                "SECKILL__PAYMENT__MOCK=false",
+            ] {
+                assert!(err.contains(name), "{env}: {err}");
+            }
+        }
+        for env in ["development", "test"] {
+            assert!(settings(env, DEV_JWT_SECRET).validate().is_ok(), "{env}");
+        }
+    }
+
+    #[test]
+    fn the_environment_is_the_one_named_even_without_a_file_of_its_own() {
+        // No config/staging.toml: default.toml says development, but the
+        // environment is staging, and staging refuses the development secret.
+        let err = Settings::load_env("staging")
+            .expect_err("refused")
+            .to_string();
+        assert!(err.contains("staging (SECKILL_ENV=staging)"), "{err}");
+        assert_eq!(Settings::load_env("test").unwrap().app.env, "test");
     }
 
     #[test]

@@ -169,7 +169,7 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
             .iter()
             .map(|u| u.trim_end_matches('/').to_owned())
             .collect(),
-        keys: JwtKeys::new(&settings.auth.jwt_secret)?,
+        keys: JwtKeys::from_settings(&settings.auth)?,
     });
     if let Some(url) = &args.ceiling_url {
         return ceiling(&client, url, &args).await;

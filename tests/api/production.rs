@@ -78,3 +78,48 @@ fn the_compose_files_environment_starts_in_production_as_written() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `SECKILL_ENV=NAME seckill serve` with the development defaults and
+/// nothing else: refused before anything starts.
+fn serve_in(env: &str) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_seckill"));
+    cmd.arg("serve").env("SECKILL_ENV", env);
+    for (key, _) in std::env::vars().filter(|(k, _)| k.starts_with("SECKILL__")) {
+        cmd.env_remove(key);
+    }
+    // Were it to start, it would not take a port of the other tests.
+    cmd.env("SECKILL__APP__PORT", "0");
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the seckill binary runs");
+    // A server that started would serve until stopped: give it a while,
+    // then stop it, so the assertion below fails instead of hanging.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().expect("try_wait").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    child.wait_with_output().expect("output")
+}
+
+#[test]
+fn any_environment_but_development_and_test_refuses_the_development_defaults() {
+    for env in ["staging", "prod", "producton"] {
+        let out = serve_in(env);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{env} started: {err}");
+        for name in [
+            "SECKILL__AUTH__JWT_SECRET",
+            "SECKILL__PAYMENT__NOTIFY_SECRET",
+            "SECKILL__PAYMENT__MOCK=false",
+        ] {
+            assert!(err.contains(name), "{env}: {err}");
+        }
+        assert!(err.contains(&format!("SECKILL_ENV={env}")), "{env}: {err}");
+    }
+}
