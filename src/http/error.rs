@@ -230,35 +230,34 @@ impl ApiError {
 
     /// A failure the client cannot act on. Logged here, once, with its cause
     /// chain; the client sees a generic 500.
+    /// A database that said "not now" (a deadlock, a serialization
+    /// failure, a timeout, a restart: [`crate::store::is_transient`]) is
+    /// 503 RETRY_LATER instead: the request changed nothing and may be
+    /// sent again.
     pub fn unexpected(error: anyhow::Error) -> Self {
+        if crate::store::is_transient(&error) {
+            return Self::transient(&error);
+        }
         tracing::error!(error = format!("{error:#}"), "unexpected error");
         Self::new(ErrorCode::Internal, "internal error")
     }
 
-    /// A dependency (Redis, PostgreSQL, Kafka) failed: 503 RETRY_LATER, or
-    /// 500 when the database answered with an error that is ours. Logged once.
-    pub fn unavailable(error: anyhow::Error) -> Self {
-        use diesel::result::{DatabaseErrorKind, Error as DieselError};
-        // A connection the database closed (a restart) is the database
-        // being away, not a fault of ours.
-        let connection_lost = matches!(
-            error.downcast_ref::<DieselError>(),
-            Some(DieselError::DatabaseError(
-                DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
-                _
-            ))
-        );
-        if error.downcast_ref::<crate::store::Unavailable>().is_none()
-            && error.downcast_ref::<redis::RedisError>().is_none()
-            && !connection_lost
-        {
-            return Self::unexpected(error);
-        }
+    fn transient(error: &anyhow::Error) -> Self {
         tracing::warn!(error = format!("{error:#}"), "dependency unavailable");
         Self::new(
             ErrorCode::RetryLater,
             "a backing service is unavailable; retry later",
         )
+    }
+
+    /// A dependency (Redis, PostgreSQL, Kafka) failed: 503 RETRY_LATER, or
+    /// 500 when the database answered with an error that is ours. Logged once.
+    pub fn unavailable(error: anyhow::Error) -> Self {
+        if error.downcast_ref::<redis::RedisError>().is_none() {
+            // PostgreSQL's "not now" is answered 503 there; the rest is ours.
+            return Self::unexpected(error);
+        }
+        Self::transient(&error)
     }
 
     /// 400 BAD_REQUEST.

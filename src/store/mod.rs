@@ -60,6 +60,45 @@ pub const PUBLIC_READS: &str = "seckill-public-reads";
 #[error("no PostgreSQL connection: {0}")]
 pub struct Unavailable(#[from] diesel::r2d2::PoolError);
 
+/// Whether `error` is PostgreSQL saying "not now" rather than "no": a
+/// deadlock or a serialization failure (the transaction was rolled back
+/// and may simply be tried again), a statement cancelled by its timeout,
+/// the server shutting down, starting up or ending the session, or a
+/// connection lost. Answered 503 RETRY_LATER, never 500.
+///
+/// Diesel names a serialization failure and a closed connection; the rest
+/// come as "unknown" and are told apart by PostgreSQL's message (its
+/// default English messages: `lc_messages` set to another language hides
+/// them, and they answer 500 as before).
+pub fn is_transient(error: &anyhow::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error as DieselError};
+    const TRANSIENT: [&str; 6] = [
+        "deadlock detected",
+        "could not serialize access",
+        "canceling statement due to statement timeout",
+        "terminating connection due to administrator command",
+        "the database system is shutting down",
+        "the database system is starting up",
+    ];
+    error.chain().any(|cause| {
+        if cause.downcast_ref::<Unavailable>().is_some() {
+            return true;
+        }
+        match cause.downcast_ref::<DieselError>() {
+            Some(DieselError::DatabaseError(kind, info)) => {
+                matches!(
+                    kind,
+                    DatabaseErrorKind::SerializationFailure
+                        | DatabaseErrorKind::ClosedConnection
+                        | DatabaseErrorKind::UnableToSendCommand
+                ) || TRANSIENT.iter().any(|m| info.message().contains(m))
+            }
+            Some(DieselError::BrokenTransactionManager) => true,
+            _ => false,
+        }
+    })
+}
+
 /// Runs `f` with a pooled connection on Tokio's blocking pool. Diesel is
 /// synchronous; calling it on an async worker would stall every request that
 /// worker serves.

@@ -180,3 +180,103 @@ async fn a_path_id_that_is_not_a_number_is_400_in_our_words() {
         );
     }
 }
+
+/// What a handler answers for a database error: the status and the code.
+fn answered(error: diesel::result::Error) -> (u16, &'static str) {
+    use actix_web::ResponseError;
+    let e = seckill::http::error::ApiError::unexpected(anyhow::Error::new(error));
+    (e.status_code().as_u16(), e.code())
+}
+
+/// PostgreSQL's "not now" (a deadlock, a statement timeout, the session
+/// ended by the administrator), each made for real on the test's
+/// database: 503 RETRY_LATER, never a 500.
+#[tokio::test]
+async fn a_deadlock_a_statement_timeout_and_an_ended_session_answer_503_retry_later() {
+    use diesel::{Connection, PgConnection, RunQueryDsl};
+    use secrecy::ExposeSecret;
+    use std::sync::{Arc, Barrier};
+
+    let app = spawn_app().await;
+    app.execute("CREATE TABLE lock_pair (id int PRIMARY KEY)")
+        .await;
+    app.execute("INSERT INTO lock_pair VALUES (1), (2)").await;
+    let url = app.settings.postgres.url.expose_secret().to_owned();
+    let errors = tokio::task::spawn_blocking(move || {
+        // Two transactions lock the two rows in opposite orders.
+        let both_hold_one = Arc::new(Barrier::new(2));
+        let sides: Vec<_> = [(1, 2), (2, 1)]
+            .into_iter()
+            .map(|(first, second)| {
+                let (url, barrier) = (url.clone(), both_hold_one.clone());
+                std::thread::spawn(move || {
+                    let mut conn = PgConnection::establish(&url).expect("connect");
+                    conn.transaction::<(), diesel::result::Error, _>(|c| {
+                        diesel::sql_query(format!(
+                            "SELECT id FROM lock_pair WHERE id = {first} FOR UPDATE"
+                        ))
+                        .execute(c)?;
+                        barrier.wait();
+                        diesel::sql_query(format!(
+                            "SELECT id FROM lock_pair WHERE id = {second} FOR UPDATE"
+                        ))
+                        .execute(c)?;
+                        Ok(())
+                    })
+                    .err()
+                })
+            })
+            .collect();
+        let mut errors: Vec<diesel::result::Error> = sides
+            .into_iter()
+            .filter_map(|s| s.join().unwrap())
+            .collect();
+
+        let mut conn = PgConnection::establish(&url).expect("connect");
+        diesel::sql_query("SET statement_timeout = 50")
+            .execute(&mut conn)
+            .unwrap();
+        errors.push(
+            diesel::sql_query("SELECT pg_sleep(2)")
+                .execute(&mut conn)
+                .expect_err("the statement times out"),
+        );
+
+        #[derive(diesel::QueryableByName)]
+        struct Pid {
+            #[diesel(sql_type = diesel::sql_types::Integer)]
+            pid: i32,
+        }
+        let mut ended = PgConnection::establish(&url).expect("connect");
+        let pid = diesel::sql_query("SELECT pg_backend_pid() AS pid")
+            .get_result::<Pid>(&mut ended)
+            .unwrap()
+            .pid;
+        diesel::sql_query(format!("SELECT pg_terminate_backend({pid})"))
+            .execute(&mut conn)
+            .ok();
+        diesel::sql_query("SET statement_timeout = 0")
+            .execute(&mut conn)
+            .unwrap();
+        errors.push(
+            diesel::sql_query("SELECT 1")
+                .execute(&mut ended)
+                .expect_err("the session was ended"),
+        );
+        errors
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        errors.len(),
+        3,
+        "one deadlock victim, one timeout, one ended session: {errors:?}"
+    );
+    assert!(errors[0].to_string().contains("deadlock"), "{}", errors[0]);
+    for e in errors {
+        let what = e.to_string();
+        assert_eq!(answered(e), (503, "RETRY_LATER"), "{what}");
+    }
+    // A fault of ours stays a 500.
+    assert_eq!(answered(diesel::result::Error::NotFound), (500, "INTERNAL"));
+}
