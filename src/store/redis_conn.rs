@@ -81,13 +81,21 @@ impl RedisClient {
 }
 
 /// Whether `e` says Redis could not be reached (or did not answer in
-/// time), as opposed to Redis refusing the command.
+/// time), as opposed to Redis refusing the command. A server loading its
+/// data set (`LOADING`, for the whole load after a restart), a cluster
+/// without a quorum or a slot's master (`CLUSTERDOWN`, `MASTERDOWN`) and a
+/// slot in migration (`TRYAGAIN`) answer, but serve nothing: unreachable
+/// too, until they clear.
 pub fn unreachable(e: &redis::RedisError) -> bool {
     e.is_io_error()
         || e.is_connection_refusal()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_unrecoverable_error()
+        || matches!(
+            e.code(),
+            Some("LOADING" | "CLUSTERDOWN" | "MASTERDOWN" | "TRYAGAIN")
+        )
 }
 
 /// The seed nodes of a cluster's `redis.url` (comma-separated URLs).

@@ -22,6 +22,7 @@ mod outbox;
 mod payments;
 mod production;
 mod reconcile;
+mod redis_loading;
 mod shards;
 mod sold_out;
 mod streams;
