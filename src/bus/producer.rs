@@ -15,7 +15,7 @@
 //!   [`PublishError::Unconfirmed`] (a success librdkafka inferred, with no
 //!   offset from the broker) is handled the same way.
 
-use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -308,7 +308,7 @@ impl Producer {
         let stall = Duration::from_secs(self.settings.consumer_stall_secs);
         watch.rebuilds.with_label_values(&["producer"]);
         crate::worker::WorkerHandle::spawn(move |stop| async move {
-            let in_a_row = AtomicU32::new(0);
+            let mut in_a_row = 0;
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => break,
@@ -316,7 +316,7 @@ impl Producer {
                 }
                 let stalled = producer.stalled_for();
                 if stalled.is_zero() {
-                    in_a_row.store(0, Ordering::Relaxed);
+                    in_a_row = 0;
                 }
                 if stall.is_zero() || stalled < stall || watch.probe.answering_for() < stall {
                     continue;
@@ -325,15 +325,14 @@ impl Producer {
                     "nothing delivered for {}s while the broker answers a fresh client",
                     stalled.as_secs()
                 );
-                if in_a_row.fetch_add(1, Ordering::Relaxed)
-                    >= super::watchdog::MAX_REBUILDS_IN_A_ROW
-                {
+                if in_a_row >= super::watchdog::MAX_REBUILDS_IN_A_ROW {
                     watch.liveness.give_up(format!(
                         "the Kafka producer: {why}, after {} rebuilds",
                         super::watchdog::MAX_REBUILDS_IN_A_ROW
                     ));
                     break;
                 }
+                in_a_row += 1;
                 tracing::warn!(
                     client = "producer",
                     reason = why,
