@@ -126,8 +126,10 @@ impl AppState {
         let shared = RedisClient::new(&settings.redis)
             .and_then(|client| client.connect_lazy())
             .context("creating the Redis connection")?;
+        let db = store::pool(&settings.postgres);
         let lease = InstanceLease::new(
             shared.clone(),
+            db.clone(),
             &settings.redis.key_prefix,
             settings.app.instance_id,
             Duration::from_secs(settings.app.instance_lease_secs),
@@ -152,7 +154,6 @@ impl AppState {
             metrics.sold_out_activities.clone(),
         ));
         let restore_wanted = Arc::new(Notify::new());
-        let db = store::pool(&settings.postgres);
         let limits = Limits {
             activity: KeyedLimiter::new(a.activity_rate_per_sec, a.activity_burst),
             ip: KeyedLimiter::new(a.ip_rate_per_sec, a.ip_burst),

@@ -16,6 +16,16 @@
 //!   millisecond plus a lifetime) beside the lease. The next holder of the
 //!   id starts there, so a wall clock that stepped back between two
 //!   holders cannot repeat a number either.
+//! - Redis can restart empty (or be flushed) while a holder still mints:
+//!   its key is gone, and another process would find the id free with
+//!   floor 0. So every lease is fenced by a row in PostgreSQL
+//!   (`instance_leases`), taken with the Redis key and renewed with it, on
+//!   the database's clock. A holder mints only until a lifetime after the
+//!   last renewal that *both* confirmed; an id whose row another owner
+//!   renewed less than a lifetime ago is not taken, whatever Redis says,
+//!   and its floor is the higher of the two. A database that cannot be
+//!   reached for a whole lifetime therefore stops this instance's order
+//!   numbers (purchases answer 503) until it is back.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,6 +36,7 @@ use prometheus::IntGauge;
 use redis::{RedisResult, Script};
 
 use super::{IdGenerator, MAX_LEASED_INSTANCE, Snowflake, epoch_ms_now};
+use crate::store::PgPool;
 use crate::store::redis_conn::RedisConn;
 use crate::worker::WorkerHandle;
 
@@ -121,6 +132,8 @@ pub enum LeaseError {
     Unavailable(redis::RedisError),
     /// Every id asked for is held by a live instance.
     Taken(String),
+    /// PostgreSQL, which fences the lease, did not answer.
+    Fence(anyhow::Error),
 }
 
 impl From<redis::RedisError> for LeaseError {
@@ -133,6 +146,7 @@ impl From<redis::RedisError> for LeaseError {
 #[derive(Clone)]
 pub struct InstanceLease {
     conn: RedisConn,
+    db: PgPool,
     prefix: String,
     owner: String,
     /// The configured id, or `None` for any free one.
@@ -147,6 +161,7 @@ impl InstanceLease {
     /// (-1: none).
     pub fn new(
         conn: RedisConn,
+        db: PgPool,
         prefix: &str,
         wanted: Option<u16>,
         ttl: Duration,
@@ -157,6 +172,7 @@ impl InstanceLease {
         gauge.set(-1);
         Self {
             conn,
+            db,
             prefix: prefix.to_owned(),
             owner: format!(
                 "{host}:{}:{}",
@@ -210,7 +226,24 @@ impl InstanceLease {
             if floor < 0 {
                 continue;
             }
-            let floor = u64::try_from(floor).unwrap_or(0);
+            let fenced = match self.fence(instance, None).await {
+                Ok(fenced) => fenced,
+                Err(e) => {
+                    self.give_up_key(instance).await;
+                    return Err(LeaseError::Fence(e));
+                }
+            };
+            let Some(fence_floor) = fenced else {
+                // Redis forgot it, PostgreSQL did not: its holder may
+                // still be minting under it.
+                tracing::warn!(
+                    instance,
+                    "instance id free in Redis but leased in PostgreSQL by another owner within a lifetime; not taken"
+                );
+                self.give_up_key(instance).await;
+                continue;
+            };
+            let floor = u64::try_from(floor.max(fence_floor)).unwrap_or(0);
             self.ids.ids.reset(instance, floor.max(epoch_ms_now()));
             self.ids.extend(sent, self.ttl);
             self.gauge.set(i64::from(instance));
@@ -224,6 +257,64 @@ impl InstanceLease {
             ),
             None => "every instance id (0..=1022) is leased by a running instance".into(),
         }))
+    }
+
+    /// Takes (`reach` = None) or renews this owner's row of `instance` in
+    /// `instance_leases`, for one lifetime on the database's clock: the
+    /// floor recorded there, or `None` if another owner renewed it less
+    /// than a lifetime ago (taking), or holds it now (renewing).
+    async fn fence(&self, instance: u16, reach: Option<u64>) -> anyhow::Result<Option<i64>> {
+        use diesel::RunQueryDsl;
+        use diesel::sql_types::{BigInt, Nullable, SmallInt, Text};
+        #[derive(diesel::QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = BigInt)]
+            floor_ms: i64,
+        }
+        let (owner, ttl_ms) = (
+            self.owner.clone(),
+            i64::try_from(self.ttl_ms()).unwrap_or(i64::MAX),
+        );
+        let reach = reach.and_then(|r| i64::try_from(r).ok());
+        crate::store::run(&self.db, move |conn| {
+            let sql = if reach.is_none() {
+                "INSERT INTO instance_leases (instance_id, owner, leased_until, floor_ms) \
+                 VALUES ($1, $2, now() + $3 * interval '1 millisecond', coalesce($4, 0)) \
+                 ON CONFLICT (instance_id) DO UPDATE \
+                 SET owner = EXCLUDED.owner, leased_until = EXCLUDED.leased_until \
+                 WHERE instance_leases.owner = EXCLUDED.owner \
+                    OR instance_leases.leased_until < now() \
+                 RETURNING floor_ms"
+            } else {
+                "UPDATE instance_leases \
+                 SET leased_until = now() + $3 * interval '1 millisecond', \
+                     floor_ms = greatest(floor_ms, coalesce($4, 0)) \
+                 WHERE instance_id = $1 AND owner = $2 \
+                 RETURNING floor_ms"
+            };
+            let rows: Vec<Row> = diesel::sql_query(sql)
+                .bind::<SmallInt, _>(i16::try_from(instance).unwrap_or(i16::MAX))
+                .bind::<Text, _>(owner)
+                .bind::<BigInt, _>(ttl_ms)
+                .bind::<Nullable<BigInt>, _>(reach)
+                .load(conn)?;
+            Ok(rows.first().map(|r| r.floor_ms))
+        })
+        .await
+    }
+
+    /// Deletes this owner's Redis key of `instance` (an id not taken after
+    /// all, or given up).
+    async fn give_up_key(&self, instance: u16) {
+        let (key, _) = self.keys(instance);
+        let released: RedisResult<i64> = Script::new(RELEASE)
+            .key(&key)
+            .arg(&self.owner)
+            .invoke_async(&mut self.conn.clone())
+            .await;
+        if let Err(e) = released {
+            tracing::warn!(instance, error = %e, "instance id lease not given up");
+        }
     }
 
     /// Takes the lease at start-up. A configured id that is held is waited
@@ -242,13 +333,22 @@ impl InstanceLease {
                     );
                     return Ok(None);
                 }
+                Err(LeaseError::Fence(e)) => {
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        "PostgreSQL unreachable: no instance id leased yet; purchases get 503 until it is"
+                    );
+                    return Ok(None);
+                }
                 Err(LeaseError::Taken(why)) if Instant::now() >= deadline => bail!(why),
                 Err(LeaseError::Taken(_)) => tokio::time::sleep(Duration::from_millis(500)).await,
             }
         }
     }
 
-    /// Renews a held lease. False if it is no longer ours.
+    /// Renews a held lease in Redis, then its fence. False if it is no
+    /// longer ours in either. The lease is extended only when both
+    /// confirmed; a fence that did not answer leaves it to run out.
     async fn renew(&self, instance: u16) -> RedisResult<bool> {
         let (key, floor_key) = self.keys(instance);
         // Where this holder may get to before its lease runs out.
@@ -262,10 +362,24 @@ impl InstanceLease {
             .arg(reach)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        if renewed == 1 {
-            self.ids.extend(sent, self.ttl);
+        if renewed != 1 {
+            return Ok(false);
         }
-        Ok(renewed == 1)
+        match self.fence(instance, Some(reach)).await {
+            Ok(Some(_)) => {
+                self.ids.extend(sent, self.ttl);
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(e) => {
+                tracing::warn!(
+                    instance,
+                    error = format!("{e:#}"),
+                    "instance id lease not renewed in PostgreSQL"
+                );
+                Ok(true)
+            }
+        }
     }
 
     /// One heartbeat: renew the lease held, or take one.
@@ -291,6 +405,10 @@ impl InstanceLease {
                         tracing::warn!(error = %e, "instance id not leased: Redis unreachable");
                     }
                     Err(LeaseError::Taken(why)) => tracing::error!("{why}"),
+                    Err(LeaseError::Fence(e)) => tracing::warn!(
+                        error = format!("{e:#}"),
+                        "instance id not leased: PostgreSQL unreachable"
+                    ),
                 }
             }
         }
@@ -309,15 +427,9 @@ impl InstanceLease {
             }
             if let Some(instance) = self.ids.instance() {
                 self.ids.revoke();
-                let (key, _) = self.keys(instance);
-                let released: RedisResult<i64> = Script::new(RELEASE)
-                    .key(&key)
-                    .arg(&self.owner)
-                    .invoke_async(&mut self.conn.clone())
-                    .await;
-                if let Err(e) = released {
-                    tracing::warn!(instance, error = %e, "instance id lease not given up");
-                }
+                self.give_up_key(instance).await;
+                // The fence stays until its lifetime ends: this process
+                // minted under it until a moment ago.
             }
         })
     }

@@ -26,7 +26,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-pub use lease::{InstanceLease, LeasedIds};
+pub use lease::{InstanceLease, LeaseError, LeasedIds};
 
 /// Snowflake epoch: 2024-01-01T00:00:00Z in unix ms. 41 bits of
 /// milliseconds last until 2093.

@@ -364,3 +364,62 @@ async fn two_api_instances_and_a_worker_sell_a_thousand_units_to_twenty_thousand
     );
     assert!(first >= 5_000 && other >= 5_000, "{first} / {other}");
 }
+
+/// Redis restarted empty while an instance holds id 7 (here: this test's
+/// lease keys deleted): another process asking for 7 must not get it
+/// while the holder may still be minting under it, and the holder keeps
+/// its id and goes on selling under it.
+#[tokio::test]
+async fn an_id_redis_forgot_is_not_leased_again_while_its_holder_may_still_mint() {
+    use std::sync::Arc;
+
+    use seckill::ids::{InstanceLease, LeaseError, LeasedIds};
+
+    let a = spawn_app_with(|s| {
+        s.app.instance_id = Some(7);
+        s.app.instance_lease_secs = 2;
+    })
+    .await;
+    assert_eq!(a.metric("seckill_instance_id").await, Some(7));
+    let prefix = a.settings.redis.key_prefix.clone();
+    let key = format!("{prefix}{{instance:7}}");
+    let mut redis = a.redis();
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .arg(format!("{key}:floor"))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    // Another process wants 7 at once, finding it free in Redis.
+    let other_ids = Arc::new(LeasedIds::default());
+    let other = InstanceLease::new(
+        a.redis(),
+        seckill::store::pool(&a.settings.postgres),
+        &prefix,
+        Some(7),
+        Duration::from_secs(2),
+        other_ids.clone(),
+        prometheus::IntGauge::new("other_instance_id", "the other lease").unwrap(),
+    );
+    match other.acquire().await {
+        Err(LeaseError::Taken(_)) => {}
+        Ok(id) => panic!("id {id} leased twice: both may mint the same numbers"),
+        Err(e) => panic!("unexpected: {e:?}"),
+    }
+    assert_eq!(other_ids.instance(), None);
+    // The holder renews into an empty Redis, takes its own id back (its
+    // fence is still its own) and sells under it.
+    eventually(
+        "the holder holds 7 again",
+        Duration::from_secs(30),
+        || async { (a.metric("seckill_instance_id").await == Some(7)).then_some(()) },
+    )
+    .await;
+    let activity = a.live_activity(5, 1, 1).await;
+    let (status, body) = eventually("a purchase under 7", Duration::from_secs(30), || async {
+        let (status, body) = a.buy(1, activity).await;
+        (status == 202 || status == 200).then_some((status, body))
+    })
+    .await;
+    assert_eq!(instance_of(order_no(&body)), 7, "{status} {body}");
+}
