@@ -140,6 +140,26 @@ struct Health {
     down_since: AtomicI64,
     /// When a probe last succeeded after failing ones.
     back_at: AtomicI64,
+    /// The order events sent before this outage are provably written.
+    proven: AtomicBool,
+    /// `admission.fallback_after_ms`; 0 with the fallback turned off.
+    after_ms: i64,
+    enabled: bool,
+}
+
+impl Health {
+    /// Whether this instance may move an activity into the fallback now:
+    /// Redis down long enough, and what was sent before provably written.
+    /// Read again under the stock row's lock, so a purchase that waited for
+    /// the lock while Redis came back does not take the sale over.
+    fn may_enter(&self, now: i64) -> bool {
+        self.enabled
+            && match self.down_since.load(Ordering::Acquire) {
+                0 => false,
+                since => now - since >= self.after_ms,
+            }
+            && self.proven.load(Ordering::Acquire)
+    }
 }
 
 /// What the mode poll last read.
@@ -157,14 +177,12 @@ pub struct Fallback {
     settings: Arc<Settings>,
     db: PgPool,
     limiter: KeyedLimiter<i64>,
-    health: Health,
+    health: Arc<Health>,
     polled: RwLock<Polled>,
     /// When the last completed mode poll started (unix ms).
     polled_at: AtomicI64,
     /// Some activity is in a mode other than REDIS (as last read).
     any_moved: AtomicBool,
-    /// The order events sent before this outage are provably written.
-    proven: AtomicBool,
     token_key: Vec<u8>,
     metrics: Metrics,
     clock: SharedClock,
@@ -193,15 +211,21 @@ impl Fallback {
         let rate = settings.admission.fallback_rate_per_sec;
         let mut token_key = b"seckill fallback token\0".to_vec();
         token_key.extend_from_slice(settings.auth.jwt_secret.expose_secret().as_bytes());
+        let health = Arc::new(Health {
+            down_since: AtomicI64::new(0),
+            back_at: AtomicI64::new(0),
+            proven: AtomicBool::new(false),
+            after_ms: i64::try_from(settings.admission.fallback_after_ms).unwrap_or(i64::MAX),
+            enabled: settings.admission.fallback_enabled,
+        });
         Self {
             limiter: KeyedLimiter::new(rate, rate.max(1)),
             settings,
             db,
-            health: Health::default(),
+            health,
             polled: RwLock::default(),
             polled_at: AtomicI64::new(0),
             any_moved: AtomicBool::new(false),
-            proven: AtomicBool::new(false),
             token_key,
             metrics,
             clock,
@@ -233,11 +257,7 @@ impl Fallback {
     /// This instance may move an activity into the fallback: Redis down
     /// long enough, and what was sent before provably written.
     fn may_enter(&self, now: i64) -> bool {
-        self.enabled()
-            && self
-                .down_for(now)
-                .is_some_and(|d| d >= self.settings.admission.fallback_after_ms as i64)
-            && self.proven.load(Ordering::Acquire)
+        self.health.may_enter(now)
     }
 
     /// An activity's mode as last read.
@@ -266,6 +286,15 @@ impl Fallback {
                 Mode::Redis => {}
             }
         }
+        if self.polled_at.load(Ordering::Acquire) == 0 {
+            // A new instance has not read the modes yet: an activity in
+            // DATABASE mode must not be sold from the stale copy Redis may
+            // hold (it lacks the fallback's units, request ids and holds).
+            return Route::Wait(
+                "the sale's admission modes are not read yet; retry shortly",
+                1,
+            );
+        }
         let down_since = self.health.down_since.load(Ordering::Acquire);
         if down_since == 0 {
             // Back, but the modes were last read before it came back: an
@@ -281,7 +310,7 @@ impl Fallback {
         if down < self.settings.admission.fallback_after_ms as i64 {
             // A blip: Redis itself answers (or fails) this purchase.
             Route::Redis
-        } else if self.proven.load(Ordering::Acquire) {
+        } else if self.health.proven.load(Ordering::Acquire) {
             Route::Database
         } else {
             Route::Wait(
@@ -309,6 +338,12 @@ impl Fallback {
         restoring.sort_unstable();
         let active = self.enabled() && (!database.is_empty() || self.may_enter(unix_ms()));
         (active, database, restoring)
+    }
+
+    /// Whether purchases wait for the first read of the admission modes
+    /// (readiness waits for it too).
+    pub fn modes_unread(&self) -> bool {
+        self.enabled() && self.polled_at.load(Ordering::Acquire) == 0
     }
 
     /// Whether Redis answers this instance's probes.
@@ -388,7 +423,7 @@ impl Fallback {
             quantity: purchase.quantity,
             coupon_id: purchase.coupon_id,
             now_ms: self.clock.now_ms(),
-            may_enter: self.may_enter(unix_ms()),
+            entry: self.health.clone(),
         };
         let decided = store::run(&self.db, move |conn| Ok(buy.run(conn)?)).await?;
         if let Ok(Decided::Created(order_no)) = decided {
@@ -430,7 +465,7 @@ impl Fallback {
             if up && !was_up {
                 self.health.back_at.store(now, Ordering::Release);
                 self.health.down_since.store(0, Ordering::Release);
-                self.proven.store(false, Ordering::Release);
+                self.health.proven.store(false, Ordering::Release);
                 tracing::warn!("Redis answers again");
                 next_poll = tokio::time::Instant::now();
             } else if !up && was_up {
@@ -485,7 +520,7 @@ impl Fallback {
     /// longer arrive, asks Kafka whether the order consumers have applied
     /// every one (read after that moment, so each is among them).
     async fn prove(&self, progress: &Arc<GroupProgress>) {
-        if !self.enabled() || self.proven.load(Ordering::Acquire) {
+        if !self.enabled() || self.health.proven.load(Ordering::Acquire) {
             return;
         }
         let Some(down) = self.down_for(unix_ms()) else {
@@ -496,7 +531,7 @@ impl Fallback {
         }
         match progress.caught_up().await {
             Ok(true) if !self.redis_up() => {
-                self.proven.store(true, Ordering::Release);
+                self.health.proven.store(true, Ordering::Release);
                 tracing::warn!(
                     down_ms = down,
                     "Redis down and every order accepted before is written: \
@@ -538,8 +573,9 @@ struct Buy {
     coupon_id: Option<i64>,
     /// The sale clock (windows).
     now_ms: i64,
-    /// This instance may move the activity from REDIS to DATABASE.
-    may_enter: bool,
+    /// Whether this instance may move the activity from REDIS to
+    /// DATABASE, asked after the stock row is locked.
+    entry: Arc<Health>,
 }
 
 #[derive(QueryableByName)]
@@ -678,7 +714,8 @@ impl Buy {
                 return Ok(Err(Declined::NotActive));
             }
             let mode = Mode::parse(&a.admission);
-            if mode == Mode::Restoring || (mode == Mode::Redis && !self.may_enter) {
+            if mode == Mode::Restoring || (mode == Mode::Redis && !self.entry.may_enter(unix_ms()))
+            {
                 return Ok(Err(Declined::NotInFallback));
             }
             if let Some(order_no) = a.window.existing {

@@ -240,3 +240,163 @@ async fn the_fallback_is_rate_limited_per_activity_with_a_retry_after() {
         "a 429 writes nothing"
     );
 }
+
+/// A TCP proxy in front of the real Redis that the test switches off
+/// (every connection closed, new ones refused) and on again: Redis going
+/// away and coming back for one server only.
+struct RedisSwitch {
+    url: String,
+    on: tokio::sync::watch::Sender<bool>,
+}
+
+impl RedisSwitch {
+    async fn start(upstream: &str) -> Self {
+        let upstream = upstream
+            .trim_start_matches("redis://")
+            .trim_end_matches('/')
+            .to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{}", listener.local_addr().unwrap());
+        let (on, watch) = tokio::sync::watch::channel(true);
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let mut watch = watch.clone();
+                if !*watch.borrow() {
+                    continue; // dropped: refused
+                }
+                let upstream = upstream.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = watch.wait_for(|on| !*on) => {}
+                    }
+                });
+            }
+        });
+        Self { url, on }
+    }
+
+    fn set(&self, on: bool) {
+        self.on.send_replace(on);
+    }
+}
+
+/// Defect 1 of issue #25: a fallback purchase that waited for the stock
+/// row's lock while Redis came back must not take the sale over. Its
+/// "may the database take over?" is asked again under the lock: the
+/// purchase is told to retry, nothing is written, the activity stays on
+/// Redis.
+#[tokio::test]
+async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does_not_take_the_sale_over()
+ {
+    use diesel::{Connection, PgConnection, RunQueryDsl};
+    use secrecy::ExposeSecret;
+
+    let real = seckill::config::Settings::load_env("test")
+        .unwrap()
+        .redis
+        .url;
+    if real.contains(',') {
+        return; // one server behind the proxy, not a cluster's seeds
+    }
+    let redis = RedisSwitch::start(&real).await;
+    let app = spawn_app_with(|s| {
+        s.redis.url = redis.url.clone();
+        s.admission.fallback_after_ms = 200;
+    })
+    .await;
+    app.wait_until_ready().await;
+    let activity = app.live_activity(10, 1, 1).await;
+    redis.set(false);
+    eventually(
+        "the fallback takes purchases",
+        Duration::from_secs(120),
+        || async {
+            let body = json(app.get("/health/ready", None).await).await;
+            (body["admission"] == "database").then_some(())
+        },
+    )
+    .await;
+    let res = app
+        .get(
+            &format!("/api/v1/activities/{activity}/token"),
+            Some(&app.user_token(1)),
+        )
+        .await;
+    let token = json(res).await["token"].as_str().unwrap().to_owned();
+
+    // The test holds the stock row's lock, so the purchase queues behind it.
+    let url = app.settings.postgres.url.expose_secret().to_owned();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let (locked, holding) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let mut conn = PgConnection::establish(&url).unwrap();
+        conn.transaction::<_, diesel::result::Error, _>(|c| {
+            diesel::sql_query(format!(
+                "SELECT activity_id FROM stock WHERE activity_id = {activity} FOR UPDATE"
+            ))
+            .execute(c)?;
+            locked.send(()).unwrap();
+            let _ = released.recv();
+            Ok(())
+        })
+        .unwrap();
+    });
+    tokio::task::spawn_blocking(move || holding.recv().unwrap())
+        .await
+        .unwrap();
+    let body = json!({"request_id": "queued", "token": token});
+    let purchase = app.order(1, activity, &body);
+    let meanwhile = async {
+        eventually(
+            "the purchase waits for the lock",
+            Duration::from_secs(60),
+            || async {
+                (app.count(
+                    "SELECT count(*) AS n FROM pg_stat_activity \
+                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .await
+                    > 0)
+                .then_some(())
+            },
+        )
+        .await;
+        redis.set(true);
+        eventually(
+            "this server sees Redis back",
+            Duration::from_secs(60),
+            || async { (app.metric("seckill_redis_up").await == Some(1)).then_some(()) },
+        )
+        .await;
+        release.send(()).unwrap();
+    };
+    let (res, ()) = tokio::join!(purchase, meanwhile);
+    holder.join().unwrap();
+    let status = res.status().as_u16();
+    let body = json(res).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("RETRY_LATER")),
+        "{body}"
+    );
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM activities WHERE id = {activity} AND admission = 'REDIS'"
+        ))
+        .await,
+        1,
+        "the activity stays on Redis"
+    );
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE activity_id = {activity}"
+        ))
+        .await,
+        0,
+        "nothing written by the database"
+    );
+}

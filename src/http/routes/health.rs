@@ -166,7 +166,15 @@ async fn postgres_ping(state: &AppState) -> Result<(), Unready> {
         Ok(())
     })
     .await
-    .map_err(Unready::because("unreachable"))
+    .map_err(Unready::because("unreachable"))?;
+    // Purchases wait for the first read of the activities' admission
+    // modes (an activity may be selling through the database).
+    if state.admission.fallback.modes_unread() {
+        return Err(Unready::because("the admission modes are not read yet")(
+            anyhow::anyhow!("no mode poll has completed"),
+        ));
+    }
+    Ok(())
 }
 
 /// Kafka as a fresh client sees it ([`crate::bus::probe`]): never through
