@@ -45,7 +45,7 @@ use super::limits::KeyedLimiter;
 use crate::bus::progress::GroupProgress;
 use crate::clock::SharedClock;
 use crate::config::Settings;
-use crate::ids::{EPOCH_UNIX_MS, OrderNo, database_id};
+use crate::ids::OrderNo;
 use crate::metrics::Metrics;
 use crate::orders::OrderStatus;
 use crate::orders::events::{OrderEvents, StatusChange};
@@ -639,14 +639,6 @@ struct Peek {
     window: Window,
 }
 
-#[derive(QueryableByName)]
-struct Minted {
-    #[diesel(sql_type = BigInt)]
-    seq: i64,
-    #[diesel(sql_type = BigInt)]
-    unix_ms: i64,
-}
-
 impl Buy {
     /// The transaction: every check under the stock row's lock, then the
     /// writes; a refusal writes nothing.
@@ -792,25 +784,18 @@ impl Buy {
     /// A number of the database's instance id; a sharded activity's
     /// carries its buyer's shard.
     fn number(&self, conn: &mut PgConn, a: &Locked) -> QueryResult<i64> {
-        let m = diesel::sql_query(
-            "SELECT nextval('fallback_order_seq') AS seq, \
-               (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS unix_ms",
-        )
-        .get_result::<Minted>(conn)?;
         let layout = crate::activities::layout(a.buckets, a.shards);
         let gene = layout
             .is_sharded()
             .then(|| layout.shard_of_user(self.user_id) as u8);
-        let ms = u64::try_from(m.unix_ms)
-            .unwrap_or(0)
-            .saturating_sub(EPOCH_UNIX_MS);
-        Ok(database_id(ms, u64::try_from(m.seq).unwrap_or(0), gene))
+        crate::ids::database_number(conn, gene)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::database_id;
 
     #[test]
     fn database_numbers_carry_the_database_instance_and_the_gene() {

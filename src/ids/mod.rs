@@ -190,6 +190,34 @@ pub fn database_id(ms: u64, seq: u64, gene: Option<u8>) -> i64 {
     (id & (i64::MAX as u64)) as i64
 }
 
+/// A number made by the database, for when no instance id is leased (the
+/// Redis fallback's orders, and payments while Redis is down): a
+/// snowflake of [`DATABASE_INSTANCE`] from the database's clock and the
+/// `fallback_order_seq` sequence, which no leased instance ever makes.
+pub fn database_number(
+    conn: &mut crate::store::PgConn,
+    gene: Option<u8>,
+) -> diesel::QueryResult<i64> {
+    use diesel::RunQueryDsl;
+    use diesel::sql_types::BigInt;
+    #[derive(diesel::QueryableByName)]
+    struct Minted {
+        #[diesel(sql_type = BigInt)]
+        seq: i64,
+        #[diesel(sql_type = BigInt)]
+        unix_ms: i64,
+    }
+    let m = diesel::sql_query(
+        "SELECT nextval('fallback_order_seq') AS seq, \
+           (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS unix_ms",
+    )
+    .get_result::<Minted>(conn)?;
+    let ms = u64::try_from(m.unix_ms)
+        .unwrap_or(0)
+        .saturating_sub(EPOCH_UNIX_MS);
+    Ok(database_id(ms, u64::try_from(m.seq).unwrap_or(0), gene))
+}
+
 /// The instance id inside a snowflake.
 pub fn instance_of(id: i64) -> u16 {
     ((id as u64 >> SEQUENCE_BITS) & u64::from(MAX_INSTANCE)) as u16

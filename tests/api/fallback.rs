@@ -400,3 +400,49 @@ async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does
         "nothing written by the database"
     );
 }
+
+/// Defect 5 of issue #25: with Redis down no instance id is leased, and a
+/// payment's number used to come only from that lease, so every fallback
+/// order closed unpaid once the outage outlasted its pay window. The
+/// database makes the number then, and the order is paid.
+#[tokio::test]
+async fn an_order_sold_through_the_database_is_paid_while_redis_is_still_down() {
+    let (app, activity) = without_redis(2, 1000).await;
+    let (status, header, order) = buy(&app, 1, activity, "r1").await;
+    assert_eq!((status, header.as_str()), (202, "database"), "{order}");
+    let order_no = order["order_no"].as_str().unwrap().to_owned();
+
+    let res = app.pay(1, &order_no).await;
+    assert_eq!(res.status(), 200, "a payment without Redis");
+    let intent = json(res).await;
+    let payment_no = intent["payment_no"].as_str().unwrap().to_owned();
+    assert_eq!(
+        seckill::ids::instance_of(payment_no.parse().unwrap()),
+        seckill::ids::DATABASE_INSTANCE,
+        "numbered by the database: {intent}"
+    );
+    let res = app
+        .post_json(
+            &format!("/api/v1/dev/payments/{payment_no}/simulate"),
+            &json!({"status": "SUCCESS", "times": 2}),
+            Some(&app.user_token(1)),
+        )
+        .await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE order_no = {order_no} AND status = 'PAID'"
+        ))
+        .await,
+        1,
+        "paid once"
+    );
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM stock WHERE activity_id = {activity} AND sold = 1 AND locked = 0"
+        ))
+        .await,
+        1,
+        "its unit sold"
+    );
+}
