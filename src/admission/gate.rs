@@ -1149,6 +1149,25 @@ impl RedisGate {
             .await
     }
 
+    /// Whether every shard of a sharded activity still has its meta (a
+    /// shard's master can restart empty while the base keys, elsewhere,
+    /// stay). One EXISTS per shard: their keys sit in different slots.
+    pub async fn shards_warm(&self, activity_id: i64, layout: Layout) -> RedisResult<bool> {
+        if !layout.is_sharded() {
+            return Ok(true);
+        }
+        for shard in 0..layout.shards {
+            let exists: bool = redis::cmd("EXISTS")
+                .arg(self.shard_keys(activity_id, layout, shard).meta())
+                .query_async(&mut self.conn.clone())
+                .await?;
+            if !exists {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Stores a one-time purchase token bound to `user_id`, in the buyer's
     /// shard.
     pub async fn issue_token(

@@ -282,6 +282,18 @@ impl Reconciler {
         for a in ids {
             let (id, layout, end_at) = (a.id, a.layout, a.end_at);
             let mut warm = self.gate.is_warm(id).await?;
+            if warm && !self.gate.shards_warm(id, layout).await? {
+                // A shard lost alone: what the other shards hold cannot be
+                // trusted beside it, so the activity is restored whole.
+                self.gate.remove_activity(id, layout).await?;
+                self.count("repair", "lost_shard_keys_dropped");
+                tracing::warn!(
+                    activity_id = id,
+                    "a shard of the activity is gone from Redis: its other keys are dropped, \
+                     to be restored from the database"
+                );
+                warm = false;
+            }
             if warm && a.mode != Mode::Redis {
                 warm = self.back_from_fallback(id, layout, a.mode).await?;
             }

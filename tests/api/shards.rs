@@ -211,3 +211,63 @@ async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_an
     assert_eq!(report["consistent"], true, "{report}");
     assert_eq!(app.stats(activity).await["redis_available"], 7);
 }
+
+/// Defect 6 of issue #25: one shard of a sharded activity lost (the Redis
+/// master holding its slots restarted empty) while the base keys and the
+/// other shards stay. It used to go unnoticed, since only the base meta
+/// was checked, and the lost shard's buyers got 503 for good. The
+/// activity is now restored whole: every shard's buyers are served, and
+/// replays in the lost shard still find their orders.
+#[tokio::test]
+async fn a_sharded_activity_that_lost_one_shard_is_restored_and_that_shards_buyers_are_served() {
+    let app = spawn_app_with(crate::helpers::restores_quickly).await;
+    let activity = sharded_activity(&app, 12, 1, 3).await;
+    let layout = Layout::new(1, 3);
+    let order_nos = app.buy_as_r_user(activity, 1..=6).await;
+    app.drained(activity, 6).await;
+
+    // Every key of shard 1, and nothing else.
+    let lost = 1;
+    let mut conn = app.redis();
+    let pattern = format!("{}{{a:{activity}:{lost}.*", app.settings.redis.key_prefix);
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!keys.is_empty(), "shard {lost} has keys to lose");
+    for key in keys {
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+
+    // A buyer of the lost shard gets a unit again, and a replay of an order
+    // that lived there finds it.
+    let newcomer = (100..).find(|u| layout.shard_of_user(*u) == lost).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    loop {
+        let (status, body) = app.buy(newcomer, activity).await;
+        if status == 202 || status == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lost shard's buyers are still refused: {status} {body}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    for user in (1..=6).filter(|u| layout.shard_of_user(*u) == lost) {
+        let (status, replay) = app.order_as_r_user(activity, user).await;
+        assert_eq!(status, 200, "{replay}");
+        assert_eq!(replay["order_no"], order_nos[user as usize - 1].as_str());
+    }
+    let stats = app
+        .wait_for_stats(activity, 60, |s| {
+            s["reservations_open"] == 0 && s["redis_available"] == s["db_available"]
+        })
+        .await;
+    assert_eq!(stats["db_available"], 12 - 7, "{stats}");
+}
