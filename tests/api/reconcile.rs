@@ -647,3 +647,44 @@ async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_
     assert_eq!(r["consistent"], true, "{r}");
     assert_eq!(app.stats(activity).await["redis_available"], 15);
 }
+
+/// Defect 3 of issue #25: coming back from the database fallback drops an
+/// activity's keys before the restore, and used to leave the records of
+/// open reservations behind. A publisher still sending an unknown
+/// delivery then found its record "occupied" and sent the event again
+/// after the restore's snapshot, counting its units twice. Dropping the
+/// keys drops those records too.
+#[tokio::test]
+async fn coming_back_from_the_fallback_leaves_no_open_reservation_record_behind() {
+    let app = spawn_app_with(only_reconciled_by_hand).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let order_no = 770_000_001;
+    orphan(&app, activity, 1, order_no).await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let layout = seckill::admission::Layout::single(1);
+    assert!(
+        gate.reservation(activity, layout, order_no)
+            .await
+            .unwrap()
+            .is_some()
+    );
+
+    // Another instance sold through the database meanwhile; Redis answers
+    // again, and reconciliation drops its stale copy.
+    app.execute(&format!(
+        "UPDATE activities SET admission = 'DATABASE', admission_since = now() WHERE id = {activity}"
+    ))
+    .await;
+    reconcile(&app).await;
+    assert!(
+        !gate.is_warm(activity).await.unwrap(),
+        "the stale copy was dropped"
+    );
+    assert!(
+        gate.reservation(activity, layout, order_no)
+            .await
+            .unwrap()
+            .is_none(),
+        "the open reservation's record went with it"
+    );
+}
