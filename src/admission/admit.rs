@@ -316,7 +316,9 @@ impl Admitter {
             Admission::SoldOut => {
                 let (flags, gate, activity_id) =
                     (self.sold_out.clone(), self.gate.clone(), p.activity_id);
-                tokio::spawn(async move { flags.mark(&gate, activity_id, layout).await });
+                // Asked at `started`: a release heard after that may have
+                // come after Redis's answer, and keeps the flag off.
+                tokio::spawn(async move { flags.mark(&gate, activity_id, layout, started).await });
                 Err(Refusal::SoldOut { from_memory: false })
             }
             Admission::LimitExceeded => Err(Refusal::LimitExceeded),

@@ -37,6 +37,8 @@ struct Flag {
     buyers: Arc<HashSet<i64>>,
     /// The activity's acceptance count `buyers` was read at.
     generation: i64,
+    /// When stock last came back (a release heard).
+    cleared_at: Option<Instant>,
 }
 
 /// The flags of this instance.
@@ -76,18 +78,27 @@ impl SoldOut {
         })
     }
 
-    /// Redis answered SOLD_OUT for `activity_id`: flags it, reading its
-    /// buyers first unless they are known at the current acceptance count.
-    /// Runs off the request path; a second call while one is loading
-    /// returns at once.
-    pub async fn mark(&self, gate: &RedisGate, activity_id: i64, layout: Layout) {
+    /// Redis answered SOLD_OUT for `activity_id` to a call sent at
+    /// `asked_at`: flags it, reading its buyers first unless they are known
+    /// at the current acceptance count — unless stock came back after
+    /// `asked_at` (the release's message can arrive between Redis's answer
+    /// and this flag; set after it, the flag would refuse buyers while
+    /// units wait). Runs off the request path; a second call while one is
+    /// loading returns at once.
+    pub async fn mark(
+        &self,
+        gate: &RedisGate,
+        activity_id: i64,
+        layout: Layout,
+        asked_at: Instant,
+    ) {
         if self.ttl.is_zero() || self.is_fresh(activity_id) {
             return;
         }
         if self.loading.swap(true, Ordering::AcqRel) {
             return;
         }
-        let result = self.load(gate, activity_id, layout).await;
+        let result = self.load(gate, activity_id, layout, asked_at).await;
         self.loading.store(false, Ordering::Release);
         if let Err(e) = result {
             tracing::debug!(error = %e, activity_id, "sold-out flag not set");
@@ -99,6 +110,7 @@ impl SoldOut {
         gate: &RedisGate,
         activity_id: i64,
         layout: Layout,
+        asked_at: Instant,
     ) -> redis::RedisResult<()> {
         // The count first: an acceptance after it makes the next load read
         // the buyers again.
@@ -115,16 +127,34 @@ impl SoldOut {
             None => Arc::new(gate.buyers(activity_id, layout).await?),
         };
         let mut flags = self.flags.write().unwrap_or_else(|e| e.into_inner());
+        self.set(&mut flags, activity_id, buyers, generation, asked_at);
+        self.recount(&flags);
+        Ok(())
+    }
+
+    /// Sets the flag of an answer to a call sent at `asked_at`, unless a
+    /// release was heard since.
+    fn set(
+        &self,
+        flags: &mut HashMap<i64, Flag>,
+        activity_id: i64,
+        buyers: Arc<HashSet<i64>>,
+        generation: i64,
+        asked_at: Instant,
+    ) {
+        let cleared_at = flags.get(&activity_id).and_then(|f| f.cleared_at);
+        if cleared_at.is_some_and(|c| c >= asked_at) {
+            return;
+        }
         flags.insert(
             activity_id,
             Flag {
                 since: Some(Instant::now()),
                 buyers,
                 generation,
+                cleared_at,
             },
         );
-        self.recount(&flags);
-        Ok(())
     }
 
     fn is_fresh(&self, activity_id: i64) -> bool {
@@ -138,9 +168,15 @@ impl SoldOut {
     /// Stock of `activity_id` came back: its next purchase goes to Redis.
     pub fn clear(&self, activity_id: i64) {
         let mut flags = self.flags.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = flags.get_mut(&activity_id) {
-            f.since = None;
-        }
+        let f = flags.entry(activity_id).or_insert_with(|| Flag {
+            since: None,
+            buyers: Arc::default(),
+            // Matches no acceptance count: the buyers are read on a flag.
+            generation: -1,
+            cleared_at: None,
+        });
+        f.since = None;
+        f.cleared_at = Some(Instant::now());
         self.recount(&flags);
     }
 
@@ -210,6 +246,7 @@ mod tests {
                 since: Some(Instant::now()),
                 buyers: Arc::new(buyers.iter().copied().collect()),
                 generation: 0,
+                cleared_at: None,
             },
         );
         s.recount(&flags);
@@ -225,6 +262,27 @@ mod tests {
         assert!(!s.refuses(2, 5), "another activity");
         s.clear(1);
         assert!(!s.refuses(1, 5));
+    }
+
+    #[test]
+    fn a_release_heard_after_the_call_keeps_the_flag_off() {
+        // Defect 10 of issue #25: the call is sent, Redis answers SOLD_OUT,
+        // a release adds units and its message is heard, and only then is
+        // the flag set. It must not be: units are waiting.
+        let s = flags(60_000);
+        let asked_at = Instant::now();
+        s.clear(1);
+        let mut f = s.flags.write().unwrap();
+        s.set(&mut f, 1, Arc::default(), 0, asked_at);
+        s.recount(&f);
+        drop(f);
+        assert!(!s.refuses(1, 5), "set after the release it came before");
+        // A call sent after the release is flagged as usual.
+        let mut f = s.flags.write().unwrap();
+        s.set(&mut f, 1, Arc::default(), 0, Instant::now());
+        s.recount(&f);
+        drop(f);
+        assert!(s.refuses(1, 5));
     }
 
     #[test]
