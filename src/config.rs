@@ -187,6 +187,14 @@ pub struct OrderSettings {
     /// final status, in seconds.
     #[serde(default = "default_events_timeout_secs")]
     pub events_timeout_secs: u64,
+    /// Order event streams one user may hold open at once on this
+    /// instance; one more answers 429.
+    #[serde(default = "default_streams_per_user")]
+    pub streams_per_user: usize,
+}
+
+fn default_streams_per_user() -> usize {
+    8
 }
 
 fn default_batches_in_flight() -> usize {

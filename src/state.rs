@@ -97,6 +97,8 @@ pub struct AppState {
     pub kafka_probe: Arc<BrokerProbe>,
     /// Whether this process can still heal itself (`/health/live`).
     pub liveness: Arc<Liveness>,
+    /// Open order event streams per user.
+    pub order_streams: Arc<crate::orders::events::StreamCounts>,
 }
 
 impl AppState {
@@ -226,6 +228,7 @@ impl AppState {
             ),
             kafka_probe,
             liveness: Arc::default(),
+            order_streams: Arc::default(),
             settings,
             background: tokio::runtime::Handle::current(),
             clock,

@@ -159,6 +159,44 @@ pub async fn listen(seeds: Vec<String>, events: Arc<OrderEvents>, shutdown: Canc
     .await;
 }
 
+/// Open streams per user on this instance.
+#[derive(Default)]
+pub struct StreamCounts(std::sync::Mutex<std::collections::HashMap<i64, usize>>);
+
+/// One open stream; dropping it gives its place back.
+pub struct StreamSlot {
+    counts: std::sync::Arc<StreamCounts>,
+    user_id: i64,
+}
+
+impl StreamCounts {
+    /// A place for one more stream of `user_id`, unless `max` are open.
+    pub fn take(self: &std::sync::Arc<Self>, user_id: i64, max: usize) -> Option<StreamSlot> {
+        let mut counts = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let open = counts.entry(user_id).or_default();
+        if *open >= max {
+            return None;
+        }
+        *open += 1;
+        Some(StreamSlot {
+            counts: self.clone(),
+            user_id,
+        })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(open) = counts.get_mut(&self.user_id) {
+            *open -= 1;
+            if *open == 0 {
+                counts.remove(&self.user_id);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

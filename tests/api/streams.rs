@@ -188,7 +188,8 @@ async fn transactions(app: &TestApp) -> i64 {
 #[tokio::test]
 async fn a_thousand_open_streams_cost_no_database_query_while_they_wait() {
     const STREAMS: usize = 1000;
-    let app = spawn_app().await;
+    // One user holds them all here: past the per-user cap of a real sale.
+    let app = spawn_app_with(|s| s.orders.streams_per_user = STREAMS).await;
     let activity = app.live_activity(5, 1, 1).await;
     let (_, body) = app.buy(1, activity).await;
     let order_no = body["order_no"].as_str().unwrap().to_owned();
@@ -236,4 +237,31 @@ async fn a_thousand_open_streams_cost_no_database_query_while_they_wait() {
         assert_eq!(s.status().await, "PAID");
         s.ends().await;
     }
+}
+
+/// Defect 9 of issue #25: one user cannot hold more than
+/// `orders.streams_per_user` streams at once (each one re-reads its order
+/// on a pub/sub reconnect); one more answers 429 with Retry-After, and a
+/// closed stream gives its place back.
+#[tokio::test]
+async fn a_user_holds_at_most_streams_per_user_streams_at_once() {
+    let app = spawn_app_with(|s| s.orders.streams_per_user = 2).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (_, body) = app.buy(1, activity).await;
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+    let mut first = Stream::of(&app, 1, &order_no).await;
+    first.status().await;
+    let mut second = Stream::of(&app, 1, &order_no).await;
+    second.status().await;
+    let third = Stream::open(&app, 1, &order_no).await;
+    assert_eq!(third.status(), 429);
+    assert!(third.headers().contains_key("retry-after"));
+    assert_eq!(json(third).await["code"], "RATE_LIMITED");
+    // Closing one (the client goes away) gives its place back.
+    drop(first);
+    eventually("a place again", Duration::from_secs(30), || async {
+        let res = Stream::open(&app, 1, &order_no).await;
+        (res.status() == 200).then_some(())
+    })
+    .await;
 }

@@ -310,7 +310,7 @@ pub async fn show(
 ) -> Result<HttpResponse, ApiError> {
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
-    let found = find(&state, order_no, user_id, None)
+    let found = find(&state, &state.db, order_no, user_id, None)
         .await?
         .ok_or_else(|| ApiError::not_found("no such order"))?;
     Ok(HttpResponse::Ok().json(match found {
@@ -367,12 +367,13 @@ fn found_status(r: &Reservation) -> OrderStatus {
 /// when there is neither, or it is another user's.
 pub(super) async fn find(
     state: &AppState,
+    db: &store::PgPool,
     order_no: OrderNo,
     user_id: UserId,
     activity: Option<(i64, Layout)>,
 ) -> Result<Option<Found>, ApiError> {
     let now = state.clock.now();
-    let (row, recent) = store::run(&state.db, move |conn| {
+    let (row, recent) = store::run(db, move |conn| {
         let row = repo::find_for_user(conn, order_no, user_id)?;
         let recent = match (&row, activity) {
             (Some(_), _) => Vec::new(),

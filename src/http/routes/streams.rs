@@ -11,7 +11,7 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::mpsc;
 
 use crate::http::auth::AuthUser;
-use crate::http::error::{ApiError, Problem};
+use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
 use crate::orders::events::Note;
@@ -21,6 +21,10 @@ use super::orders::{Found, find};
 
 /// A comment line this often keeps proxies from closing an idle stream.
 const KEEPALIVE: Duration = Duration::from_secs(15);
+
+/// Over how long the streams spread their reads after missing changes (a
+/// pub/sub reconnect tells every open stream at once).
+const RESYNC_SPREAD: Duration = Duration::from_secs(2);
 
 /// How far along an order is: a change is news only if it is later.
 fn stage(status: OrderStatus) -> u8 {
@@ -43,6 +47,8 @@ fn event(order_no: OrderNo, status: OrderStatus) -> Bytes {
 /// CANCELLED, CLOSED, FAILED) or after `orders.events_timeout_secs`
 /// (`event: timeout`). Owner only. While it waits it costs no database
 /// query: changes come from the service's own commits (`orders::events`).
+/// Its reads use the public-reads pool, never the one payments and cancels
+/// need; a user holds at most `orders.streams_per_user` streams at once.
 #[utoipa::path(get, path = "/api/v1/orders/{order_no}/events", tag = "orders",
     params(("order_no" = String, Path, description = "order number (decimal)")),
     security(("bearer" = [])),
@@ -50,6 +56,7 @@ fn event(order_no: OrderNo, status: OrderStatus) -> Bytes {
         (status = 200, description = "text/event-stream: `event: status` with data {order_no, status}, the current status first; `event: timeout` at the end of the time allowed", content_type = "text/event-stream"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND (or not the caller's)", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "RATE_LIMITED: this user already holds orders.streams_per_user open streams", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn order_events(
@@ -59,10 +66,20 @@ pub async fn order_events(
 ) -> Result<HttpResponse, ApiError> {
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
+    let Some(slot) = state
+        .order_streams
+        .take(user_id.get(), state.settings.orders.streams_per_user.max(1))
+    else {
+        return Err(ApiError::new(
+            ErrorCode::RateLimited,
+            "too many open order streams for this user; close one first",
+        )
+        .with_retry_after(5));
+    };
     // Listening before the first read: a change committed in between is
     // heard, not lost.
     let mut notes = state.order_events.subscribe();
-    let found = find(&state, order_no, user_id, None)
+    let found = find(&state, &state.public_db, order_no, user_id, None)
         .await?
         .ok_or_else(|| ApiError::not_found("no such order"))?;
     let mut status = found.status();
@@ -79,6 +96,7 @@ pub async fn order_events(
     let (tx, mut rx) = mpsc::channel::<Bytes>(8);
     let state = state.into_inner();
     tokio::spawn(async move {
+        let _slot = slot;
         if tx.send(event(order_no, status)).await.is_err() || status.is_final() {
             return;
         }
@@ -104,7 +122,9 @@ pub async fn order_events(
                     Ok(Note::Change(_)) => continue,
                     // Changes may have been missed: read the order again.
                     Ok(Note::Resync) | Err(RecvError::Lagged(_)) => {
-                        match find(&state, order_no, user_id, activity).await {
+                        // Every stream hears this at once: spread the reads.
+                        tokio::time::sleep(RESYNC_SPREAD.mul_f64(fastrand::f64())).await;
+                        match find(&state, &state.public_db, order_no, user_id, activity).await {
                             Ok(Some(now)) => Some(now.status()),
                             _ => None,
                         }
