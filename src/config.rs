@@ -65,6 +65,11 @@ pub struct ReconcileSettings {
     /// How long after an activity's end its Redis keys are removed (once
     /// every order is settled and the figures agree), in seconds.
     pub cleanup_after_secs: u64,
+    /// Lifetime of the lease one reconciler holds at a time, in seconds;
+    /// renewed every third of it while a run lasts. Unset: four intervals,
+    /// at least 120 s.
+    #[serde(default)]
+    pub lease_secs: Option<u64>,
 }
 
 /// The payment provider.

@@ -207,17 +207,49 @@ struct Released {
 impl Reconciler {
     /// Reconciles every recent, warmed activity; `None` when another
     /// instance holds the lease.
+    ///
+    /// The lease is renewed every third of its lifetime while the run
+    /// lasts, and checked before each activity: a run that lost it (Redis
+    /// restarted, or a renewal failed for a whole lifetime and another
+    /// instance took it) stops there instead of repairing or restoring
+    /// beside the new holder.
     pub async fn run(&self) -> anyhow::Result<Option<Vec<Report>>> {
-        let ttl_ms = self
-            .settings
-            .reconcile
-            .interval_secs
-            .saturating_mul(4000)
-            .max(120_000);
+        let ttl_ms = match self.settings.reconcile.lease_secs {
+            Some(secs) => secs.max(1).saturating_mul(1000),
+            None => self
+                .settings
+                .reconcile
+                .interval_secs
+                .saturating_mul(4000)
+                .max(120_000),
+        };
         if !self.gate.try_lease(LEASE, &self.owner, ttl_ms).await? {
             return Ok(None);
         }
-        let reports = self.run_holding_the_lease().await;
+        let held = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let renewing = {
+            let (gate, owner, held) = (self.gate.clone(), self.owner.clone(), held.clone());
+            tokio::spawn(async move {
+                let every = Duration::from_millis(ttl_ms / 3);
+                let mut renewed = std::time::Instant::now();
+                loop {
+                    tokio::time::sleep(every).await;
+                    match gate.try_lease(LEASE, &owner, ttl_ms).await {
+                        Ok(true) => renewed = std::time::Instant::now(),
+                        Ok(false) => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "reconcile lease not renewed");
+                            if renewed.elapsed() >= Duration::from_millis(ttl_ms) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                held.store(false, std::sync::atomic::Ordering::Release);
+            })
+        };
+        let reports = self.run_holding_the_lease(&held).await;
+        renewing.abort();
         if let Ok(reports) = &reports {
             self.keep_the_report(reports).await;
         }
@@ -268,7 +300,10 @@ impl Reconciler {
         Ok(Some(serde_json::from_str(&json)?))
     }
 
-    async fn run_holding_the_lease(&self) -> anyhow::Result<Vec<Report>> {
+    async fn run_holding_the_lease(
+        &self,
+        held: &std::sync::atomic::AtomicBool,
+    ) -> anyhow::Result<Vec<Report>> {
         let ids = store::run(&self.db, |conn| {
             Ok(crate::activities::repo::to_reconcile(conn)?)
         })
@@ -280,6 +315,11 @@ impl Reconciler {
         let cutoff = self.void_cutoff().await;
         let mut reports = Vec::with_capacity(ids.len());
         for a in ids {
+            anyhow::ensure!(
+                held.load(std::sync::atomic::Ordering::Acquire),
+                "the reconcile lease was lost mid-run; stopping before activity {}",
+                a.id
+            );
             let (id, layout, end_at) = (a.id, a.layout, a.end_at);
             let mut warm = self.gate.is_warm(id).await?;
             if warm && !self.gate.shards_warm(id, layout).await? {

@@ -688,3 +688,55 @@ async fn coming_back_from_the_fallback_leaves_no_open_reservation_record_behind(
         "the open reservation's record went with it"
     );
 }
+
+/// Defect 11 of issue #25: a reconciliation run longer than its lease let
+/// a second instance reconcile beside it. The lease is renewed while the
+/// run lasts. Here the run is held up (the test locks the activities
+/// table) for more than twice the lease's 2 s: the lease is still its
+/// holder's at 3.5 s, and the run ends normally.
+#[tokio::test]
+async fn a_run_longer_than_its_lease_keeps_the_lease() {
+    use diesel::{Connection, PgConnection, RunQueryDsl};
+    use secrecy::ExposeSecret;
+
+    let app = spawn_app_with(|s| {
+        only_reconciled_by_hand(s);
+        s.reconcile.lease_secs = Some(2);
+    })
+    .await;
+    app.live_activity(5, 1, 1).await;
+    let url = app.settings.postgres.url.expose_secret().to_owned();
+    let (locked, holding) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let mut conn = PgConnection::establish(&url).unwrap();
+        conn.transaction::<_, diesel::result::Error, _>(|c| {
+            diesel::sql_query("LOCK TABLE activities IN ACCESS EXCLUSIVE MODE").execute(c)?;
+            locked.send(()).unwrap();
+            std::thread::sleep(Duration::from_secs(5));
+            Ok(())
+        })
+        .unwrap();
+    });
+    tokio::task::spawn_blocking(move || holding.recv().unwrap())
+        .await
+        .unwrap();
+    let key = format!("{}lease:reconcile", app.settings.redis.key_prefix);
+    let mut redis = app.redis();
+    let run = reconcile(&app);
+    let check = async {
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        let owner: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        owner
+    };
+    let (report, owner) = tokio::join!(run, check);
+    holder.join().unwrap();
+    assert!(
+        owner.is_some(),
+        "the lease ran out under a run still going (a second instance could reconcile)"
+    );
+    assert!(report["activities"].is_array(), "{report}");
+}
