@@ -74,6 +74,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// How far the order consumers have got (reconciler, lag sampler).
     pub order_progress: Arc<GroupProgress>,
+    /// How far the coupon claimer has got (the restore of a lost batch).
+    pub coupon_progress: Arc<GroupProgress>,
     /// Where pay intents are registered.
     pub provider: Box<dyn PaymentProvider>,
     /// The mock provider, when `payment.mock = true`.
@@ -208,6 +210,11 @@ impl AppState {
                 &bus::group_id(&settings.kafka, crate::orders::consumer::CONSUMER),
                 &topics.order_requested,
             )?),
+            coupon_progress: Arc::new(GroupProgress::new(
+                &settings.kafka,
+                &bus::group_id(&settings.kafka, crate::coupons::consumer::CONSUMER),
+                &topics.coupon_claimed,
+            )?),
             topics,
             provider: if settings.payment.mock {
                 Box::new(MockProvider::new(settings.payment.notify_secret.clone()))
@@ -260,6 +267,8 @@ impl AppState {
             owner: self.lease_owner(),
             clock: self.clock.clone(),
             order_events: self.order_events.clone(),
+            coupons: self.coupons.clone(),
+            coupon_progress: self.coupon_progress.clone(),
         }
     }
 

@@ -48,6 +48,11 @@ impl CouponKeys {
     pub fn requests(&self) -> String {
         format!("{}reqs", self.base)
     }
+
+    /// When the batch was first seen lost (unix ms), until it is restored.
+    pub fn lost(&self) -> String {
+        format!("{}lost", self.base)
+    }
 }
 
 /// Coupon scripts over the shared multiplexed connection.
@@ -84,6 +89,74 @@ impl CouponGate {
             .arg(valid_until_ms)
             .query_async(&mut self.conn.clone())
             .await
+    }
+
+    /// Whether Redis holds the batch.
+    pub async fn is_warm(&self, coupon_id: i64) -> RedisResult<bool> {
+        redis::cmd("EXISTS")
+            .arg(self.keys(coupon_id).meta())
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// When the batch was first seen lost (unix ms): `now_ms` if this is
+    /// the first time.
+    pub async fn lost_since(&self, coupon_id: i64, now_ms: i64) -> RedisResult<i64> {
+        let key = self.keys(coupon_id).lost();
+        let (since,): (i64,) = redis::pipe()
+            .cmd("SET")
+            .arg(&key)
+            .arg(now_ms)
+            .arg("NX")
+            .arg("EX")
+            .arg(86_400)
+            .ignore()
+            .cmd("GET")
+            .arg(&key)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(since)
+    }
+
+    /// Rebuilds a lost batch from a database snapshot, in one MULTI/EXEC:
+    /// every claim's user and request id (a replay answers as before, a
+    /// holder cannot claim twice), then the meta with what is left.
+    pub async fn restore(
+        &self,
+        coupon_id: i64,
+        remaining: i64,
+        valid_until_ms: i64,
+        claims: &[(i64, String)],
+    ) -> RedisResult<()> {
+        let k = self.keys(coupon_id);
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("DEL")
+            .arg(&[k.claimants(), k.requests()])
+            .ignore();
+        for chunk in claims.chunks(500) {
+            pipe.cmd("SADD")
+                .arg(k.claimants())
+                .arg(chunk.iter().map(|(u, _)| *u).collect::<Vec<_>>())
+                .ignore();
+            let mut hset = redis::cmd("HSET");
+            hset.arg(k.requests());
+            for (user, request_id) in chunk {
+                hset.arg(format!("{user}:{request_id}")).arg(1);
+            }
+            pipe.add_command(hset).ignore();
+        }
+        pipe.cmd("HSET")
+            .arg(k.meta())
+            .arg("remaining")
+            .arg(remaining.max(0))
+            .arg("valid_until_ms")
+            .arg(valid_until_ms)
+            .ignore()
+            .cmd("DEL")
+            .arg(k.lost())
+            .ignore();
+        pipe.query_async(&mut self.conn.clone()).await
     }
 
     /// Runs the claim script.

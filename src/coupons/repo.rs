@@ -220,3 +220,38 @@ pub fn use_for_order(conn: &mut PgConn, order_no: i64) -> QueryResult<()> {
     .execute(conn)?;
     Ok(())
 }
+
+/// A batch still valid, as a restore needs it: what is left, and every
+/// claim written so far (user, request id), read in one snapshot.
+pub struct BatchSnapshot {
+    pub coupon_id: i64,
+    pub remaining: i64,
+    pub valid_until_ms: i64,
+    pub claims: Vec<(i64, String)>,
+}
+
+/// The ids of the batches still valid at `now`.
+pub fn valid_ids(conn: &mut PgConn, now: DateTime<Utc>) -> QueryResult<Vec<i64>> {
+    coupons::table
+        .filter(coupons::valid_until.gt(now))
+        .select(coupons::id)
+        .order(coupons::id)
+        .load(conn)
+}
+
+/// One batch's snapshot (run it in a repeatable-read transaction).
+pub fn snapshot(conn: &mut PgConn, coupon_id: i64) -> QueryResult<Option<BatchSnapshot>> {
+    let Some((coupon, claimed)) = find(conn, coupon_id)? else {
+        return Ok(None);
+    };
+    let claims: Vec<(i64, String)> = user_coupons::table
+        .filter(user_coupons::coupon_id.eq(coupon_id))
+        .select((user_coupons::user_id, user_coupons::request_id))
+        .load(conn)?;
+    Ok(Some(BatchSnapshot {
+        coupon_id,
+        remaining: i64::from(coupon.total) - i64::from(claimed),
+        valid_until_ms: coupon.valid_until.timestamp_millis(),
+        claims,
+    }))
+}

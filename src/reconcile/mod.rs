@@ -14,6 +14,7 @@
 //! released. A late event then finds the FAILED row and only releases what
 //! is already released.
 
+mod coupons;
 mod restore;
 
 use std::collections::HashSet;
@@ -115,6 +116,10 @@ pub struct Reconciler {
     pub clock: SharedClock,
     /// Announces the orders a void fails to whoever follows them.
     pub order_events: Arc<OrderEvents>,
+    /// Coupon batches in Redis (restored when lost).
+    pub coupons: Arc<crate::coupons::gate::CouponGate>,
+    /// How far the coupon claimer has provably got.
+    pub coupon_progress: Arc<GroupProgress>,
 }
 
 /// Runs reconciliation every `reconcile.interval_secs`, soon when `wake`
@@ -346,6 +351,10 @@ impl Reconciler {
                 self.clean_up(id, layout, &mut report).await?;
             }
             reports.push(report);
+        }
+        let waiting = self.restore_coupons().await?;
+        if !waiting.is_empty() {
+            tracing::debug!(coupons = ?waiting, "lost coupon batches wait for their restore");
         }
         Ok(reports)
     }

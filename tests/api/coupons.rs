@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures_util::{StreamExt, stream};
 use serde_json::json;
 
-use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
+use crate::helpers::{TestApp, eventually, json, spawn_app, spawn_app_with};
 
 pub(crate) async fn create_coupon(
     app: &TestApp,
@@ -480,4 +480,65 @@ async fn a_claim_cut_off_by_a_shutdown_out_of_time_is_still_undone() {
         "{answer:?}"
     );
     crate::helpers::eventually("the claim undone", Duration::from_secs(30), || remaining(5)).await;
+}
+
+/// Defect 12 of issue #25: a coupon batch Redis lost (restarted empty,
+/// flushed) was never restored, and its claims stopped for good. It is
+/// restored from the database like an activity, once what was in flight
+/// is written: claims go on, a replay answers as before, a holder cannot
+/// claim twice, and no more are issued than the batch has.
+#[tokio::test]
+async fn a_coupon_batch_redis_lost_is_restored_and_issues_exactly_what_is_left() {
+    let app = spawn_app_with(crate::helpers::restores_quickly).await;
+    let coupon = create_coupon(&app, 10, 500, 0, 3600).await;
+    for user in 1..=3 {
+        let (status, body) = claim_once(&app, user, coupon, &format!("c{user}")).await;
+        assert_eq!(status, 202, "{body}");
+    }
+    claims_written(&app, coupon, 3).await;
+
+    // Redis loses the batch: every key under its hash tag.
+    let mut conn = app.redis();
+    let pattern = format!("{}{{c:{coupon}}}:*", app.settings.redis.key_prefix);
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!keys.is_empty());
+    for key in keys {
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    // Meanwhile a claim is told to retry (not 404: the batch exists).
+    let (status, body) = claim_once(&app, 4, coupon, "c4").await;
+    assert!(status == 503 || status == 202, "{status} {body}");
+
+    // Restored by itself: the replay answers as before, a holder is
+    // refused, and exactly the 7 left are issued.
+    let replay = eventually("the batch restored", Duration::from_secs(60), || async {
+        let (status, body) = claim_once(&app, 1, coupon, "c1").await;
+        (status != 503).then_some((status, body))
+    })
+    .await;
+    assert_eq!(replay.0, 200, "{}", replay.1);
+    let (status, body) = claim_once(&app, 2, coupon, "another").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("ALREADY_CLAIMED"))
+    );
+    let mut issued = 0;
+    for user in 4..=20 {
+        let (status, body) = claim_once(&app, user, coupon, &format!("c{user}")).await;
+        match status {
+            202 | 200 => issued += 1,
+            409 => assert_eq!(body["code"], "COUPON_EXHAUSTED", "{body}"),
+            _ => panic!("user {user}: {status} {body}"),
+        }
+    }
+    assert_eq!(issued, 7, "the 7 left, no more");
+    claims_written(&app, coupon, 10).await;
 }

@@ -199,7 +199,23 @@ async fn claim_and_publish(
                 "this coupon batch has expired",
             ));
         }
-        Claim::Unknown => return Err(ApiError::not_found("no such coupon")),
+        Claim::Unknown => {
+            // A batch the database has and Redis lost is being restored.
+            let exists = store::run(&state.db, move |conn| {
+                Ok(crate::coupons::repo::find(conn, coupon_id)?.is_some())
+            })
+            .await
+            .map_err(ApiError::unavailable)?;
+            if !exists {
+                return Err(ApiError::not_found("no such coupon"));
+            }
+            state.restore_wanted.notify_one();
+            return Err(ApiError::new(
+                ErrorCode::RetryLater,
+                "this coupon batch is being restored; retry shortly",
+            )
+            .with_retry_after(1));
+        }
     };
     // A replay sends the claim again too: its first delivery may have been
     // unknown. The consumer writes one row per (coupon, user) whatever the
