@@ -976,20 +976,12 @@ impl RedisGate {
     /// When Redis was first seen without this (warmed) activity: sets the
     /// marker to `now_ms` unless it is there, and returns its value.
     pub async fn restoring_since(&self, activity_id: i64, now_ms: i64) -> RedisResult<i64> {
-        let key = self.keys(activity_id).restoring();
-        let (since,): (i64,) = redis::pipe()
-            .cmd("SET")
-            .arg(&key)
-            .arg(now_ms)
-            .arg("NX")
-            .arg("EX")
-            .arg(86_400)
-            .ignore()
-            .cmd("GET")
-            .arg(&key)
-            .query_async(&mut self.conn.clone())
-            .await?;
-        Ok(since)
+        crate::store::redis_conn::first_seen(
+            &self.conn,
+            &self.keys(activity_id).restoring(),
+            now_ms,
+        )
+        .await
     }
 
     /// Rebuilds a lost activity from a database snapshot, in one

@@ -102,20 +102,7 @@ impl CouponGate {
     /// When the batch was first seen lost (unix ms): `now_ms` if this is
     /// the first time.
     pub async fn lost_since(&self, coupon_id: i64, now_ms: i64) -> RedisResult<i64> {
-        let key = self.keys(coupon_id).lost();
-        let (since,): (i64,) = redis::pipe()
-            .cmd("SET")
-            .arg(&key)
-            .arg(now_ms)
-            .arg("NX")
-            .arg("EX")
-            .arg(86_400)
-            .ignore()
-            .cmd("GET")
-            .arg(&key)
-            .query_async(&mut self.conn.clone())
-            .await?;
-        Ok(since)
+        crate::store::redis_conn::first_seen(&self.conn, &self.keys(coupon_id).lost(), now_ms).await
     }
 
     /// Rebuilds a lost batch from a database snapshot, in one MULTI/EXEC:

@@ -98,6 +98,24 @@ pub fn unreachable(e: &redis::RedisError) -> bool {
         )
 }
 
+/// When something was first seen at `key` (unix ms): sets it to `now_ms`
+/// unless it is set (kept a day), and reads it back.
+pub async fn first_seen(conn: &RedisConn, key: &str, now_ms: i64) -> redis::RedisResult<i64> {
+    let (since,): (i64,) = redis::pipe()
+        .cmd("SET")
+        .arg(key)
+        .arg(now_ms)
+        .arg("NX")
+        .arg("EX")
+        .arg(86_400)
+        .ignore()
+        .cmd("GET")
+        .arg(key)
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(since)
+}
+
 /// The seed nodes of a cluster's `redis.url` (comma-separated URLs).
 pub fn seed_nodes(url: &str) -> Vec<&str> {
     url.split(',')

@@ -753,26 +753,33 @@ impl TestApp {
     /// Deletes every Redis key of an activity, as a Redis restarted empty
     /// would: its base keys and, sharded, every shard's.
     pub async fn forget_in_redis(&self, activity_id: i64) {
-        let mut conn = self.redis();
         let prefix = &self.settings.redis.key_prefix;
         for pattern in [
             format!("{prefix}{{a:{activity_id}}}:*"),
             format!("{prefix}{{a:{activity_id}:*"),
         ] {
-            let keys: Vec<String> = redis::cmd("KEYS")
-                .arg(&pattern)
+            self.forget_keys(&pattern).await;
+        }
+    }
+
+    /// Deletes every key of this test's Redis matching `pattern` (KEYS
+    /// syntax); how many there were.
+    pub async fn forget_keys(&self, pattern: &str) -> usize {
+        let mut conn = self.redis();
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(pattern)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        // One at a time: on a cluster the keys sit in several slots.
+        for key in &keys {
+            let _: () = redis::cmd("DEL")
+                .arg(key)
                 .query_async(&mut conn)
                 .await
                 .unwrap();
-            // One at a time: on a cluster the keys sit in several slots.
-            for key in keys {
-                let _: () = redis::cmd("DEL")
-                    .arg(&key)
-                    .query_async(&mut conn)
-                    .await
-                    .unwrap();
-            }
         }
+        keys.len()
     }
 }
 

@@ -228,21 +228,11 @@ async fn a_sharded_activity_that_lost_one_shard_is_restored_and_that_shards_buye
 
     // Every key of shard 1, and nothing else.
     let lost = 1;
-    let mut conn = app.redis();
     let pattern = format!("{}{{a:{activity}:{lost}.*", app.settings.redis.key_prefix);
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(&pattern)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert!(!keys.is_empty(), "shard {lost} has keys to lose");
-    for key in keys {
-        let _: () = redis::cmd("DEL")
-            .arg(&key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-    }
+    assert!(
+        app.forget_keys(&pattern).await > 0,
+        "shard {lost} has keys to lose"
+    );
 
     // A buyer of the lost shard gets a unit again, and a replay of an order
     // that lived there finds it.
