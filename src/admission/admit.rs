@@ -332,6 +332,10 @@ impl Admitter {
                 );
                 Err(Refusal::NumberTaken)
             }
+            Admission::InTransit => Err(Refusal::Busy(
+                "units are moving between shards; retry shortly",
+                1,
+            )),
             Admission::NotWarm => {
                 // Warm a moment ago (the cache said so): Redis lost it.
                 self.activities.forget(p.activity_id);

@@ -36,6 +36,9 @@ pub enum Admission {
     /// The order_no already keys another reservation (two instances made
     /// the same number): nothing was reserved, the other is untouched.
     NumberTaken,
+    /// Units were on their way between shards through every round of
+    /// borrowing: nothing was reserved, retry shortly.
+    InTransit,
 }
 
 /// One purchase attempt, as the admission script sees it.
@@ -220,7 +223,30 @@ impl RedisGate {
     /// buyer's shard, looked at after them, had none either.
     pub async fn reserve(&self, r: &ReserveRequest<'_>) -> RedisResult<Admission> {
         let home = r.layout.shard_of_user(r.user_id);
-        for _ in 0..BORROW_ROUNDS {
+        let mut rounds = 0;
+        let mut settled = false;
+        loop {
+            if rounds == BORROW_ROUNDS {
+                // Units kept moving between shards, or sat in a transfer
+                // whose process died between lend and credit: the stale
+                // ones are completed here, once, and the rounds run again.
+                // Still nothing: retry shortly (units exist, so never
+                // SOLD_OUT).
+                if !settled {
+                    let before_ms = r.now_ms.saturating_sub(STALE_TRANSFER_MS);
+                    settled = true;
+                    if self
+                        .settle_transfers(r.activity_id, r.layout, before_ms)
+                        .await?
+                        > 0
+                    {
+                        rounds = 0;
+                        continue;
+                    }
+                }
+                return Ok(Admission::InTransit);
+            }
+            rounds += 1;
             if let Some(found) = self.reserve_in(r, home).await? {
                 return Ok(found);
             }
@@ -246,9 +272,6 @@ impl RedisGate {
                 }
             }
         }
-        // Units kept moving between shards faster than this buyer could
-        // take one: refused without the dry marker.
-        Ok(Admission::SoldOut)
     }
 
     /// Asks the other shards in turn to lend to `home`, until one does.
@@ -1225,6 +1248,11 @@ const DRY_MS: u64 = 200;
 
 /// Most rounds of borrowing one purchase goes through.
 const BORROW_ROUNDS: usize = 8;
+
+/// A transfer between shards older than this was left part way (a live one
+/// takes three round trips): a purchase that keeps finding units on their
+/// way completes it.
+const STALE_TRANSFER_MS: i64 = 1000;
 
 /// The pause before looking again at units on their way between shards
 /// (a transfer takes three round trips).

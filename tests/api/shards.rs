@@ -171,6 +171,51 @@ async fn units_lent_by_a_shard_whose_borrower_never_took_them_are_credited_by_re
     assert_eq!(shard_units(&app, activity, layout).await, vec![7, 1, 4]);
 }
 
+/// Defect 10 of issue #25, second half: every unit sat in a transfer whose
+/// process died between lend and credit. A purchase found them "on their
+/// way" for all its rounds of borrowing and answered SOLD_OUT, though the
+/// units were there. Now it completes the stale transfer itself and buys.
+#[tokio::test]
+async fn a_purchase_that_finds_every_unit_in_a_stale_transfer_completes_it_and_buys() {
+    let app = spawn_app_with(|s| s.reconcile.enabled = false).await;
+    let layout = Layout::new(1, 3);
+    let activity = sharded_activity(&app, 3, 1, 3).await;
+    assert_eq!(shard_units(&app, activity, layout).await, vec![1, 1, 1]);
+    // Shard 1 lent every unit there is to shard 0 and its process died
+    // before shard 0 was credited.
+    let mut conn = app.redis();
+    let prefix = &app.settings.redis.key_prefix;
+    let donor = ActivityKeys::shard(prefix, activity, layout, 1);
+    let long_ago = chrono::Utc::now().timestamp_millis() - 60_000;
+    let mut pipe = redis::pipe();
+    for shard in 0..3 {
+        let k = ActivityKeys::shard(prefix, activity, layout, shard);
+        pipe.cmd("SET").arg(k.bucket(0)).arg(0).ignore();
+    }
+    pipe.cmd("HSET")
+        .arg(donor.lent())
+        .arg("died.1")
+        .arg(format!("0:3:{long_ago}"))
+        .ignore();
+    let _: () = pipe.query_async(&mut conn).await.unwrap();
+    assert_eq!(shard_units(&app, activity, layout).await, vec![0, 0, 0]);
+
+    // A buyer of shard 2: its shard is empty, shard 0 has nothing yet,
+    // shard 1 has units on their way.
+    let user = buyers_of(layout, 2, 1, 1)[0];
+    let (status, body) = app.buy_once(user, activity).await;
+    assert_eq!(status, 202, "{body}");
+    // The other two units are in shard 0 or 2 now, none lost.
+    let units: i64 = shard_units(&app, activity, layout).await.iter().sum();
+    assert_eq!(units, 2);
+    let lent: i64 = redis::cmd("HLEN")
+        .arg(donor.lent())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(lent, 0, "the stale transfer is settled");
+}
+
 #[tokio::test]
 async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_and_orders_live_in() {
     let app = spawn_app_with(crate::helpers::restores_quickly).await;
