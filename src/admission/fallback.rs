@@ -59,6 +59,11 @@ const PROBE_EVERY: Duration = Duration::from_millis(250);
 const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often the activities' modes are read from the database.
 const POLL_EVERY: Duration = Duration::from_secs(1);
+/// How long a read of the modes is trusted: past it (the database has not
+/// answered this instance's polls), another instance may have moved an
+/// activity to the database meanwhile, and Redis's copy of it must not be
+/// sold from (unix ms).
+const MODES_TRUSTED_FOR_MS: i64 = 5_000;
 
 /// Where an activity's purchases are admitted (`activities.admission`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -275,8 +280,8 @@ impl Fallback {
         if !self.enabled() {
             return Route::Redis;
         }
-        // The hot path, with Redis up and every activity on it: three
-        // atomic loads, no lock, no clock.
+        // The hot path, with Redis up and every activity on it: four
+        // atomic loads and a clock read, no lock.
         if self.any_moved.load(Ordering::Acquire) {
             match self.mode(activity_id) {
                 Mode::Database => return Route::Database,
@@ -292,6 +297,16 @@ impl Fallback {
             // hold (it lacks the fallback's units, request ids and holds).
             return Route::Wait(
                 "the sale's admission modes are not read yet; retry shortly",
+                1,
+            );
+        }
+        if unix_ms() - self.polled_at.load(Ordering::Acquire) > MODES_TRUSTED_FOR_MS {
+            // The database has not answered the polls for a while: another
+            // instance, which Redis did not answer, may have moved this
+            // activity to the database since (this instance saw no
+            // outage, so the "Redis is back" guard below is not armed).
+            return Route::Wait(
+                "the sale's admission modes could not be read lately; retry shortly",
                 1,
             );
         }

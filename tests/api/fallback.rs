@@ -246,22 +246,21 @@ async fn the_fallback_is_rate_limited_per_activity_with_a_retry_after() {
     );
 }
 
-/// A TCP proxy in front of the real Redis that the test switches off
-/// (every connection closed, new ones refused) and on again: Redis going
-/// away and coming back for one server only.
-struct RedisSwitch {
-    url: String,
+/// A TCP proxy in front of a real service (Redis, PostgreSQL) that the test
+/// switches off (every connection closed, new ones refused) and on again:
+/// the service going away and coming back for one server only.
+struct Switch {
+    /// Where the proxy listens (`host:port`).
+    addr: String,
     on: tokio::sync::watch::Sender<bool>,
 }
 
-impl RedisSwitch {
+impl Switch {
+    /// A proxy to `upstream` (`host:port`).
     async fn start(upstream: &str) -> Self {
-        let upstream = upstream
-            .trim_start_matches("redis://")
-            .trim_end_matches('/')
-            .to_owned();
+        let upstream = upstream.to_owned();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("redis://{}", listener.local_addr().unwrap());
+        let addr = listener.local_addr().unwrap().to_string();
         let (on, watch) = tokio::sync::watch::channel(true);
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
@@ -281,7 +280,7 @@ impl RedisSwitch {
                 });
             }
         });
-        Self { url, on }
+        Self { addr, on }
     }
 
     fn set(&self, on: bool) {
@@ -307,9 +306,9 @@ async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does
     if real.contains(',') {
         return; // one server behind the proxy, not a cluster's seeds
     }
-    let redis = RedisSwitch::start(&real).await;
+    let redis = Switch::start(real.trim_start_matches("redis://").trim_end_matches('/')).await;
     let app = spawn_app_with(|s| {
-        s.redis.url = redis.url.clone();
+        s.redis.url = format!("redis://{}", redis.addr);
         s.admission.fallback_after_ms = 200;
     })
     .await;
@@ -442,4 +441,71 @@ async fn an_order_sold_through_the_database_is_paid_while_redis_is_still_down() 
         1,
         "its unit sold"
     );
+}
+
+/// Defect 2 of issue #25, second half: an instance whose polls of the
+/// admission modes fail went on selling from Redis with the modes it read
+/// last. Another instance, which Redis did not answer, may have moved the
+/// activity to the database meanwhile; this instance saw no outage, so its
+/// "Redis is back" guard never armed. Past a few seconds without a read,
+/// purchases wait.
+#[tokio::test]
+async fn an_instance_that_cannot_read_the_admission_modes_stops_selling_from_redis() {
+    use secrecy::ExposeSecret;
+
+    let real = seckill::config::Settings::load_env("test")
+        .unwrap()
+        .postgres
+        .url
+        .expose_secret()
+        .to_owned();
+    // postgres://user:password@host:port/database
+    let host_port = real
+        .rsplit_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .expect("postgres.url has host:port")
+        .to_owned();
+    let postgres = Switch::start(&host_port).await;
+    let direct = std::sync::Mutex::new(String::new());
+    let app = spawn_app_with(|s| {
+        let url = s.postgres.url.expose_secret().to_owned();
+        *direct.lock().unwrap() = url.clone();
+        s.postgres.url = url.replace(&host_port, &postgres.addr).into();
+    })
+    .await;
+    let direct = direct.into_inner().unwrap();
+    // The test's own statements, and dropping its database at the end, go
+    // straight to PostgreSQL (the proxy runs on this test's runtime).
+    let mut app = app;
+    app.settings.postgres.url = direct.into();
+    app.wait_until_ready().await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202, "{body}");
+
+    // The database goes away for this instance only; another instance
+    // (here: the test, on a connection of its own) moves the sale to the
+    // database fallback.
+    let token = app.purchase_token(2, activity).await;
+    postgres.set(false);
+    app.execute(&format!(
+        "UPDATE activities SET admission = 'DATABASE' WHERE id = {activity}"
+    ))
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(7)).await;
+    let res = app
+        .order(
+            2,
+            activity,
+            &serde_json::json!({"request_id": "while-blind", "token": token}),
+        )
+        .await;
+    let status = res.status().as_u16();
+    let body = json(res).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("RETRY_LATER")),
+        "sold from Redis on modes read before the database went away: {body}"
+    );
+    drop(postgres);
 }
