@@ -209,6 +209,9 @@ struct Released {
     record_alive: bool,
 }
 
+/// The reconcile lease's lifetime when `reconcile.lease_secs` is unset.
+const DEFAULT_LEASE_SECS: u64 = 30;
+
 impl Reconciler {
     /// Reconciles every recent, warmed activity; `None` when another
     /// instance holds the lease.
@@ -219,15 +222,16 @@ impl Reconciler {
     /// instance took it) stops there instead of repairing or restoring
     /// beside the new holder.
     pub async fn run(&self) -> anyhow::Result<Option<Vec<Report>>> {
-        let ttl_ms = match self.settings.reconcile.lease_secs {
-            Some(secs) => secs.max(1).saturating_mul(1000),
-            None => self
-                .settings
-                .reconcile
-                .interval_secs
-                .saturating_mul(4000)
-                .max(120_000),
-        };
+        // Short: an instance killed while it held the lease holds up
+        // every repair (a restore of a Redis lost meanwhile among them)
+        // until it expires. The renewal keeps a long run holding it.
+        let ttl_ms = self
+            .settings
+            .reconcile
+            .lease_secs
+            .unwrap_or(DEFAULT_LEASE_SECS)
+            .max(1)
+            .saturating_mul(1000);
         if !self.gate.try_lease(LEASE, &self.owner, ttl_ms).await? {
             return Ok(None);
         }
