@@ -49,6 +49,12 @@ impl CouponKeys {
         format!("{}reqs", self.base)
     }
 
+    /// Sorted set `"<user>:<request_id>"` → claimed at (unix ms): claims
+    /// whose event's delivery is not confirmed yet.
+    pub fn unconfirmed(&self) -> String {
+        format!("{}unconfirmed", self.base)
+    }
+
     /// When the batch was first seen lost (unix ms), until it is restored.
     pub fn lost(&self) -> String {
         format!("{}lost", self.base)
@@ -119,7 +125,7 @@ impl CouponGate {
         let mut pipe = redis::pipe();
         pipe.atomic()
             .cmd("DEL")
-            .arg(&[k.claimants(), k.requests()])
+            .arg(&[k.claimants(), k.requests(), k.unconfirmed()])
             .ignore();
         for chunk in claims.chunks(500) {
             pipe.cmd("SADD")
@@ -160,6 +166,7 @@ impl CouponGate {
             .key(k.meta())
             .key(k.claimants())
             .key(k.requests())
+            .key(k.unconfirmed())
             .arg(user_id)
             .arg(request_id)
             .arg(now_ms)
@@ -188,11 +195,49 @@ impl CouponGate {
             .key(k.meta())
             .key(k.claimants())
             .key(k.requests())
+            .key(k.unconfirmed())
             .arg(user_id)
             .arg(request_id)
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(undone == 1)
+    }
+
+    /// The claim's event was delivered: it is no longer sent again.
+    pub async fn confirm(&self, coupon_id: i64, user_id: i64, request_id: &str) -> RedisResult<()> {
+        redis::cmd("ZREM")
+            .arg(self.keys(coupon_id).unconfirmed())
+            .arg(format!("{user_id}:{request_id}"))
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// Claims made before `before_ms` whose delivery was never confirmed
+    /// (its answer lost with the process that sent it, or never heard):
+    /// (user, request_id, claimed at), at most `limit`.
+    pub async fn unconfirmed(
+        &self,
+        coupon_id: i64,
+        before_ms: i64,
+        limit: usize,
+    ) -> RedisResult<Vec<(i64, String, i64)>> {
+        let found: Vec<(String, i64)> = redis::cmd("ZRANGEBYSCORE")
+            .arg(self.keys(coupon_id).unconfirmed())
+            .arg("-inf")
+            .arg(format!("({before_ms}"))
+            .arg("WITHSCORES")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(found
+            .into_iter()
+            .filter_map(|(field, at)| {
+                let (user, request_id) = field.split_once(':')?;
+                Some((user.parse().ok()?, request_id.to_owned(), at))
+            })
+            .collect())
     }
 
     /// Whether `user_id` holds a coupon of the batch (the admission check).

@@ -8,11 +8,22 @@
 //! seen lost AND the coupon claimer has committed every partition to its
 //! end, read after that. Then, from one snapshot: every claim's user and
 //! request id, and what is left.
+//!
+//! A claim whose event's delivery was never confirmed (the process that
+//! sent it died, or its answer was unknown and the client never retried)
+//! holds its coupon in Redis with nothing on its way to the database: once
+//! the publish window has passed, the claim is sent again. The consumer
+//! writes one row per (batch, user) whatever the copies; the claim is never
+//! undone on an unknown outcome.
 
+use crate::bus::events::CouponClaimed;
 use crate::coupons::repo;
 use crate::store;
 
 use super::Reconciler;
+
+/// Claims sent again per batch and run, at most.
+const RESEND_PER_RUN: usize = 500;
 
 impl Reconciler {
     /// Restores every valid batch Redis lost once that is safe; the ids
@@ -22,7 +33,9 @@ impl Reconciler {
         let ids = store::run(&self.db, move |conn| Ok(repo::valid_ids(conn, now)?)).await?;
         let mut lost = Vec::new();
         for id in ids {
-            if !self.coupons.is_warm(id).await? {
+            if self.coupons.is_warm(id).await? {
+                self.resend_unconfirmed_claims(id).await?;
+            } else {
                 lost.push(id);
             }
         }
@@ -61,5 +74,53 @@ impl Reconciler {
             );
         }
         Ok(waiting)
+    }
+}
+
+impl Reconciler {
+    /// Sends again each claim of batch `coupon_id` made more than the
+    /// publish window ago and still unconfirmed; a delivered one is
+    /// confirmed. A send that fails stays for the next run.
+    async fn resend_unconfirmed_claims(&self, coupon_id: i64) -> anyhow::Result<()> {
+        let window_ms = i64::try_from(self.settings.reconcile.publish_window_secs)
+            .unwrap_or(i64::MAX / 2000)
+            .saturating_mul(1000);
+        let before_ms = self.clock.now_ms().saturating_sub(window_ms);
+        let due = self
+            .coupons
+            .unconfirmed(coupon_id, before_ms, RESEND_PER_RUN)
+            .await?;
+        for (user_id, request_id, claimed_at_ms) in due {
+            let event = CouponClaimed {
+                event_id: format!("claim-{coupon_id}-{user_id}"),
+                coupon_id,
+                user_id,
+                request_id,
+                claimed_at_ms,
+            };
+            let sent = self
+                .producer
+                .publish(
+                    &self.topics.coupon_claimed,
+                    &user_id.to_string(),
+                    &event.encode(),
+                    None,
+                )
+                .await;
+            if let Err(e) = sent {
+                tracing::warn!(error = %e, coupon_id, user_id, "sending an unconfirmed coupon claim again failed; next run");
+                continue;
+            }
+            self.coupons
+                .confirm(coupon_id, user_id, &event.request_id)
+                .await?;
+            self.count("repair", "coupon_claim_resent");
+            tracing::warn!(
+                coupon_id,
+                user_id,
+                "a coupon claim whose delivery was never confirmed was sent again"
+            );
+        }
+        Ok(())
     }
 }

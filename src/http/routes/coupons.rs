@@ -243,7 +243,18 @@ async fn claim_and_publish(
         ),
     )));
     match published {
-        Ok(()) => Ok(fresh),
+        Ok(()) => {
+            // Not confirmed here (a Redis error), the reconciler sends the
+            // claim once more: a duplicate the consumer ignores.
+            if let Err(e) = state
+                .coupons
+                .confirm(coupon_id, user_id, &event.request_id)
+                .await
+            {
+                tracing::warn!(error = %e, coupon_id, user_id, "confirming a delivered coupon claim failed");
+            }
+            Ok(fresh)
+        }
         Err(e @ (PublishError::QueueFull | PublishError::NotDelivered(_))) if fresh => {
             tracing::warn!(error = %e, coupon_id, user_id, "coupon claim not delivered; undoing the claim");
             if let Err(e) = state
