@@ -5,7 +5,13 @@
 # touch the services the other tests use, and one at a time. The broker's
 # data starts empty on every run.
 #
-#   scripts/chaos.sh [cargo test filter]
+#   scripts/chaos.sh [--redis-cluster] [--seed N] [cargo test filter...]
+#
+# --redis-cluster  Redis is a 3-master cluster (ports 7390..7392) instead of
+#                  one server; the Redis faults hit its masters.
+# --seed N         the seed of the randomized fault test (nemesis); without
+#                  it, a new seed per run, printed first. Replay a failure:
+#                  scripts/chaos.sh nemesis --seed N
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -17,6 +23,23 @@ export SECKILL__POSTGRES__URL=${SECKILL_CHAOS_POSTGRES_URL:-postgres://seckill:s
 export SECKILL__KAFKA__BROKERS=${SECKILL_CHAOS_KAFKA:-127.0.0.1:9192}
 export SECKILL_CHAOS=1
 
+filters=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --seed) export SECKILL_NEMESIS_SEED=${2:?--seed N}; shift 2 ;;
+    --seed=*) export SECKILL_NEMESIS_SEED=${1#--seed=}; shift ;;
+    --redis-cluster) export SECKILL__REDIS__MODE=cluster; shift ;;
+    *) filters+=("$1"); shift ;;
+  esac
+done
+if [ "${SECKILL__REDIS__MODE:-}" = cluster ]; then
+  # The cluster's masters sit 1000 above the single server's port.
+  single=${SECKILL__REDIS__URL##*:}
+  single=${single%%/*}
+  SECKILL__REDIS__URL=$(for i in 0 1 2; do printf 'redis://127.0.0.1:%d\n' $((single + 1000 + i)); done | paste -sd, -)
+  export SECKILL__REDIS__URL
+fi
+
 scripts/services.sh stop kafka
 rm -rf "$SECKILL_SERVICES_DIR/kafka/data"
 scripts/services.sh up
@@ -24,8 +47,15 @@ scripts/services.sh up
 # Databases of fault tests that crashed.
 scripts/drop-databases.sh 'seckill\_chaos\_%'
 
+# The tests start a copy of the binary: a build during a run (they take
+# minutes) does not change what a restarted server runs.
+cargo test --test chaos --no-run
+mkdir -p target/chaos
+cp target/debug/seckill target/chaos/seckill-under-test
+export SECKILL_CHAOS_BIN=$ROOT/target/chaos/seckill-under-test
+
 status=0
-cargo test --test chaos -- --ignored --test-threads=1 --nocapture "$@" || status=$?
+cargo test --test chaos -- --ignored --test-threads=1 --nocapture "${filters[@]}" || status=$?
 # The second set of services is only for these tests: give the memory back.
 scripts/services.sh down
 exit $status

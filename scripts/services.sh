@@ -8,6 +8,8 @@
 #   scripts/services.sh forget PREFIX  unlink the Redis keys under PREFIX (SCAN, not KEYS)
 #   scripts/services.sh down         stop what this script started (nothing else)
 #   scripts/services.sh stop NAME    stop one of them: redis, postgres or kafka
+#   scripts/services.sh start NAME   start one of them (redis, redis-cluster, postgres, kafka)
+#                                    without touching, or waiting on, the others
 #   scripts/services.sh status       where each listens, where its log is
 #
 # SECKILL_SERVICES_DIR puts the data elsewhere and the SECKILL__* address
@@ -117,6 +119,13 @@ cluster_url() {
 }
 node_ping() { [ "$(redis-cli -h "$REDIS_HOST" -p "$1" ping 2>/dev/null)" = PONG ]; }
 cluster_ok() { redis-cli -h "$REDIS_HOST" -p "$REDIS_CLUSTER_PORT" cluster info 2>/dev/null | grep -q '^cluster_state:ok'; }
+# Every node knows the other two: a layout exists (a fresh node knows itself only).
+cluster_known() {
+  local port
+  for port in $(cluster_ports); do
+    redis-cli -h "$REDIS_HOST" -p "$port" cluster info 2>/dev/null | grep -q '^cluster_known_nodes:3' || return 1
+  done
+}
 
 redis_cluster_up() {
   local port nodes=()
@@ -134,7 +143,9 @@ redis_cluster_up() {
   for port in $(cluster_ports); do
     wait_for 20 node_ping "$port" || die "cluster node $port did not answer; see $REDIS_CLUSTER_DIR/$port/redis.log"
   done
-  if ! cluster_ok; then
+  # A node restarted alone keeps its slots (nodes.conf) and rejoins within
+  # a few gossip rounds: wait for that before deciding the layout is gone.
+  if ! cluster_ok && ! { cluster_known && wait_for 20 cluster_ok; }; then
     # Nodes without persistence come back empty: forget any earlier layout.
     for port in $(cluster_ports); do
       redis-cli -h "$REDIS_HOST" -p "$port" cluster reset hard >/dev/null 2>&1 || true
@@ -387,6 +398,18 @@ case "${1:-}" in
     redis_down
     log "stopped"
     ;;
+  start)
+    install_missing
+    load_settings
+    mkdir -p "$STATE"
+    case "${2:-}" in
+      redis) redis_up ;;
+      redis-cluster) redis_cluster_up ;;
+      postgres) pg_up ;;
+      kafka) kafka_up ;;
+      *) echo "usage: $0 start redis|redis-cluster|postgres|kafka" >&2; exit 2 ;;
+    esac
+    ;;
   stop)
     load_settings
     case "${2:-}" in
@@ -402,7 +425,7 @@ case "${1:-}" in
     status
     ;;
   *)
-    echo "usage: $0 up [--redis-cluster]|down|stop NAME|status|cluster-url" >&2
+    echo "usage: $0 up [--redis-cluster]|down|start NAME|stop NAME|status|cluster-url" >&2
     exit 2
     ;;
 esac

@@ -34,6 +34,15 @@ impl<F: FnMut()> Drop for OnDrop<F> {
     }
 }
 
+/// The `seckill` binary under test: the copy `scripts/chaos.sh` made
+/// (`SECKILL_CHAOS_BIN`), so a build while the fault tests run does not
+/// swap the binary a restart starts; else cargo's.
+fn seckill_bin() -> PathBuf {
+    std::env::var_os("SECKILL_CHAOS_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_seckill")))
+}
+
 /// Sends `sig` (STOP, CONT, KILL) to `pid`.
 pub fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill")
@@ -48,15 +57,81 @@ pub fn signal(pid: u32, sig: &str) {
 pub struct Services {
     root: PathBuf,
     state: PathBuf,
+    /// The Redis servers: one, or the cluster's masters (`scripts/chaos.sh
+    /// --redis-cluster`).
+    redis_ports: Vec<u16>,
+    /// Redis is a cluster.
+    pub cluster: bool,
 }
 
 impl Services {
-    fn from_env() -> Self {
+    fn from_env(settings: &Settings) -> Self {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
         let state = std::env::var_os("SECKILL_SERVICES_DIR")
             .map(PathBuf::from)
             .expect("SECKILL_SERVICES_DIR (set by scripts/chaos.sh)");
-        Self { root, state }
+        let redis_ports = settings
+            .redis
+            .url
+            .split(',')
+            .map(|u| {
+                u.trim()
+                    .rsplit(':')
+                    .next()
+                    .and_then(|p| p.trim_end_matches('/').parse().ok())
+                    .expect("redis.url names its ports")
+            })
+            .collect();
+        let cluster = settings.redis.mode == "cluster";
+        Self {
+            root,
+            state,
+            redis_ports,
+            cluster,
+        }
+    }
+
+    /// How many Redis servers there are (the cluster's masters).
+    pub fn redis_nodes(&self) -> usize {
+        self.redis_ports.len()
+    }
+
+    /// The process id of Redis server `node` (0 for the single server).
+    pub fn redis_pid(&self, node: usize) -> u32 {
+        if !self.cluster {
+            return self.pid("redis");
+        }
+        let file = self
+            .state
+            .join("redis-cluster")
+            .join(self.redis_ports[node].to_string())
+            .join("redis.pid");
+        std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+            .trim()
+            .parse()
+            .expect("a pid")
+    }
+
+    /// Every Redis server's process id.
+    pub fn redis_pids(&self) -> Vec<u32> {
+        (0..self.redis_nodes()).map(|n| self.redis_pid(n)).collect()
+    }
+
+    /// `scripts/services.sh start redis` (or `redis-cluster`): starts the
+    /// Redis servers that are not running (empty), and nothing else.
+    pub async fn start_redis(&self) {
+        let name = if self.cluster {
+            "redis-cluster"
+        } else {
+            "redis"
+        };
+        self.script(&["start", name]).await;
+    }
+
+    /// `scripts/services.sh start NAME` (postgres, kafka): that one alone.
+    pub async fn start(&self, name: &str) {
+        self.script(&["start", name]).await;
     }
 
     /// The process id of `name` (kafka or redis), from its pid file.
@@ -95,10 +170,18 @@ impl Services {
         assert!(status.success(), "services.sh failed");
     }
 
-    /// FLUSHALL on the chaos Redis.
+    /// FLUSHALL on every chaos Redis server (each master of a cluster).
     pub async fn flush_redis(&self) {
-        let settings = Settings::load_env("test").expect("settings");
-        let client = redis::Client::open(settings.redis.url.as_str()).unwrap();
+        for node in 0..self.redis_nodes() {
+            self.flush_redis_node(node).await;
+        }
+    }
+
+    /// FLUSHALL on Redis server `node` alone: a cluster loses the keys of
+    /// that master's slots.
+    pub async fn flush_redis_node(&self, node: usize) {
+        let url = format!("redis://127.0.0.1:{}", self.redis_ports[node]);
+        let client = redis::Client::open(url.as_str()).unwrap();
         let mut conn = client.get_multiplexed_async_connection().await.unwrap();
         let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
     }
@@ -136,9 +219,9 @@ impl Chaos {
             Ok("1"),
             "fault tests stop and kill services: run them with scripts/chaos.sh"
         );
-        let services = Services::from_env();
-        services.up().await;
         let mut settings = Settings::load_env("test").expect("test settings load");
+        let services = Services::from_env(&settings);
+        services.up().await;
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let db_name = format!("seckill_chaos_{id}");
         settings.postgres.url = crate::db::create_database(&settings.postgres.url, &db_name).await;
@@ -201,28 +284,28 @@ impl Chaos {
         chaos
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// The HTTP client of the test (20 s per request).
+    pub(crate) fn client(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// The payment provider's secret: callbacks are signed with it.
+    pub(crate) fn notify_secret(&self) -> &str {
+        self.settings.payment.notify_secret.expose_secret()
+    }
+
+    /// The name of this world (its logs: `target/chaos/<name>.*.log`).
+    pub(crate) fn name(&self) -> &str {
+        &self.name
     }
 
     /// Starts the server (again) and waits until it is ready.
     pub async fn restart_server(&self) {
-        let log = {
-            let mut generation = self.generation.lock().unwrap();
-            *generation += 1;
-            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
-            std::fs::create_dir_all(&dir).unwrap();
-            dir.join(format!("{}.{}.log", self.name, *generation))
-        };
-        let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_seckill"))
-            .arg("serve")
-            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .spawn()
-            .expect("seckill serve starts");
-        *self.server.lock().unwrap() = Some(child);
+        let log = self.launch_server();
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             if let Ok(res) = self.client.get(self.url("/health/ready")).send().await
@@ -237,6 +320,27 @@ impl Chaos {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Starts the server (again) without waiting for it: its log file.
+    pub fn launch_server(&self) -> PathBuf {
+        let log = {
+            let mut generation = self.generation.lock().unwrap();
+            *generation += 1;
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+            std::fs::create_dir_all(&dir).unwrap();
+            dir.join(format!("{}.{}.log", self.name, *generation))
+        };
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(seckill_bin())
+            .arg("serve")
+            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .expect("seckill serve starts");
+        *self.server.lock().unwrap() = Some(child);
+        log
     }
 
     /// How many lines of the server's logs (every start of it) contain
@@ -264,7 +368,7 @@ impl Chaos {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
         std::fs::create_dir_all(&dir).unwrap();
         let file = std::fs::File::create(dir.join(format!("{}.{label}.log", self.name))).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_seckill"))
+        let child = Command::new(seckill_bin())
             .args(args)
             .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
@@ -306,7 +410,7 @@ impl Chaos {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
         std::fs::create_dir_all(&dir).unwrap();
         let file = std::fs::File::create(dir.join(format!("{}.{label}.log", self.name))).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_seckill"));
+        let mut cmd = Command::new(seckill_bin());
         cmd.args(args)
             .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
             .stderr(file);
@@ -407,15 +511,15 @@ impl Chaos {
         }
     }
 
-    fn admin(&self) -> String {
+    pub(crate) fn admin(&self) -> String {
         self.keys.mint(1, Role::Admin, 3600).unwrap()
     }
 
-    fn user(&self, id: i64) -> String {
+    pub(crate) fn user(&self, id: i64) -> String {
         self.keys.mint(id, Role::User, 3600).unwrap()
     }
 
-    async fn stats(&self, activity: i64) -> Option<Value> {
+    pub(crate) async fn stats(&self, activity: i64) -> Option<Value> {
         let res = self
             .client
             .get(self.url(&format!("/api/v1/admin/activities/{activity}/stats")))
@@ -427,6 +531,57 @@ impl Chaos {
             return None;
         }
         res.json().await.ok()
+    }
+
+    /// A coupon batch of `total`, valid for two hours: its id.
+    pub async fn create_coupons(&self, total: i32) -> i64 {
+        let res = self
+            .client
+            .post(self.url("/api/v1/admin/coupons"))
+            .bearer_auth(self.admin())
+            .json(&json!({
+                "name": "chaos", "total": total, "discount_cents": 100,
+                "min_amount_cents": 0, "per_user_limit": 1,
+                "valid_until": chrono::Utc::now() + chrono::Duration::hours(2),
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        res.json::<Value>().await.unwrap()["coupon_id"]
+            .as_i64()
+            .unwrap()
+    }
+
+    /// The batch's figures (`GET /admin/coupons/{id}/stats`), if answered.
+    pub async fn coupon_stats(&self, coupon: i64) -> Option<Value> {
+        let res = self
+            .client
+            .get(self.url(&format!("/api/v1/admin/coupons/{coupon}/stats")))
+            .bearer_auth(self.admin())
+            .send()
+            .await
+            .ok()?;
+        if res.status() != 200 {
+            return None;
+        }
+        res.json().await.ok()
+    }
+
+    /// One claim of `coupon` by `user` under `request_id`, not retried:
+    /// its status (0 when no answer came).
+    pub async fn claim_once(&self, coupon: i64, user: i64, request_id: &str) -> u16 {
+        match self
+            .client
+            .post(self.url(&format!("/api/v1/coupons/{coupon}/claim")))
+            .bearer_auth(self.user(user))
+            .json(&json!({"request_id": request_id}))
+            .send()
+            .await
+        {
+            Ok(res) => res.status().as_u16(),
+            Err(_) => 0,
+        }
     }
 
     /// Waits until the sale has settled after the fault (nothing open or
@@ -561,7 +716,7 @@ impl Chaos {
         crate::db::count(&self.settings.postgres.url, sql).await
     }
 
-    async fn strings(&self, sql: &str) -> HashSet<String> {
+    pub(crate) async fn strings(&self, sql: &str) -> HashSet<String> {
         crate::db::strings(&self.settings.postgres.url, sql).await
     }
 }
@@ -656,12 +811,23 @@ impl Outcome {
 impl<'a> Sale<'a> {
     /// Creates and warms the activity.
     pub async fn new(chaos: &'a Chaos, buyers: i64, stock: i32) -> Self {
+        Self::with_pay_timeout(chaos, buyers, stock, 3600).await
+    }
+
+    /// Like [`Sale::new`], with orders closed `pay_timeout_secs` after
+    /// they are created when unpaid.
+    pub async fn with_pay_timeout(
+        chaos: &'a Chaos,
+        buyers: i64,
+        stock: i32,
+        pay_timeout_secs: u32,
+    ) -> Self {
         let now = chrono::Utc::now();
         let body = json!({
             "sku_id": 1001, "name": "Phone", "price_cents": 9900, "stock": stock,
             "start_at": now - chrono::Duration::seconds(60),
             "end_at": now + chrono::Duration::seconds(3600),
-            "per_user_limit": 1, "pay_timeout_secs": 3600, "buckets": 2,
+            "per_user_limit": 1, "pay_timeout_secs": pay_timeout_secs, "buckets": 2,
         });
         let res = chaos
             .client
