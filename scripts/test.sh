@@ -36,5 +36,10 @@ if [ $# -eq 0 ]; then SECKILL_FUZZ_EXAMPLES=${SECKILL_FUZZ_EXAMPLES:-20} scripts
 # The web console in headless Chromium (screenshots: target/console-screenshots/).
 if [ $# -eq 0 ]; then scripts/browser-test.sh; fi
 # The fault tests, one at a time on services of their own (a filter given
-# to this script selects among the tests above only).
+# to this script selects among the tests above only). The randomized one
+# (nemesis) takes a new seed each run and prints it; a failure names the
+# command that replays it.
 if [ $# -eq 0 ]; then scripts/chaos.sh; fi
+# Again on a 3-master Redis Cluster: the Redis faults (a flush, a pause of
+# every master) and the randomized test, whose Redis faults hit one master.
+if [ $# -eq 0 ]; then scripts/chaos.sh --redis-cluster redis_flushed redis_paused nemesis; fi

@@ -520,9 +520,15 @@ impl Chaos {
     }
 
     pub(crate) async fn stats(&self, activity: i64) -> Option<Value> {
+        self.admin_get(&format!("/api/v1/admin/activities/{activity}/stats"))
+            .await
+    }
+
+    /// An admin GET's body, if answered 200.
+    async fn admin_get(&self, path: &str) -> Option<Value> {
         let res = self
             .client
-            .get(self.url(&format!("/api/v1/admin/activities/{activity}/stats")))
+            .get(self.url(path))
             .bearer_auth(self.admin())
             .send()
             .await
@@ -555,17 +561,8 @@ impl Chaos {
 
     /// The batch's figures (`GET /admin/coupons/{id}/stats`), if answered.
     pub async fn coupon_stats(&self, coupon: i64) -> Option<Value> {
-        let res = self
-            .client
-            .get(self.url(&format!("/api/v1/admin/coupons/{coupon}/stats")))
-            .bearer_auth(self.admin())
-            .send()
+        self.admin_get(&format!("/api/v1/admin/coupons/{coupon}/stats"))
             .await
-            .ok()?;
-        if res.status() != 200 {
-            return None;
-        }
-        res.json().await.ok()
     }
 
     /// One claim of `coupon` by `user` under `request_id`, not retried:
