@@ -264,7 +264,7 @@ async fn admissions_at(base: &str) -> i64 {
         .sum::<f64>() as i64
 }
 
-/// The multi-instance deployment of the README on loopback: two
+/// The multi-instance deployment of docs/OPERATIONS.md on loopback: two
 /// `serve --no-consumer` instances (this test's server and a second
 /// process) and one `seckill consume`, sharing Kafka, PostgreSQL and Redis
 /// (the 3-master cluster when `scripts/test.sh` runs it). `seckill
