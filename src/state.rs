@@ -23,6 +23,7 @@ use crate::bus::watchdog::Registry;
 use crate::bus::{self, Producer, Topics};
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{RedisSettings, Settings};
+use crate::coupons::claim::Claims;
 use crate::coupons::gate::CouponGate;
 use crate::ids::{IdGenerator, InstanceLease, LeasedIds};
 use crate::liveness::Liveness;
@@ -56,6 +57,8 @@ pub struct AppState {
     pub sold_out: Arc<SoldOut>,
     /// Coupon scripts (same multiplexed connection as the gate).
     pub coupons: Arc<CouponGate>,
+    /// Coupon claims (Redis, then the event), sharing these clients.
+    pub claims: Arc<Claims>,
     /// The purchase pipeline (SPEC steps 1–2), sharing these clients.
     pub admission: Admitter,
     /// Snowflake order numbers, made only under a leased instance id.
@@ -187,10 +190,20 @@ impl AppState {
             clock: clock.clone(),
             fallback,
         };
+        let claims = Arc::new(Claims {
+            gate: coupons.clone(),
+            db: db.clone(),
+            producer: producer.clone(),
+            topic: topics.coupon_claimed.clone(),
+            budget: publisher.budget,
+            clock: clock.clone(),
+            restore_wanted: restore_wanted.clone(),
+        });
         let kafka_probe = BrokerProbe::new(&settings.kafka, &topics.order_requested);
         kafka_probe.start();
         Ok(Self {
             coupons,
+            claims,
             publisher,
             restore_wanted,
             consumers: Arc::new(Registry::default()),

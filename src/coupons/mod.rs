@@ -10,6 +10,7 @@
 //! 2^63 bits, while a set holds at most `total` members — memory follows the
 //! batch size, never the id space.
 
+pub mod claim;
 pub mod consumer;
 pub mod gate;
 pub mod repo;

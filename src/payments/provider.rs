@@ -2,7 +2,7 @@
 //! real one: it signs its callbacks with the shared secret and can deliver
 //! the same callback several times.
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 
@@ -34,7 +34,7 @@ pub struct Callback {
     /// The provider's transaction id (unique per charge).
     pub provider_txn_id: Option<String>,
     /// When the provider charged.
-    pub paid_at: Option<chrono::DateTime<Utc>>,
+    pub paid_at: Option<DateTime<Utc>>,
 }
 
 impl MockProvider {
@@ -45,11 +45,11 @@ impl MockProvider {
     }
 
     /// A signed callback: `(body, X-Pay-Signature)`.
-    pub fn signed_callback(&self, callback: &Callback) -> (Vec<u8>, String) {
+    pub fn signed_callback(&self, callback: &Callback, now: DateTime<Utc>) -> (Vec<u8>, String) {
         let body = serde_json::to_vec(callback).unwrap_or_default();
         let header = signature::sign(
             self.secret.expose_secret().as_bytes(),
-            Utc::now().timestamp(),
+            now.timestamp(),
             &body,
         );
         (body, header)

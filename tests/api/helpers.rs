@@ -6,7 +6,7 @@ use std::time::Duration;
 use diesel::{Connection, PgConnection, RunQueryDsl};
 use seckill::app::Application;
 use seckill::auth::{JwtKeys, Role};
-use seckill::clock::ShiftedClock;
+use seckill::clock::{Clock, ShiftedClock};
 use seckill::config::Settings;
 use secrecy::ExposeSecret;
 
@@ -696,7 +696,8 @@ impl TestApp {
             .expose_secret()
             .to_owned();
         let secret = secret.unwrap_or(&own);
-        let t = chrono::Utc::now().timestamp() + t_offset;
+        // Signed on the sale clock, which the server checks it against.
+        let t = self.clock.now().timestamp() + t_offset;
         let header = seckill::payments::signature::sign(secret.as_bytes(), t, &body);
         (body, header)
     }

@@ -5,8 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::bus::{PublishError, events::CouponClaimed};
-use crate::coupons::gate::Claim;
+use crate::coupons::claim::{ClaimRefusal, Claimed};
 use crate::coupons::repo::{self, NewCoupon};
 use crate::domain::RequestId;
 use crate::http::auth::{AdminUser, AuthUser};
@@ -152,132 +151,45 @@ pub async fn claim(
     // main runtime: a dropped request (a client gone, a shutdown out of
     // time) drops this handler, not the task, so a claim is never left
     // taken in Redis with its event neither sent nor undone.
-    let background = state.background.clone();
-    let fresh = background
-        .spawn(claim_and_publish(state, coupon_id, user_id, request_id))
+    let claims = state.claims.clone();
+    let claimed = state
+        .background
+        .spawn(async move { claims.claim(coupon_id, user_id, request_id).await })
         .await
-        .map_err(|e| ApiError::unavailable(anyhow::anyhow!("coupon claim task failed: {e}")))??;
-    let claimed = json!({"coupon_id": coupon_id, "status": "CLAIMED"});
-    Ok(if fresh {
-        HttpResponse::Accepted().json(claimed)
-    } else {
-        HttpResponse::Ok().json(claimed)
+        .map_err(|e| ApiError::unavailable(anyhow::anyhow!("coupon claim task failed: {e}")))?
+        .map_err(refused)?;
+    let body = json!({"coupon_id": coupon_id, "status": "CLAIMED"});
+    Ok(match claimed {
+        Claimed::New => HttpResponse::Accepted().json(body),
+        Claimed::Replay => HttpResponse::Ok().json(body),
     })
 }
 
-/// The claim in Redis, then its event: delivered → whether the claim is
-/// new (202) or a replay (200); definitely not delivered → undone, 503;
-/// unknown → kept, 503 (retry with the same request_id).
-async fn claim_and_publish(
-    state: web::Data<AppState>,
-    coupon_id: i64,
-    user_id: i64,
-    request_id: String,
-) -> Result<bool, ApiError> {
-    let now_ms = state.clock.now_ms();
-    let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
-    let fresh = match state
-        .coupons
-        .claim(coupon_id, user_id, &request_id, now_ms)
-        .await
-        .map_err(redis_err)?
-    {
-        Claim::Claimed => true,
-        Claim::Replay => false,
-        Claim::Exhausted => {
-            return Err(ApiError::new(ErrorCode::CouponExhausted, "no coupons left"));
+/// The one mapping from a refused claim to its answer.
+fn refused(refusal: ClaimRefusal) -> ApiError {
+    match refusal {
+        ClaimRefusal::Exhausted => ApiError::new(ErrorCode::CouponExhausted, "no coupons left"),
+        ClaimRefusal::AlreadyClaimed => {
+            ApiError::new(ErrorCode::AlreadyClaimed, "you already hold this coupon")
         }
-        Claim::AlreadyClaimed => {
-            return Err(ApiError::new(
-                ErrorCode::AlreadyClaimed,
-                "you already hold this coupon",
-            ));
+        ClaimRefusal::Expired => {
+            ApiError::new(ErrorCode::CouponExpired, "this coupon batch has expired")
         }
-        Claim::Expired => {
-            return Err(ApiError::new(
-                ErrorCode::CouponExpired,
-                "this coupon batch has expired",
-            ));
-        }
-        Claim::Unknown => {
-            // A batch the database has and Redis lost is being restored.
-            let exists = store::run(&state.db, move |conn| {
-                Ok(crate::coupons::repo::find(conn, coupon_id)?.is_some())
-            })
-            .await
-            .map_err(ApiError::unavailable)?;
-            if !exists {
-                return Err(ApiError::not_found("no such coupon"));
-            }
-            state.restore_wanted.notify_one();
-            return Err(ApiError::new(
-                ErrorCode::RetryLater,
-                "this coupon batch is being restored; retry shortly",
-            )
-            .with_retry_after(1));
-        }
-    };
-    // A replay sends the claim again too: its first delivery may have been
-    // unknown. The consumer writes one row per (coupon, user) whatever the
-    // number of copies.
-    let event = CouponClaimed {
-        event_id: format!("claim-{coupon_id}-{user_id}"),
-        coupon_id,
-        user_id,
-        request_id,
-        claimed_at_ms: now_ms,
-    };
-    let key = user_id.to_string();
-    let topic = &state.topics.coupon_claimed;
-    let payload = event.encode();
-    // At most the publish budget; past it the outcome is unknown (the
-    // message may still be delivered, and the claim is kept for it).
-    let published = tokio::time::timeout(
-        state.publisher.budget,
-        state.producer.publish(topic, &key, &payload, None),
-    )
-    .await
-    .unwrap_or(Err(PublishError::Unknown(
-        rdkafka::error::KafkaError::MessageProduction(
-            rdkafka::error::RDKafkaErrorCode::MessageTimedOut,
+        ClaimRefusal::NotFound => ApiError::not_found("no such coupon"),
+        ClaimRefusal::Restoring => ApiError::new(
+            ErrorCode::RetryLater,
+            "this coupon batch is being restored; retry shortly",
+        )
+        .with_retry_after(1),
+        ClaimRefusal::NotKept => ApiError::new(
+            ErrorCode::RetryLater,
+            "the claim could not be recorded; nothing was kept",
         ),
-    )));
-    match published {
-        Ok(()) => {
-            // Not confirmed here (a Redis error), the reconciler sends the
-            // claim once more: a duplicate the consumer ignores.
-            if let Err(e) = state
-                .coupons
-                .confirm(coupon_id, user_id, &event.request_id)
-                .await
-            {
-                tracing::warn!(error = %e, coupon_id, user_id, "confirming a delivered coupon claim failed");
-            }
-            Ok(fresh)
-        }
-        Err(e @ (PublishError::QueueFull | PublishError::NotDelivered(_))) if fresh => {
-            tracing::warn!(error = %e, coupon_id, user_id, "coupon claim not delivered; undoing the claim");
-            if let Err(e) = state
-                .coupons
-                .unclaim(coupon_id, user_id, &event.request_id)
-                .await
-            {
-                tracing::error!(error = %e, coupon_id, user_id, "undoing a coupon claim failed");
-            }
-            Err(ApiError::new(
-                ErrorCode::RetryLater,
-                "the claim could not be recorded; nothing was kept",
-            ))
-        }
-        // Unknown (or a replay's send failed): the claim stays, a retry with
-        // the same request_id sends it again.
-        Err(e) => {
-            tracing::warn!(error = %e, coupon_id, user_id, "coupon claim delivery unconfirmed; the claim is kept");
-            Err(ApiError::new(
-                ErrorCode::RetryLater,
-                "the claim is not confirmed yet; retry with the same request_id",
-            ))
-        }
+        ClaimRefusal::Unconfirmed => ApiError::new(
+            ErrorCode::RetryLater,
+            "the claim is not confirmed yet; retry with the same request_id",
+        ),
+        ClaimRefusal::Unavailable(e) => ApiError::unavailable(e),
     }
 }
 

@@ -2,7 +2,6 @@
 //! `POST /dev/payments/{no}/simulate`.
 
 use actix_web::{HttpRequest, HttpResponse, web};
-use chrono::Utc;
 use secrecy::ExposeSecret;
 use serde::Deserialize;
 use serde_json::json;
@@ -95,7 +94,7 @@ pub async fn notify(
         settings.notify_secret.expose_secret().as_bytes(),
         header,
         &body,
-        Utc::now().timestamp(),
+        state.clock.now().timestamp(),
         settings.signature_tolerance_secs,
     ) {
         state
@@ -230,12 +229,12 @@ pub async fn simulate(
         amount_cents: payment.amount_cents,
         status: body.status,
         provider_txn_id: Some(format!("mock-{}", payment.payment_no)),
-        paid_at: Some(Utc::now()),
+        paid_at: Some(state.clock.now()),
     };
     let url = format!("{}/api/v1/payments/notify", state.self_url);
     let mut statuses = Vec::with_capacity(body.times as usize);
     for _ in 0..body.times {
-        let (bytes, header) = mock.signed_callback(&callback);
+        let (bytes, header) = mock.signed_callback(&callback, state.clock.now());
         let sent = state
             .http
             .post(&url)
