@@ -248,11 +248,42 @@ pub struct AuthSettings {
     pub audience: Option<String>,
 }
 
+/// How Redis is deployed (`redis.mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RedisMode {
+    /// One server: `redis.url` names it.
+    Standalone,
+    /// A Redis Cluster: `redis.url` lists seed nodes, comma-separated.
+    Cluster,
+}
+
+/// The admission script's connection (`redis.gate_connection`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GateConnection {
+    /// One long-lived pipelined connection (the default).
+    Multiplexed,
+    /// A deadpool checkout per call, which PINGs on recycle (one server
+    /// only). See BENCHMARKS.md.
+    Pool,
+}
+
+/// The log's format (`log.format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Pretty,
+    /// One JSON object per line.
+    Json,
+}
+
 /// Redis connection settings.
 #[derive(Debug, Clone, Deserialize)]
 pub struct RedisSettings {
     /// `standalone` (one server) or `cluster` (a Redis Cluster).
-    pub mode: String,
+    pub mode: RedisMode,
     /// `redis://host:port[/db]`; in cluster mode, seed nodes separated by
     /// commas (`redis://h1:7000,redis://h2:7001`).
     pub url: String,
@@ -265,7 +296,7 @@ pub struct RedisSettings {
     /// Connection of the admission script: `multiplexed` (one long-lived
     /// pipelined connection, the default) or `pool` (a deadpool checkout per
     /// call, which PINGs on recycle). See BENCHMARKS.md.
-    pub gate_connection: String,
+    pub gate_connection: GateConnection,
 }
 
 /// PostgreSQL connection settings.
@@ -318,7 +349,7 @@ fn default_linger_ms() -> u64 {
 #[derive(Debug, Clone, Deserialize)]
 pub struct LogSettings {
     /// `pretty` (human-readable) or `json` (one object per line).
-    pub format: String,
+    pub format: LogFormat,
     /// Default filter (`RUST_LOG` wins when set), e.g. `info` or `seckill=debug`.
     pub level: String,
 }
@@ -439,18 +470,12 @@ impl Settings {
         if self.app.instance_lease_secs < 2 {
             bail!("app.instance_lease_secs must be at least 2");
         }
-        if !matches!(self.redis.gate_connection.as_str(), "multiplexed" | "pool") {
-            bail!("redis.gate_connection must be \"multiplexed\" or \"pool\"");
-        }
-        match self.redis.mode.as_str() {
-            crate::store::redis_conn::STANDALONE => {}
-            crate::store::redis_conn::CLUSTER if self.redis.gate_connection == "pool" => {
-                bail!(
-                    "redis.gate_connection = \"pool\" is for one server only, not redis.mode = \"cluster\""
-                )
-            }
-            crate::store::redis_conn::CLUSTER => {}
-            other => bail!("redis.mode must be \"standalone\" or \"cluster\", not {other:?}"),
+        if self.redis.mode == RedisMode::Cluster
+            && self.redis.gate_connection == GateConnection::Pool
+        {
+            bail!(
+                "redis.gate_connection = \"pool\" is for one server only, not redis.mode = \"cluster\""
+            );
         }
         if self.reconcile.publish_window_secs.saturating_mul(1000) < self.in_flight_bound_ms() {
             bail!(
@@ -576,13 +601,15 @@ mod tests {
 
     #[test]
     fn an_unknown_redis_mode_and_a_pooled_gate_on_a_cluster_are_refused() {
+        let mode = |name: &str| {
+            serde_json::from_value::<RedisMode>(serde_json::json!(name)).map_err(|e| e.to_string())
+        };
+        let e = mode("sentinel").unwrap_err();
+        assert!(e.contains("standalone") && e.contains("cluster"), "{e}");
         let mut s = Settings::load_env("test").expect("test settings load");
-        s.redis.mode = "sentinel".into();
-        let e = s.validate().unwrap_err().to_string();
-        assert!(e.contains("redis.mode"), "{e}");
-        s.redis.mode = "cluster".into();
+        s.redis.mode = mode("cluster").unwrap();
         assert!(s.validate().is_ok());
-        s.redis.gate_connection = "pool".into();
+        s.redis.gate_connection = GateConnection::Pool;
         let e = s.validate().unwrap_err().to_string();
         assert!(e.contains("one server only"), "{e}");
     }

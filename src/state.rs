@@ -22,7 +22,7 @@ use crate::bus::runner::Supervision;
 use crate::bus::watchdog::Registry;
 use crate::bus::{self, Producer, Topics};
 use crate::clock::{SharedClock, SystemClock};
-use crate::config::{RedisSettings, Settings};
+use crate::config::{GateConnection, RedisSettings, Settings};
 use crate::coupons::claim::Claims;
 use crate::coupons::gate::CouponGate;
 use crate::ids::{IdGenerator, InstanceLease, LeasedIds};
@@ -117,9 +117,9 @@ impl AppState {
     /// [`AppState::connect`] on the given sale clock.
     pub fn connect_with_clock(settings: Settings, clock: SharedClock) -> anyhow::Result<Self> {
         let a = &settings.admission;
-        let gate_pool = match settings.redis.gate_connection.as_str() {
-            "pool" => Some(redis_pool(&settings.redis)?),
-            _ => None,
+        let gate_pool = match settings.redis.gate_connection {
+            GateConnection::Pool => Some(redis_pool(&settings.redis)?),
+            GateConnection::Multiplexed => None,
         };
         let gate = Arc::new(
             RedisGate::new(&settings.redis, a, gate_pool).context("creating the Redis gate")?,

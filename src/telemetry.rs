@@ -3,7 +3,7 @@
 
 use tracing_subscriber::EnvFilter;
 
-use crate::config::LogSettings;
+use crate::config::{LogFormat, LogSettings};
 
 /// Installs the global subscriber. Safe to call more than once (tests): later
 /// calls are no-ops.
@@ -11,7 +11,7 @@ pub fn init(settings: &LogSettings) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&settings.level));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    let _ = if settings.format == "json" {
+    let _ = if settings.format == LogFormat::Json {
         builder
             .json()
             .flatten_event(true)

@@ -15,12 +15,7 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
-use crate::config::RedisSettings;
-
-/// `redis.mode = "standalone"`: `redis.url` names the server.
-pub const STANDALONE: &str = "standalone";
-/// `redis.mode = "cluster"`: `redis.url` lists seed nodes, comma-separated.
-pub const CLUSTER: &str = "cluster";
+use crate::config::{RedisMode, RedisSettings};
 
 /// Opens [`RedisConn`]s as `redis.mode` says.
 #[derive(Clone)]
@@ -45,7 +40,7 @@ impl RedisClient {
     /// The client for `settings` (nothing connects yet).
     pub fn new(settings: &RedisSettings) -> RedisResult<Self> {
         let timeout = Duration::from_millis(settings.timeout_ms);
-        if settings.mode == CLUSTER {
+        if settings.mode == RedisMode::Cluster {
             let client = ClusterClient::builder(seed_nodes(&settings.url))
                 .connection_timeout(timeout)
                 .response_timeout(timeout)

@@ -94,7 +94,7 @@ pub fn remove_namespace(settings: &Settings) {
 /// (whose client sends KEYS to every master and splits UNLINK by slot).
 pub fn redis_sync(settings: &Settings) -> redis::RedisResult<Box<dyn redis::ConnectionLike>> {
     let timeout = Duration::from_secs(2);
-    if settings.redis.mode == seckill::store::redis_conn::CLUSTER {
+    if settings.redis.mode == seckill::config::RedisMode::Cluster {
         let nodes = seckill::store::redis_conn::seed_nodes(&settings.redis.url);
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(timeout)

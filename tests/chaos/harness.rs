@@ -82,7 +82,7 @@ impl Services {
                     .expect("redis.url names its ports")
             })
             .collect();
-        let cluster = settings.redis.mode == "cluster";
+        let cluster = settings.redis.mode == seckill::config::RedisMode::Cluster;
         Self {
             root,
             state,
