@@ -187,17 +187,23 @@ async fn a_purchase_that_finds_every_unit_in_a_stale_transfer_completes_it_and_b
     let prefix = &app.settings.redis.key_prefix;
     let donor = ActivityKeys::shard(prefix, activity, layout, 1);
     let long_ago = chrono::Utc::now().timestamp_millis() - 60_000;
-    let mut pipe = redis::pipe();
+    // One command at a time: on a cluster the shards sit in other slots.
     for shard in 0..3 {
         let k = ActivityKeys::shard(prefix, activity, layout, shard);
-        pipe.cmd("SET").arg(k.bucket(0)).arg(0).ignore();
+        let _: () = redis::cmd("SET")
+            .arg(k.bucket(0))
+            .arg(0)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
     }
-    pipe.cmd("HSET")
+    let _: () = redis::cmd("HSET")
         .arg(donor.lent())
         .arg("died.1")
         .arg(format!("0:3:{long_ago}"))
-        .ignore();
-    let _: () = pipe.query_async(&mut conn).await.unwrap();
+        .query_async(&mut conn)
+        .await
+        .unwrap();
     assert_eq!(shard_units(&app, activity, layout).await, vec![0, 0, 0]);
 
     // A buyer of shard 2: its shard is empty, shard 0 has nothing yet,
