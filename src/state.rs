@@ -33,6 +33,7 @@ use crate::orders::events::OrderEvents;
 use crate::outbox::relay::Relay;
 use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
 use crate::reconcile::Reconciler;
+use crate::store::notes::Notes;
 use crate::store::redis_conn::RedisClient;
 use crate::store::{self, PgPool};
 
@@ -59,6 +60,8 @@ pub struct AppState {
     pub coupons: Arc<CouponGate>,
     /// Coupon claims (Redis, then the event), sharing these clients.
     pub claims: Arc<Claims>,
+    /// Leases and notes in Redis (the reconcile lease, its last report).
+    pub notes: Notes,
     /// The purchase pipeline (SPEC steps 1–2), sharing these clients.
     pub admission: Admitter,
     /// Snowflake order numbers, made only under a leased instance id.
@@ -202,6 +205,7 @@ impl AppState {
         let kafka_probe = BrokerProbe::new(&settings.kafka, &topics.order_requested);
         kafka_probe.start();
         Ok(Self {
+            notes: Notes::new(&settings.redis).context("creating the Redis notes")?,
             coupons,
             claims,
             publisher,
@@ -272,6 +276,7 @@ impl AppState {
         Reconciler {
             db: self.db.clone(),
             gate: self.gate.clone(),
+            notes: self.notes.clone(),
             settings: self.settings.clone(),
             metrics: self.metrics.clone(),
             progress: self.order_progress.clone(),

@@ -38,6 +38,7 @@ use crate::metrics::Metrics;
 use crate::orders::OrderStatus;
 use crate::orders::events::{OrderEvents, StatusChange};
 use crate::orders::repo as orders;
+use crate::store::notes::Notes;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
 
@@ -100,6 +101,8 @@ pub struct Reconciler {
     pub db: PgPool,
     /// Redis stock and reservations.
     pub gate: Arc<RedisGate>,
+    /// The reconcile lease and the last run's report.
+    pub notes: Notes,
     /// Windows and intervals.
     pub settings: Arc<Settings>,
     /// Difference and repair counters.
@@ -232,18 +235,18 @@ impl Reconciler {
             .unwrap_or(DEFAULT_LEASE_SECS)
             .max(1)
             .saturating_mul(1000);
-        if !self.gate.try_lease(LEASE, &self.owner, ttl_ms).await? {
+        if !self.notes.try_lease(LEASE, &self.owner, ttl_ms).await? {
             return Ok(None);
         }
         let held = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let renewing = {
-            let (gate, owner, held) = (self.gate.clone(), self.owner.clone(), held.clone());
+            let (notes, owner, held) = (self.notes.clone(), self.owner.clone(), held.clone());
             tokio::spawn(async move {
                 let every = Duration::from_millis(ttl_ms / 3);
                 let mut renewed = std::time::Instant::now();
                 loop {
                     tokio::time::sleep(every).await;
-                    match gate.try_lease(LEASE, &owner, ttl_ms).await {
+                    match notes.try_lease(LEASE, &owner, ttl_ms).await {
                         Ok(true) => renewed = std::time::Instant::now(),
                         Ok(false) => break,
                         Err(e) => {
@@ -262,7 +265,7 @@ impl Reconciler {
         if let Ok(reports) = &reports {
             self.keep_the_report(reports).await;
         }
-        if let Err(e) = self.gate.end_lease(LEASE, &self.owner).await {
+        if let Err(e) = self.notes.end_lease(LEASE, &self.owner).await {
             tracing::debug!(error = %e, "reconcile lease not given back; it expires");
         }
         reports.map(Some)
@@ -285,7 +288,7 @@ impl Reconciler {
             .max(3600);
         match serde_json::to_string(&last) {
             Ok(json) => {
-                if let Err(e) = self.gate.put_note(LAST_RUN, &json, ttl).await {
+                if let Err(e) = self.notes.put_note(LAST_RUN, &json, ttl).await {
                     tracing::debug!(error = %e, "last reconciliation report not kept");
                 }
             }
@@ -303,7 +306,7 @@ impl Reconciler {
     /// The last run's report, as [`Reconciler::run`] kept it (JSON), if one
     /// ran within its keeping time.
     pub async fn last_report(&self) -> anyhow::Result<Option<serde_json::Value>> {
-        let Some(json) = self.gate.note(LAST_RUN).await? else {
+        let Some(json) = self.notes.note(LAST_RUN).await? else {
             return Ok(None);
         };
         Ok(Some(serde_json::from_str(&json)?))

@@ -1,0 +1,28 @@
+//! One-time purchase tokens, bound to a user and an activity.
+
+use redis::RedisResult;
+
+use super::RedisGate;
+use crate::admission::keys::Layout;
+
+impl RedisGate {
+    /// Stores a one-time purchase token bound to `user_id`, in the buyer's
+    /// shard.
+    pub async fn issue_token(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        user_id: i64,
+        token: &str,
+        ttl_secs: u64,
+    ) -> RedisResult<()> {
+        let k = self.shard_keys(activity_id, layout, layout.shard_of_user(user_id));
+        redis::cmd("SET")
+            .arg(k.token(token))
+            .arg(user_id)
+            .arg("EX")
+            .arg(ttl_secs)
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+}
