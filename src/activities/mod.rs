@@ -4,6 +4,7 @@
 
 pub mod cache;
 pub mod repo;
+pub mod stats;
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;

@@ -12,7 +12,6 @@ use crate::activities::{Activity, Lifecycle};
 use crate::admission::Layout;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode, Problem};
-use crate::orders::OrderStatus;
 use crate::state::AppState;
 use crate::store;
 
@@ -381,7 +380,7 @@ pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> 
     params(("id" = i64, Path, description = "activity id")),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "Redis and database figures, orders by status"),
+        (status = 200, description = "Redis and database figures, orders by status", body = crate::activities::stats::ActivityStats),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
@@ -394,61 +393,11 @@ pub async fn stats(
     path: web::Path<i64>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    // The stock row and the order counts from ONE snapshot, so a transition
-    // committing in between can never show, say, CLOSED with its units still
-    // locked.
-    let (found, counts) = store::run(&state.db, move |conn| {
-        Ok(conn
-            .build_transaction()
-            .read_only()
-            .repeatable_read()
-            .run(|conn| {
-                Ok::<_, diesel::result::Error>((
-                    repo::find_with_stock(conn, id)?,
-                    repo::order_counts(conn, id)?,
-                ))
-            })?)
-    })
-    .await
-    .map_err(ApiError::unavailable)?;
-    let (activity, stock) = found.ok_or_else(|| ApiError::not_found("no such activity"))?;
-    let redis_err = |e: redis::RedisError| ApiError::unavailable(e.into());
-    // The open reservations before the stock: a release (which closes a
-    // reservation and gives its units back in one script) that the open
-    // count already shows is in the stock read after it. The other way
-    // round, a release landing between the two reads showed nothing open
-    // and its units still taken, and a caller waiting for "nothing open"
-    // read a stock it then never saw again.
-    let open = state
-        .gate
-        .open_reservations(id, activity.layout())
+    let stats = crate::activities::stats::read(&state.db, &state.gate, &*state.clock, id)
         .await
-        .map_err(redis_err)?;
-    let redis_available = state
-        .gate
-        .available(id, activity.layout())
-        .await
-        .map_err(redis_err)?;
-    // Every state, the ones with no order too.
-    let mut orders = serde_json::Map::new();
-    orders.insert(OrderStatus::Processing.to_string(), json!(open));
-    for status in OrderStatus::STORED {
-        orders.insert(status.to_string(), json!(0));
-    }
-    for (status, n) in counts {
-        orders.insert(status.to_string(), json!(n));
-    }
-    Ok(HttpResponse::Ok().json(json!({
-        "activity_id": id,
-        "status": activity.lifecycle(state.clock.now()),
-        "stock_total": stock.total,
-        "redis_available": redis_available,
-        "db_available": stock.available,
-        "db_locked": stock.locked,
-        "db_sold": stock.sold,
-        "reservations_open": open,
-        "orders": orders,
-    })))
+        .map_err(ApiError::unavailable)?
+        .ok_or_else(|| ApiError::not_found("no such activity"))?;
+    Ok(HttpResponse::Ok().json(stats))
 }
 
 /// `GET /api/v1/activities/{id}/token`: a one-time purchase token bound to
