@@ -6,6 +6,8 @@
 //! Redis and again on the 3-master cluster, where the shards sit on
 //! different masters.
 
+use std::time::Duration;
+
 use futures_util::future::join_all;
 use seckill::admission::Layout;
 use seckill::admission::keys::ActivityKeys;
@@ -238,6 +240,18 @@ async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_an
     // for buyers of every shard.
     app.wait_for_stats(activity, 60, |s| s["redis_available"] == 6)
         .await;
+    // The restore moves the sale through RESTORING and back; an instance
+    // that read the modes in between answers 503 "retry shortly" until its
+    // next read (a second), as a client would retry.
+    crate::helpers::eventually(
+        "the sale back on Redis",
+        Duration::from_secs(30),
+        || async {
+            let (status, _) = app.order_as_r_user(activity, 1).await;
+            (status != 503).then_some(())
+        },
+    )
+    .await;
     for user in 1..=3 {
         let (status, replay) = app.order_as_r_user(activity, user).await;
         assert_eq!(status, 200, "{replay}");
