@@ -179,6 +179,17 @@ impl Refusal {
     }
 }
 
+/// Where and when a purchase's units were asked of Redis.
+struct Reserved {
+    layout: Layout,
+    /// The number the order was reserved under.
+    order_no: i64,
+    /// The sale clock when it was asked (unix ms).
+    now_ms: i64,
+    /// When the script was called (a sold-out flag is asked at this moment).
+    started: Instant,
+}
+
 /// What the pipeline needs; built once per process, shared by every HTTP
 /// worker (each passes its own Redis connection to [`Admitter::admit`]).
 pub struct Admitter {
@@ -287,6 +298,35 @@ impl Admitter {
         self.metrics
             .lua_duration
             .observe(started.elapsed().as_secs_f64());
+        self.answer(
+            admission,
+            p,
+            Reserved {
+                layout,
+                order_no,
+                now_ms,
+                started,
+            },
+            permit,
+        )
+        .await
+    }
+
+    /// What the admission script's answer means for the buyer: an
+    /// accepted purchase is published (SPEC step 2), the rest refused.
+    async fn answer(
+        &self,
+        admission: Admission,
+        p: &Purchase,
+        at: Reserved,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<Admitted, Refusal> {
+        let Reserved {
+            layout,
+            order_no,
+            now_ms,
+            started,
+        } = at;
         match admission {
             Admission::Accepted(order_no) => {
                 let event = OrderRequested {

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Producer;
 use super::progress::GroupProgress;
-use super::watchdog::{Registry, StallTracker, Verdict, WatchedContext, verdict};
+use super::watchdog::{Health, Registry, StallTracker, Verdict, WatchedContext, verdict};
 use crate::config::KafkaSettings;
 use crate::worker::WorkerHandle;
 
@@ -69,6 +69,20 @@ pub struct Supervision {
     pub probe: Arc<super::probe::BrokerProbe>,
     /// Where a client beyond healing gives up.
     pub liveness: Arc<crate::liveness::Liveness>,
+}
+
+impl Supervision {
+    /// A WARN and the counters for one rebuild of `group`'s client.
+    fn count_rebuild(&self, group: &str, client: &str, why: &str) {
+        tracing::warn!(
+            group,
+            client,
+            reason = why,
+            "consumer stalled; rebuilding its Kafka client"
+        );
+        self.restarts.with_label_values(&[group]).inc();
+        self.rebuilds.with_label_values(&[client]).inc();
+    }
 }
 
 type Client = StreamConsumer<WatchedContext>;
@@ -178,31 +192,16 @@ async fn supervise<H: Handler>(
             busy_since.clone(),
             stop.clone(),
         ));
-        // Until the client ends (shutdown, or a panic) or must be rebuilt.
-        let rebuild = loop {
-            tokio::select! {
-                _ = &mut running => break None,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-            }
-            let waiting_for = Duration::from_secs(waiting.load(Ordering::Relaxed).max(0) as u64);
-            let busy = match busy_since.load(Ordering::Relaxed) {
-                0 => None,
-                since => Some(Duration::from_millis((now_ms() - since).max(0) as u64)),
-            };
-            let answering_for = supervision.probe.answering_for();
-            let client = consumer.context().observed(answering_for);
-            match verdict(stall, client, waiting_for, busy) {
-                Verdict::Healthy => {
-                    health.set(None);
-                    in_a_row = 0;
-                }
-                Verdict::Stalled(why) => health.set(Some(why)),
-                Verdict::Rebuild(why) => {
-                    health.set(Some(why.clone()));
-                    break Some(why);
-                }
-            }
+        let watch = Watch {
+            stall,
+            waiting: &waiting,
+            busy_since: &busy_since,
+            supervision: &supervision,
+            health: &health,
         };
+        let rebuild = watch
+            .until_rebuild(&mut running, &consumer, &mut in_a_row)
+            .await;
         match rebuild {
             Some(why) if in_a_row >= super::watchdog::MAX_REBUILDS_IN_A_ROW => {
                 supervision.liveness.give_up(format!(
@@ -216,14 +215,7 @@ async fn supervise<H: Handler>(
             }
             Some(why) => {
                 in_a_row += 1;
-                tracing::warn!(
-                    group,
-                    client = sub.group,
-                    reason = why,
-                    "consumer stalled; rebuilding its Kafka client"
-                );
-                supervision.restarts.with_label_values(&[&group]).inc();
-                supervision.rebuilds.with_label_values(&[sub.group]).inc();
+                supervision.count_rebuild(&group, sub.group, &why);
                 running.abort();
                 let _ = running.await;
                 restarted.notify_one();
@@ -244,6 +236,55 @@ async fn supervise<H: Handler>(
     let _ = sampler.await;
     // The progress client's destructor joins librdkafka threads.
     let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
+}
+
+/// What a running client is judged on, every second.
+struct Watch<'a> {
+    stall: Duration,
+    /// How long the group has had messages waiting with nothing committed (s).
+    waiting: &'a AtomicI64,
+    /// Since when the handler has been in one batch (unix ms; 0 between).
+    busy_since: &'a AtomicI64,
+    supervision: &'a Supervision,
+    health: &'a Health,
+}
+
+impl Watch<'_> {
+    /// Checks the client every second until it ends (`None`: shutdown, or a
+    /// panic) or must be rebuilt (`Some(why)`). A healthy check resets
+    /// `in_a_row`, the rebuilds with no progress in between.
+    async fn until_rebuild(
+        &self,
+        running: &mut tokio::task::JoinHandle<()>,
+        consumer: &Client,
+        in_a_row: &mut u32,
+    ) -> Option<String> {
+        loop {
+            tokio::select! {
+                _ = &mut *running => return None,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            let waiting_for =
+                Duration::from_secs(self.waiting.load(Ordering::Relaxed).max(0) as u64);
+            let busy = match self.busy_since.load(Ordering::Relaxed) {
+                0 => None,
+                since => Some(Duration::from_millis((now_ms() - since).max(0) as u64)),
+            };
+            let answering_for = self.supervision.probe.answering_for();
+            let client = consumer.context().observed(answering_for);
+            match verdict(self.stall, client, waiting_for, busy) {
+                Verdict::Healthy => {
+                    self.health.set(None);
+                    *in_a_row = 0;
+                }
+                Verdict::Stalled(why) => self.health.set(Some(why)),
+                Verdict::Rebuild(why) => {
+                    self.health.set(Some(why.clone()));
+                    return Some(why);
+                }
+            }
+        }
+    }
 }
 
 /// Every second: how long the group has been stalled, into `waiting` (s).
