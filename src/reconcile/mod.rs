@@ -15,20 +15,21 @@
 //! is already released.
 
 mod coupons;
+pub mod repairs;
 mod restore;
+mod void;
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer};
 use serde::Serialize;
 use tokio::sync::Notify;
 
 use crate::admission::fallback::Mode;
-use crate::admission::gate::{Reservation, Status, VoidClaim};
+use crate::admission::gate::Status;
 use crate::admission::{Layout, RedisGate, ReleaseReason};
 use crate::bus::progress::GroupProgress;
 use crate::bus::{Producer, Topics};
@@ -36,11 +37,11 @@ use crate::clock::SharedClock;
 use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::orders::OrderStatus;
-use crate::orders::events::{OrderEvents, StatusChange};
-use crate::orders::repo as orders;
+use crate::orders::events::OrderEvents;
 use crate::store::notes::Notes;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
+use void::Cutoff;
 
 /// How old a transfer between shards must be before reconciliation
 /// completes it: a lending call takes milliseconds; a minute means it died.
@@ -216,6 +217,11 @@ struct Released {
 const DEFAULT_LEASE_SECS: u64 = 30;
 
 impl Reconciler {
+    /// What this run changes in Redis, through the gate's connection.
+    fn repairs(&self) -> repairs::Repairs<'_> {
+        repairs::Repairs::new(&self.gate)
+    }
+
     /// Reconciles every recent, warmed activity; `None` when another
     /// instance holds the lease.
     ///
@@ -334,10 +340,10 @@ impl Reconciler {
             );
             let (id, layout, end_at) = (a.id, a.layout, a.end_at);
             let mut warm = self.gate.is_warm(id).await?;
-            if warm && !self.gate.shards_warm(id, layout).await? {
+            if warm && !self.repairs().shards_warm(id, layout).await? {
                 // A shard lost alone: what the other shards hold cannot be
                 // trusted beside it, so the activity is restored whole.
-                self.gate.remove_activity(id, layout).await?;
+                self.repairs().remove_activity(id, layout).await?;
                 self.count("repair", "lost_shard_keys_dropped");
                 tracing::warn!(
                     activity_id = id,
@@ -384,7 +390,7 @@ impl Reconciler {
                 .await?;
             return Ok(true);
         }
-        self.gate.remove_activity(activity_id, layout).await?;
+        self.repairs().remove_activity(activity_id, layout).await?;
         self.count("repair", "fallback_keys_dropped");
         tracing::warn!(
             activity_id,
@@ -439,7 +445,7 @@ impl Reconciler {
         if f.waiting_units > 0 || open > 0 || unsent > 0 {
             return Ok(());
         }
-        self.gate.remove_activity(activity_id, layout).await?;
+        self.repairs().remove_activity(activity_id, layout).await?;
         self.forget_stock(activity_id);
         store::run(&self.db, move |conn| {
             Ok(crate::activities::repo::mark_ended(conn, activity_id)?)
@@ -528,7 +534,7 @@ impl Reconciler {
         // Only while nothing is open, and only if nothing moved since
         // Redis was read: otherwise the figures describe different moments.
         let repaired = if open == 0 && expected != db_available {
-            self.gate
+            self.repairs()
                 .repair(activity_id, layout, expected, db_available)
                 .await?
         } else {
@@ -631,190 +637,12 @@ impl Reconciler {
         Ok(added)
     }
 
-    /// Voids open reservations no order event will back (SPEC step 4):
-    /// unacknowledged ones neither made nor sent within the publish window
-    /// once the order consumers have provably applied every published
-    /// event, else those older than the grace. An acknowledged reservation
-    /// is never voided: if the consumers have provably applied everything
-    /// and it is still open, its row decides, and without a row the broker
-    /// lost its event, which is published again.
-    async fn void_stale(
-        &self,
-        activity_id: i64,
-        layout: Layout,
-        cutoff: &Cutoff,
-        report: &mut Report,
-    ) -> anyhow::Result<()> {
-        for order_no in self
-            .gate
-            .open_before(activity_id, layout, cutoff.before_ms)
-            .await?
-        {
-            let Some(r) = self.gate.reservation(activity_id, layout, order_no).await? else {
-                self.gate.forget_open(activity_id, layout, order_no).await?;
-                report.repaired.push(format!(
-                    "dropped index entry {order_no} without a reservation"
-                ));
-                continue;
-            };
-            if r.acked && r.is_open() {
-                if cutoff.proven {
-                    self.settle_acknowledged(activity_id, order_no, layout, &r, report)
-                        .await?;
-                }
-                continue;
-            }
-            match self
-                .gate
-                .claim_void(activity_id, layout, order_no, cutoff.before_ms)
-                .await?
-            {
-                VoidClaim::Claimed => {}
-                VoidClaim::Refused => continue,
-                VoidClaim::Gone => {
-                    self.gate.forget_open(activity_id, layout, order_no).await?;
-                    continue;
-                }
-            }
-            let event = r.event(activity_id, order_no);
-            let status = store::run(&self.db, move |conn| {
-                Ok(orders::insert_failed(conn, &event, RESERVATION_EXPIRED)?)
-            })
-            .await?;
-            match status {
-                // No row: the same (user, request_id) already has another
-                // order; this reservation backs nothing.
-                Some(OrderStatus::Failed) | None => {
-                    self.gate
-                        .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
-                        .await?;
-                    let status = OrderStatus::Failed;
-                    self.order_events
-                        .publish(&[StatusChange { order_no, status }])
-                        .await;
-                    self.count("repair", "voided");
-                    report.repaired.push(format!(
-                        "voided reservation {order_no} (no order event arrived; {})",
-                        cutoff.because
-                    ));
-                }
-                Some(status) => {
-                    self.gate.commit(activity_id, layout, &[order_no]).await?;
-                    report.repaired.push(format!(
-                        "committed reservation {order_no} (its order is {status})"
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// An acknowledged reservation still open although the consumers have
-    /// applied every published event: its order row says what happened
-    /// (the Redis step after the row was lost); without a row, the broker
-    /// lost the event, which is published again.
-    async fn settle_acknowledged(
-        &self,
-        activity_id: i64,
-        order_no: i64,
-        layout: Layout,
-        r: &Reservation,
-        report: &mut Report,
-    ) -> anyhow::Result<()> {
-        let status = store::run(&self.db, move |conn| {
-            Ok(orders::statuses(conn, &[order_no])?.remove(&order_no))
-        })
-        .await?;
-        match status {
-            None => {
-                let event = r.event(activity_id, order_no).encode();
-                self.producer
-                    .publish(
-                        &self.topics.order_requested,
-                        &order_no.to_string(),
-                        &event,
-                        None,
-                    )
-                    .await
-                    .with_context(|| format!("publishing the event of {order_no} again"))?;
-                self.count("repair", "republished");
-                report.repaired.push(format!(
-                    "published again the event of reservation {order_no} \
-                     (acknowledged, but the consumers never got it)"
-                ));
-            }
-            Some(OrderStatus::Failed) => {
-                self.gate
-                    .release(activity_id, order_no, layout, ReleaseReason::OrderFailed)
-                    .await?;
-                report.repaired.push(format!(
-                    "released reservation {order_no} (its order FAILED)"
-                ));
-            }
-            Some(status) => {
-                self.gate.commit(activity_id, layout, &[order_no]).await?;
-                report.repaired.push(format!(
-                    "committed reservation {order_no} (its order is {status})"
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// The grace, or the much shorter publish window when the order
-    /// consumers have committed every partition to its end. `now` is read
-    /// before the offsets, so every event that reached the broker before it
-    /// is among those proven applied.
-    async fn void_cutoff(&self) -> Cutoff {
-        let r = &self.settings.reconcile;
-        let now = self.clock.now_ms();
-        let secs = |s: u64| {
-            i64::try_from(s)
-                .unwrap_or(i64::MAX / 2_000)
-                .saturating_mul(1000)
-        };
-        let grace = Cutoff {
-            at_ms: now,
-            before_ms: now - secs(r.reservation_grace_secs),
-            because: "older than the grace",
-            proven: false,
-        };
-        match self.progress.caught_up().await {
-            Ok(true) => Cutoff {
-                at_ms: now,
-                before_ms: now - secs(r.publish_window_secs.min(r.reservation_grace_secs)),
-                because: "the order consumers have applied every published event",
-                proven: true,
-            },
-            Ok(_) => grace,
-            Err(e) => {
-                tracing::debug!(
-                    error = format!("{e:#}"),
-                    "consumer progress unknown; using the grace"
-                );
-                grace
-            }
-        }
-    }
-
     fn count(&self, what: &str, kind: &str) {
         self.metrics
             .reconcile
             .with_label_values(&[what, kind])
             .inc();
     }
-}
-
-/// Reservations neither made nor sent since `before_ms` are voided,
-/// `because` of what.
-struct Cutoff {
-    /// When it was read (before the consumers' offsets).
-    at_ms: i64,
-    before_ms: i64,
-    because: &'static str,
-    /// The order consumers have applied every event published before
-    /// `at_ms`.
-    proven: bool,
 }
 
 /// `stock.released` events of the activity the outbox has not sent yet.

@@ -28,9 +28,9 @@ use chrono::Utc;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text, Timestamptz};
 
+use super::repairs::{Restore, RestoredOrder, RestoredState};
 use super::{Cutoff, Reconciler, Report};
 use crate::admission::fallback::Mode;
-use crate::admission::gate::{Restore, RestoredOrder, RestoredState};
 use crate::orders::OrderStatus;
 use crate::store::{self, PgConn};
 
@@ -64,7 +64,7 @@ impl Reconciler {
     ) -> anyhow::Result<Report> {
         let mut report = Report::new(activity_id);
         let since = self
-            .gate
+            .repairs()
             .restoring_since(activity_id, self.clock.now_ms())
             .await?;
         report.consistent = false;
@@ -99,7 +99,7 @@ impl Reconciler {
         let Some(restore) = restore else {
             return Ok(report);
         };
-        self.gate.restore(&restore).await?;
+        self.repairs().restore(&restore).await?;
         self.switch_admission(activity_id, &[Mode::Restoring], Mode::Redis)
             .await?;
         self.metrics

@@ -105,7 +105,7 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
 
     // The accepted purchase's reservation records the acknowledgement.
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
-    let open = gate
+    let open = seckill::reconcile::repairs::Repairs::new(&gate)
         .open_before(activity, seckill::admission::Layout::single(1), i64::MAX)
         .await
         .unwrap();

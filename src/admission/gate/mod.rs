@@ -7,8 +7,11 @@
 //! - [`reservations`]: a reservation's life (release, acknowledgement,
 //!   sending, void, commit) and its record;
 //! - [`warmup`]: loading an activity, ending its sale, its stock figure;
-//! - [`repair`]: what reconciliation changes (repair, restore, removal);
+//! - [`counts`]: what the sold-out path and the stats read of the shards;
 //! - [`tokens`]: purchase tokens.
+//!
+//! What reconciliation changes in Redis (repair, restore, removal) is in
+//! `reconcile::redis`, over this gate's connection and keys.
 //!
 //! The hot path uses one long-lived multiplexed connection
 //! ([`RedisConn`], to one server or a cluster), not the pool: every request is a single script
@@ -23,14 +26,13 @@ use crate::admission::keys::{ActivityKeys, Layout};
 use crate::config::{AdmissionSettings, RedisSettings};
 use crate::store::redis_conn::{RedisClient, RedisConn};
 
+mod counts;
 mod lending;
-pub mod repair;
 pub mod reservations;
 pub mod reserve;
 mod tokens;
 pub mod warmup;
 
-pub use repair::{Restore, RestoredOrder, RestoredState};
 pub use reservations::{ReleaseReason, Reservation, Status, VoidClaim};
 pub use reserve::{Admission, ReserveRequest};
 pub use warmup::WarmSpec;
@@ -72,7 +74,6 @@ pub struct RedisGate {
     release: Script,
     commit: Script,
     warmup: Script,
-    repair: Script,
     ack: Script,
     sending: Script,
     void: Script,
@@ -100,7 +101,6 @@ impl RedisGate {
             release: Script::new(include_str!("../lua/release.lua")),
             commit: Script::new(include_str!("../lua/commit.lua")),
             warmup: Script::new(include_str!("../lua/warmup.lua")),
-            repair: Script::new(include_str!("../lua/repair.lua")),
             ack: Script::new(include_str!("../lua/ack.lua")),
             sending: Script::new(include_str!("../lua/sending.lua")),
             void: Script::new(include_str!("../lua/void.lua")),
@@ -120,23 +120,43 @@ impl RedisGate {
 
     /// The base keys of an activity: its meta and `restoring` marker (and,
     /// unsharded, all of its keys).
-    fn keys(&self, activity_id: i64) -> ActivityKeys {
+    pub(crate) fn keys(&self, activity_id: i64) -> ActivityKeys {
         ActivityKeys::new(&self.prefix, activity_id)
     }
 
     /// The keys of one shard of an activity.
-    fn shard_keys(&self, activity_id: i64, layout: Layout, shard: usize) -> ActivityKeys {
+    pub(crate) fn shard_keys(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        shard: usize,
+    ) -> ActivityKeys {
         ActivityKeys::shard(&self.prefix, activity_id, layout, shard)
     }
 
     /// The keys of the shard holding `order_no`'s reservation.
-    fn order_keys(&self, activity_id: i64, layout: Layout, order_no: i64) -> ActivityKeys {
+    pub(crate) fn order_keys(
+        &self,
+        activity_id: i64,
+        layout: Layout,
+        order_no: i64,
+    ) -> ActivityKeys {
         self.shard_keys(activity_id, layout, layout.shard_of_order(order_no))
     }
 
     /// A clone of the multiplexed connection, for plain commands.
-    fn conn(&self) -> RedisConn {
+    pub(crate) fn conn(&self) -> RedisConn {
         self.conn.clone()
+    }
+
+    /// The stock-returned channel, published to when units come back.
+    pub(crate) fn returned(&self) -> &str {
+        &self.returned
+    }
+
+    /// How long a reservation record lives (`admission.reservation_ttl_secs`).
+    pub(crate) fn reservation_ttl_secs(&self) -> u64 {
+        self.reservation_ttl_secs
     }
 
     /// `PING` on the gate's connection (a cluster answers from every

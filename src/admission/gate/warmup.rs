@@ -56,7 +56,7 @@ impl RedisGate {
 
     /// The base meta of a sharded activity (what [`RedisGate::meta`]
     /// reads): the window, limit, price and layout.
-    pub(super) async fn write_base_meta(&self, spec: &WarmSpec) -> RedisResult<()> {
+    pub(crate) async fn write_base_meta(&self, spec: &WarmSpec) -> RedisResult<()> {
         redis::cmd("HSET")
             .arg(self.keys(spec.activity_id).meta())
             .arg("start_ms")
@@ -123,7 +123,7 @@ impl RedisGate {
         Ok(sum)
     }
 
-    pub(super) async fn shard_sum(
+    pub(crate) async fn shard_sum(
         &self,
         activity_id: i64,
         layout: Layout,

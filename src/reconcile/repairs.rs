@@ -1,11 +1,14 @@
 //! What reconciliation changes in Redis: a repair by compare-and-set
 //! (`lua/repair.lua`), the restore of a lost activity, the removal of an
-//! ended one, and what it reads to decide.
+//! ended one, and what it reads to decide. Nothing else changes these: the
+//! purchase path only reads what they write.
 
-use redis::RedisResult;
+use std::sync::LazyLock;
 
-use super::RedisGate;
-use super::warmup::WarmSpec;
+use redis::{RedisResult, Script};
+
+use crate::admission::RedisGate;
+use crate::admission::gate::WarmSpec;
 use crate::admission::keys::{Layout, split_evenly};
 
 /// What a sharded repair compares before and after.
@@ -16,7 +19,20 @@ struct ShardState {
     lent: i64,
 }
 
-impl RedisGate {
+/// Reconciliation's view of the gate: what it changes in Redis.
+pub struct Repairs<'a> {
+    gate: &'a RedisGate,
+}
+
+/// `lua/repair.lua`: a compare-and-set of one shard's buckets.
+static REPAIR: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/repair.lua")));
+
+impl<'a> Repairs<'a> {
+    /// The repairs made through `gate`'s connection.
+    pub fn new(gate: &'a RedisGate) -> Self {
+        Self { gate }
+    }
+
     /// Sets the activity's Redis stock to `target` units, but only while
     /// no reservation is open and the buckets still sum to `expected`
     /// (`repair.lua`). Returns the delta applied, or `None` when something
@@ -79,8 +95,8 @@ impl RedisGate {
         expected: i64,
         target: i64,
     ) -> RedisResult<Option<i64>> {
-        let k = self.shard_keys(activity_id, layout, shard);
-        let mut call = self.repair.prepare_invoke();
+        let k = self.gate.shard_keys(activity_id, layout, shard);
+        let mut call = REPAIR.prepare_invoke();
         call.key(k.open());
         for b in 0..layout.buckets {
             call.key(k.bucket(b));
@@ -88,63 +104,26 @@ impl RedisGate {
         let (done, value): (i64, i64) = call
             .arg(expected)
             .arg(target)
-            .arg(&self.returned)
+            .arg(self.gate.returned())
             .arg(activity_id)
-            .invoke_async(&mut self.conn.clone())
+            .invoke_async(&mut self.gate.conn())
             .await?;
         Ok((done == 1).then_some(value))
-    }
-
-    /// Purchases the activity has accepted since it was warmed (or
-    /// restored), over its shards.
-    pub async fn acceptances(&self, activity_id: i64, layout: Layout) -> RedisResult<i64> {
-        let mut sum = 0;
-        for shard in 0..layout.shards {
-            let n: Option<i64> = redis::cmd("HGET")
-                .arg(self.shard_keys(activity_id, layout, shard).meta())
-                .arg("accepted")
-                .query_async(&mut self.conn.clone())
-                .await?;
-            sum += n.unwrap_or(0);
-        }
-        Ok(sum)
-    }
-
-    /// The users with a request accepted in the activity (its request-id
-    /// hashes), over its shards.
-    pub async fn buyers(
-        &self,
-        activity_id: i64,
-        layout: Layout,
-    ) -> RedisResult<std::collections::HashSet<i64>> {
-        let mut buyers = std::collections::HashSet::new();
-        for shard in 0..layout.shards {
-            let fields: Vec<String> = redis::cmd("HKEYS")
-                .arg(self.shard_keys(activity_id, layout, shard).requests())
-                .query_async(&mut self.conn.clone())
-                .await?;
-            buyers.extend(
-                fields
-                    .iter()
-                    .filter_map(|f| f.split_once(':')?.0.parse::<i64>().ok()),
-            );
-        }
-        Ok(buyers)
     }
 
     async fn shard_states(&self, activity_id: i64, layout: Layout) -> RedisResult<Vec<ShardState>> {
         let mut states = Vec::with_capacity(layout.shards);
         for shard in 0..layout.shards {
-            let k = self.shard_keys(activity_id, layout, shard);
+            let k = self.gate.shard_keys(activity_id, layout, shard);
             let (open, lent): (i64, i64) = redis::pipe()
                 .cmd("ZCARD")
                 .arg(k.open())
                 .cmd("HLEN")
                 .arg(k.lent())
-                .query_async(&mut self.conn.clone())
+                .query_async(&mut self.gate.conn())
                 .await?;
             states.push(ShardState {
-                sum: self.shard_sum(activity_id, layout, shard).await?,
+                sum: self.gate.shard_sum(activity_id, layout, shard).await?,
                 open,
                 lent,
             });
@@ -162,13 +141,13 @@ impl RedisGate {
         let mut found = Vec::new();
         for shard in 0..layout.shards {
             let some: Vec<i64> = redis::cmd("ZRANGEBYSCORE")
-                .arg(self.shard_keys(activity_id, layout, shard).open())
+                .arg(self.gate.shard_keys(activity_id, layout, shard).open())
                 .arg("-inf")
                 .arg(format!("({cutoff_ms}"))
                 .arg("LIMIT")
                 .arg(0)
                 .arg(1000)
-                .query_async(&mut self.conn.clone())
+                .query_async(&mut self.gate.conn())
                 .await?;
             found.extend(some);
         }
@@ -180,7 +159,7 @@ impl RedisGate {
     /// their own.
     pub async fn remove_activity(&self, activity_id: i64, layout: Layout) -> RedisResult<()> {
         for shard in 0..layout.shards {
-            let k = self.shard_keys(activity_id, layout, shard);
+            let k = self.gate.shard_keys(activity_id, layout, shard);
             // The records of open reservations first: one left behind
             // would be sent again by its publisher after the restore's
             // snapshot, and its units counted twice. The open set names
@@ -191,13 +170,13 @@ impl RedisGate {
                 .arg(k.open())
                 .arg(0)
                 .arg(-1)
-                .query_async(&mut self.conn.clone())
+                .query_async(&mut self.gate.conn())
                 .await?;
             for chunk in open.chunks(500) {
                 let records: Vec<String> = chunk.iter().map(|&no| k.reservation(no)).collect();
                 let _: () = redis::cmd("DEL")
                     .arg(records)
-                    .query_async(&mut self.conn.clone())
+                    .query_async(&mut self.gate.conn())
                     .await?;
             }
             let mut keys = k.buckets(layout.buckets);
@@ -211,13 +190,13 @@ impl RedisGate {
             ]);
             let _: () = redis::cmd("DEL")
                 .arg(keys)
-                .query_async(&mut self.conn.clone())
+                .query_async(&mut self.gate.conn())
                 .await?;
         }
-        let base = self.keys(activity_id);
+        let base = self.gate.keys(activity_id);
         redis::cmd("DEL")
             .arg(&[base.meta(), base.restoring()])
-            .query_async(&mut self.conn.clone())
+            .query_async(&mut self.gate.conn())
             .await
     }
 
@@ -229,31 +208,18 @@ impl RedisGate {
         order_no: i64,
     ) -> RedisResult<()> {
         redis::cmd("ZREM")
-            .arg(self.order_keys(activity_id, layout, order_no).open())
+            .arg(self.gate.order_keys(activity_id, layout, order_no).open())
             .arg(order_no)
-            .query_async(&mut self.conn.clone())
+            .query_async(&mut self.gate.conn())
             .await
-    }
-
-    /// Number of open (not yet committed) reservations, over all shards.
-    pub async fn open_reservations(&self, activity_id: i64, layout: Layout) -> RedisResult<i64> {
-        let mut open = 0;
-        for shard in 0..layout.shards {
-            let n: i64 = redis::cmd("ZCARD")
-                .arg(self.shard_keys(activity_id, layout, shard).open())
-                .query_async(&mut self.conn.clone())
-                .await?;
-            open += n;
-        }
-        Ok(open)
     }
 
     /// When Redis was first seen without this (warmed) activity: sets the
     /// marker to `now_ms` unless it is there, and returns its value.
     pub async fn restoring_since(&self, activity_id: i64, now_ms: i64) -> RedisResult<i64> {
         crate::store::redis_conn::first_seen(
-            &self.conn,
-            &self.keys(activity_id).restoring(),
+            &self.gate.conn(),
+            &self.gate.keys(activity_id).restoring(),
             now_ms,
         )
         .await
@@ -271,24 +237,24 @@ impl RedisGate {
             self.restore_shard(r, shard, share).await?;
         }
         if layout.is_sharded() {
-            self.write_base_meta(&r.spec).await?;
+            self.gate.write_base_meta(&r.spec).await?;
         }
         let _: () = redis::cmd("DEL")
-            .arg(self.keys(r.spec.activity_id).restoring())
-            .query_async(&mut self.conn.clone())
+            .arg(self.gate.keys(r.spec.activity_id).restoring())
+            .query_async(&mut self.gate.conn())
             .await?;
         // Sold-out flags of the activity's past go.
         redis::cmd("PUBLISH")
-            .arg(&self.returned)
+            .arg(self.gate.returned())
             .arg(r.spec.activity_id)
-            .query_async(&mut self.conn.clone())
+            .query_async(&mut self.gate.conn())
             .await
     }
 
     async fn restore_shard(&self, r: &Restore, shard: usize, units: i64) -> RedisResult<()> {
         let layout = r.spec.layout;
-        let k = self.shard_keys(r.spec.activity_id, layout, shard);
-        let ttl = self.reservation_ttl_secs;
+        let k = self.gate.shard_keys(r.spec.activity_id, layout, shard);
+        let ttl = self.gate.reservation_ttl_secs();
         let mut pipe = redis::pipe();
         pipe.atomic();
         let mut stale = k.buckets(layout.buckets);
@@ -368,7 +334,7 @@ impl RedisGate {
             .arg("accepted")
             .arg(-chrono::Utc::now().timestamp_millis())
             .ignore();
-        pipe.query_async(&mut self.conn.clone()).await
+        pipe.query_async(&mut self.gate.conn()).await
     }
 
     /// Whether every shard of a sharded activity still has its meta (a
@@ -380,8 +346,8 @@ impl RedisGate {
         }
         for shard in 0..layout.shards {
             let exists: bool = redis::cmd("EXISTS")
-                .arg(self.shard_keys(activity_id, layout, shard).meta())
-                .query_async(&mut self.conn.clone())
+                .arg(self.gate.shard_keys(activity_id, layout, shard).meta())
+                .query_async(&mut self.gate.conn())
                 .await?;
             if !exists {
                 return Ok(false);
@@ -391,7 +357,7 @@ impl RedisGate {
     }
 }
 
-/// A lost activity, as the database knows it (see [`RedisGate::restore`]).
+/// A lost activity, as the database knows it (see [`Repairs::restore`]).
 #[derive(Debug, Clone)]
 pub struct Restore {
     /// Window, limit, price, buckets, and the database's available units.
