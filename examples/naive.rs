@@ -146,7 +146,7 @@ async fn place(
     if body.request_id.is_empty() || body.request_id.len() > 64 || quantity < 1 {
         return Err(ApiError::bad_request("bad request_id or quantity"));
     }
-    let Some(order_no) = state.ids.next_id() else {
+    let Some(order_no) = state.sale.ids.next_id() else {
         return Err(ApiError::new(
             ErrorCode::RetryLater,
             "no instance id leased",
@@ -154,7 +154,7 @@ async fn place(
     };
     let user_id = user.user_id.get();
     let request_id = body.request_id.clone();
-    let outcome = store::run(&state.db, move |conn| {
+    let outcome = store::run(&state.pg.db, move |conn| {
         // A limit breach rolls back after the stock moved; report it as such.
         match purchase(conn, activity_id, user_id, &request_id, quantity, order_no) {
             Err(diesel::result::Error::RollbackTransaction) => Ok(Outcome::LimitExceeded),
@@ -187,8 +187,8 @@ async fn main() -> anyhow::Result<()> {
     let address = format!("{}:{}", settings.app.host, settings.app.port);
     let keys = web::Data::new(JwtKeys::new(&settings.auth.jwt_secret)?);
     let state = AppState::connect(settings)?;
-    state.lease.acquire_at_start().await?;
-    let _lease = state.lease.clone().spawn();
+    state.sale.lease.acquire_at_start().await?;
+    let _lease = state.sale.lease.clone().spawn();
     let state = web::Data::new(state);
     tracing::info!(%address, started = %Utc::now(), "naive baseline serving");
     HttpServer::new(move || {

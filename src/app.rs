@@ -24,120 +24,147 @@ use crate::reconcile;
 use crate::state::{AppState, loopback};
 use crate::worker::WorkerHandle;
 
-/// The background workers of one process.
-#[derive(Default)]
-pub struct Workers {
-    lease: Option<WorkerHandle>,
-    producer_watch: Option<WorkerHandle>,
-    consumer: Option<WorkerHandle>,
-    releaser: Option<WorkerHandle>,
-    claimer: Option<WorkerHandle>,
-    closer: Option<WorkerHandle>,
-    relay: Option<WorkerHandle>,
-    reconciler: Option<WorkerHandle>,
-    lag_sampler: Option<WorkerHandle>,
-    sold_out_listener: Option<WorkerHandle>,
-    order_events_listener: Option<WorkerHandle>,
-    fallback: Option<WorkerHandle>,
+/// A background worker of the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Worker {
+    OrderConsumer,
+    Closer,
+    Relay,
+    Reconciler,
+    LagSampler,
+    SoldOutListener,
+    OrderEventsListener,
+    Fallback,
+    Releaser,
+    Claimer,
+    ProducerWatch,
+    InstanceLease,
 }
 
-impl Workers {
-    /// Starts the workers the settings enable.
-    pub fn start(state: &AppState) -> anyhow::Result<Self> {
+impl Worker {
+    /// Every worker, in the order they start and stop: the consumers of
+    /// work first, each after the batch in hand; the producer's watch and
+    /// the instance lease last, since the others publish and number.
+    const ALL: [Worker; 12] = [
+        Worker::OrderConsumer,
+        Worker::Closer,
+        Worker::Relay,
+        Worker::Reconciler,
+        Worker::LagSampler,
+        Worker::SoldOutListener,
+        Worker::OrderEventsListener,
+        Worker::Fallback,
+        Worker::Releaser,
+        Worker::Claimer,
+        Worker::ProducerWatch,
+        Worker::InstanceLease,
+    ];
+
+    /// Starts this worker if the settings enable it.
+    fn start(self, state: &AppState) -> anyhow::Result<Option<WorkerHandle>> {
         let s = &state.settings;
         let w = &s.workers;
-        Ok(Self {
-            lease: None,
-            producer_watch: Some(state.producer.supervise(state.supervision())),
-            consumer: s
+        let handle = match self {
+            Worker::OrderConsumer => s
                 .orders
                 .consumer_enabled
                 .then(|| consumer::spawn(state.consumer_deps()))
                 .transpose()?,
-            releaser: w
+            Worker::Releaser => w
                 .releaser_enabled
                 .then(|| releaser::spawn(state.consumer_deps()))
                 .transpose()?,
-            claimer: w
+            Worker::Claimer => w
                 .claimer_enabled
                 .then(|| crate::coupons::consumer::spawn(state.consumer_deps()))
                 .transpose()?,
-            closer: w.closer_enabled.then(|| {
+            Worker::Closer => w.closer_enabled.then(|| {
                 closer::spawn(
-                    state.db.clone(),
+                    state.pg.db.clone(),
                     Duration::from_millis(w.closer_interval_ms),
                     w.closer_batch.max(1),
                     state.metrics.clone(),
-                    state.order_events.clone(),
+                    state.redis.order_events.clone(),
                 )
             }),
-            relay: w.relay_enabled.then(|| relay::spawn(state.relay())),
-            reconciler: s
+            Worker::Relay => w.relay_enabled.then(|| relay::spawn(state.relay())),
+            Worker::Reconciler => s
                 .reconcile
                 .enabled
-                .then(|| reconcile::spawn(state.reconciler(), state.restore_wanted.clone())),
-            lag_sampler: (s.admission.max_consumer_lag > 0 || s.kafka.consumer_stall_secs > 0)
-                .then(|| {
+                .then(|| reconcile::spawn(state.reconciler(), state.sale.restore_wanted.clone())),
+            Worker::LagSampler => {
+                (s.admission.max_consumer_lag > 0 || s.kafka.consumer_stall_secs > 0).then(|| {
                     progress::spawn_sampler(
-                        state.order_progress.clone(),
+                        state.kafka.order_progress.clone(),
                         Duration::from_millis(s.admission.lag_sample_ms.max(50)),
                         state.metrics.order_consumer_lag.clone(),
                         state.metrics.order_consumer_stalled_seconds.clone(),
                         state.supervision(),
                         Duration::from_secs(s.kafka.consumer_stall_secs),
                     )
-                }),
-            sold_out_listener: (s.admission.sold_out_ttl_ms > 0)
-                .then(|| {
-                    let seeds: Vec<String> = crate::store::redis_conn::seed_nodes(&s.redis.url)
-                        .into_iter()
-                        .map(str::to_owned)
-                        .collect();
-                    let channel = crate::admission::soldout::channel(&s.redis.key_prefix);
-                    let flags = state.sold_out.clone();
-                    anyhow::Ok(WorkerHandle::spawn(move |shutdown| {
-                        crate::admission::soldout::listen(seeds, channel, flags, shutdown)
-                    }))
                 })
-                .transpose()?,
-            fallback: Some(
-                state
-                    .admission
-                    .fallback
-                    .spawn(state.gate.clone(), state.order_progress.clone()),
-            ),
-            order_events_listener: Some({
-                let seeds: Vec<String> = crate::store::redis_conn::seed_nodes(&s.redis.url)
-                    .into_iter()
-                    .map(str::to_owned)
-                    .collect();
-                let events = state.order_events.clone();
+            }
+            Worker::SoldOutListener => (s.admission.sold_out_ttl_ms > 0).then(|| {
+                let channel = crate::admission::soldout::channel(&s.redis.key_prefix);
+                let flags = state.sale.sold_out.clone();
+                let seeds = seed_nodes(s);
                 WorkerHandle::spawn(move |shutdown| {
-                    crate::orders::events::listen(seeds, events, shutdown)
+                    crate::admission::soldout::listen(seeds, channel, flags, shutdown)
                 })
             }),
-        })
+            Worker::OrderEventsListener => {
+                let events = state.redis.order_events.clone();
+                let seeds = seed_nodes(s);
+                Some(WorkerHandle::spawn(move |shutdown| {
+                    crate::orders::events::listen(seeds, events, shutdown)
+                }))
+            }
+            Worker::Fallback => Some(
+                state
+                    .sale
+                    .admission
+                    .fallback
+                    .spawn(state.redis.gate.clone(), state.kafka.order_progress.clone()),
+            ),
+            Worker::ProducerWatch => Some(state.kafka.producer.supervise(state.supervision())),
+            Worker::InstanceLease => Some(state.sale.lease.clone().spawn()),
+        };
+        Ok(handle)
+    }
+}
+
+/// The Redis nodes a pub/sub listener starts from.
+fn seed_nodes(s: &Settings) -> Vec<String> {
+    crate::store::redis_conn::seed_nodes(&s.redis.url)
+        .into_iter()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The background workers of one process, in [`Worker::ALL`]'s order.
+#[derive(Default)]
+pub struct Workers {
+    running: Vec<(Worker, WorkerHandle)>,
+}
+
+impl Workers {
+    /// Starts the workers the settings enable.
+    pub fn start(state: &AppState) -> anyhow::Result<Self> {
+        let mut running = Vec::with_capacity(Worker::ALL.len());
+        for worker in Worker::ALL {
+            if let Some(handle) = worker.start(state)? {
+                running.push((worker, handle));
+            }
+        }
+        Ok(Self { running })
     }
 
-    /// Stops every worker, one after another in this order, each after the
-    /// batch in hand.
+    /// Stops every worker, one after another in the order they started,
+    /// each after the batch in hand.
     pub async fn stop(self) {
-        let workers = [
-            self.consumer,
-            self.closer,
-            self.relay,
-            self.reconciler,
-            self.lag_sampler,
-            self.sold_out_listener,
-            self.order_events_listener,
-            self.fallback,
-            self.releaser,
-            self.claimer,
-            self.producer_watch,
-            self.lease,
-        ];
-        for worker in workers.into_iter().flatten() {
-            worker.stop().await;
+        for (worker, handle) in self.running {
+            tracing::debug!(?worker, "stopping");
+            handle.stop().await;
         }
     }
 }
@@ -169,32 +196,31 @@ impl Application {
         let deadline = Duration::from_secs(settings.app.shutdown_timeout_secs);
         let keys = web::Data::new(JwtKeys::from_settings(&settings.auth)?);
         let mut state = AppState::connect_with_clock(settings, clock)?;
-        state.self_url = format!("http://{}:{port}", loopback(&state.settings.app.host));
+        state.payments.self_url = format!("http://{}:{port}", loopback(&state.settings.app.host));
         let state = web::Data::new(state);
 
         // A broker that is down must not stop the server from starting
         // (readiness reports it); the topics are created once it is back.
         bus::ensure_topics_or_retry(
             &state.settings.kafka,
-            &state.topics,
-            state.topics_created.clone(),
+            &state.kafka.topics,
+            state.kafka.topics_created.clone(),
         )
         .await;
         // Order numbers need a leased instance id: a configured one that a
         // running instance holds stops the start here.
-        if let Some(instance) = state.lease.acquire_at_start().await? {
+        if let Some(instance) = state.sale.lease.acquire_at_start().await? {
             tracing::info!(instance, "instance id leased");
         }
-        let mut workers = Workers::start(&state)?;
-        workers.lease = Some(state.lease.clone().spawn());
+        let workers = Workers::start(&state)?;
 
         let server = HttpServer::new(move || {
             // Shared, not cloned per request: a Metrics is a few dozen handles.
             let metrics = std::sync::Arc::new(state.metrics.clone());
             // Runs on each worker's thread: the worker's own Redis connection.
-            let gate = state.gate.on_own_connection().unwrap_or_else(|e| {
+            let gate = state.redis.gate.on_own_connection().unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "worker Redis connection; sharing the main one");
-                (*state.gate).clone()
+                (*state.redis.gate).clone()
             });
             App::new()
                 .app_data(web::Data::new(ThreadGate(gate)))

@@ -8,6 +8,12 @@
 //! - `store/` (database and Redis connections, the schema) imports nothing
 //!   above it but the settings.
 //!
+//! - the routes (`src/http/routes/`) make no Redis, Kafka or Diesel call
+//!   of their own: they name none of those crates, open no transaction and
+//!   send no query or script, and reach the stores only through the
+//!   domain's functions (`store::run` over a repo function, a gate's
+//!   method);
+//!
 //! - order states are named by `OrderStatus` (and payment states by
 //!   `PaymentStatus`): no quoted state name in SQL or code outside the
 //!   `status.rs` that defines them.
@@ -94,6 +100,34 @@ fn push_module(modules: &mut BTreeSet<String>, path: &str) {
     }
 }
 
+/// What a route may not do itself: name a store's or the broker's crate,
+/// or call them directly (a transaction, a query, a script, a send).
+const STORE_CALLS: [&str; 10] = [
+    "diesel",
+    "redis::",
+    "rdkafka",
+    "deadpool",
+    "redis_conn",
+    "sql_query",
+    ".transaction(",
+    "query_async",
+    "invoke_async",
+    "send_result",
+];
+
+/// The direct store or broker calls a route file's code makes.
+fn store_calls(file: &Path, text: &str) -> Vec<String> {
+    if !file.starts_with("http/routes") {
+        return Vec::new();
+    }
+    let code: String = text.lines().map(code).collect::<Vec<_>>().join("\n");
+    STORE_CALLS
+        .iter()
+        .filter(|call| code.contains(*call))
+        .map(|call| format!("a route calls `{call}` itself"))
+        .collect()
+}
+
 /// Where a file sits: the top-level module it belongs to.
 fn top_module(file: &Path) -> String {
     let first = file.components().next().expect("a path");
@@ -132,9 +166,17 @@ fn violations(file: &Path, modules: &BTreeSet<String>, actix: bool) -> Vec<Strin
     found
 }
 
+/// The tree the rules read: this crate's `src/`, or `LAYERS_SRC` (to
+/// check them against another checkout).
+fn src_root() -> PathBuf {
+    std::env::var_os("LAYERS_SRC")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("src"))
+}
+
 #[test]
 fn only_the_http_edge_knows_http_and_the_store_knows_nothing_above_it() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let root = src_root();
     let mut files = Vec::new();
     sources(&root, &root, &mut files);
     assert!(files.len() > 20, "found only {} source files", files.len());
@@ -142,7 +184,10 @@ fn only_the_http_edge_knows_http_and_the_store_knows_nothing_above_it() {
     for file in &files {
         let text = std::fs::read_to_string(root.join(file)).expect("readable source");
         let (modules, actix) = dependencies(&text);
-        for v in violations(file, &modules, actix) {
+        for v in violations(file, &modules, actix)
+            .into_iter()
+            .chain(store_calls(file, &text))
+        {
             broken.push(format!("src/{}: {v}", file.display()));
         }
     }
@@ -184,6 +229,29 @@ fn the_scan_catches_each_kind_of_breach() {
         ),
         ["store/ names crate::orders"]
     );
+    let route = |text: &str| store_calls(Path::new("http/routes/orders.rs"), text);
+    assert_eq!(
+        route("use diesel::Connection;\nconn.transaction(|c| f(c))"),
+        [
+            "a route calls `diesel` itself",
+            "a route calls `.transaction(` itself"
+        ]
+    );
+    assert_eq!(
+        route("let n: i64 = redis::cmd(\"GET\").query_async(&mut c).await?;"),
+        [
+            "a route calls `redis::` itself",
+            "a route calls `query_async` itself"
+        ]
+    );
+    assert_eq!(
+        route("producer.send_result(record)"),
+        ["a route calls `send_result` itself"]
+    );
+    assert!(route("store::run(&state.pg.db, move |c| Ok(repo::mine(c, u)?))").is_empty());
+    assert!(route("state.redis.gate.ping().await").is_empty());
+    assert!(route("// no diesel:: here, a comment").is_empty());
+    assert!(store_calls(Path::new("orders/repo.rs"), "use diesel::prelude::*;").is_empty());
     // Comments and the edge itself are fine.
     assert!(check("orders/repo.rs", "// see crate::http::routes").is_empty());
     assert!(check("http/routes/orders.rs", "use crate::state::AppState;").is_empty());
@@ -219,7 +287,7 @@ fn state_literals(text: &str) -> Vec<String> {
 
 #[test]
 fn order_states_are_named_only_by_their_enum() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let root = src_root();
     let mut files = Vec::new();
     sources(&root, &root, &mut files);
     let mut broken = Vec::new();

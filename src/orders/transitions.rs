@@ -127,6 +127,25 @@ pub fn close_overdue(conn: &mut PgConn, limit: i64) -> QueryResult<Vec<i64>> {
     })
 }
 
+/// Cancels the caller's order if it is WAITING_PAY, releasing its units,
+/// in one transaction; returns the order as it then stands (`None`: not
+/// theirs, or no such order).
+pub fn cancel_for_user(
+    conn: &mut PgConn,
+    order_no: OrderNo,
+    user_id: UserId,
+) -> QueryResult<Option<super::repo::Order>> {
+    conn.transaction(|conn| {
+        let Some((order, status)) = lock_for_user(conn, order_no, user_id)? else {
+            return Ok(None);
+        };
+        if status == OrderStatus::WaitingPay {
+            release(conn, &[order], ReleaseTo::Cancelled)?;
+        }
+        super::repo::find_for_user(conn, order_no, user_id)
+    })
+}
+
 /// The caller's order, locked for a transition.
 pub fn lock_for_user(
     conn: &mut PgConn,

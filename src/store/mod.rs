@@ -117,6 +117,15 @@ where
     .context("database task panicked or was cancelled")?
 }
 
+/// `SELECT 1` on a connection of `pool` (readiness).
+pub async fn ping(pool: &PgPool) -> anyhow::Result<()> {
+    run(pool, |conn| {
+        diesel::RunQueryDsl::execute(diesel::sql_query("SELECT 1"), conn)?;
+        Ok(())
+    })
+    .await
+}
+
 /// Applies every pending migration; returns the versions applied.
 pub fn migrate_up(conn: &mut PgConnection) -> anyhow::Result<Vec<String>> {
     let applied = conn

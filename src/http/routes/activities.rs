@@ -167,6 +167,7 @@ async fn remaining(state: &AppState, activity: &Activity) -> Result<i64, ApiErro
         return Ok(0);
     }
     state
+        .redis
         .gate
         .available(activity.id, activity.layout())
         .await
@@ -206,17 +207,21 @@ pub async fn create(
     body: web::Json<CreateActivity>,
 ) -> Result<HttpResponse, ApiError> {
     let (new, units) = body.into_inner().validate()?;
-    let activity = store::run(&state.db, move |conn| Ok(repo::create(conn, &new, units)?))
-        .await
-        .map_err(ApiError::unavailable)?;
+    let activity = store::run(&state.pg.db, move |conn| {
+        Ok(repo::create(conn, &new, units)?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
     Ok(HttpResponse::Created().json(view(&activity, units, state.clock.now())))
 }
 
 async fn load(state: &AppState, id: i64) -> Result<(Activity, repo::StockRow), ApiError> {
-    store::run(&state.db, move |conn| Ok(repo::find_with_stock(conn, id)?))
-        .await
-        .map_err(ApiError::unavailable)?
-        .ok_or_else(|| ApiError::not_found("no such activity"))
+    store::run(&state.pg.db, move |conn| {
+        Ok(repo::find_with_stock(conn, id)?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?
+    .ok_or_else(|| ApiError::not_found("no such activity"))
 }
 
 /// `POST /api/v1/admin/activities/{id}/warmup`: loads the database's
@@ -248,6 +253,7 @@ pub async fn warmup(
     }
     if activity.warmed_at.is_some()
         && !state
+            .redis
             .gate
             .is_warm(id)
             .await
@@ -256,7 +262,7 @@ pub async fn warmup(
         // Warmed before, gone from Redis now: loading the available count
         // alone would forget every holding and request id (and hand out
         // units of orders still in flight). Reconciliation restores it.
-        state.restore_wanted.notify_one();
+        state.sale.restore_wanted.notify_one();
         return Err(ApiError::new(
             ErrorCode::RetryLater,
             "Redis lost this activity; reconciliation is restoring it",
@@ -264,14 +270,15 @@ pub async fn warmup(
     }
     let spec = activity.warm_spec(stock.available);
     let (_, units) = state
+        .redis
         .gate
         .warmup(&spec)
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
-    store::run(&state.db, move |conn| Ok(repo::mark_warmed(conn, id)?))
+    store::run(&state.pg.db, move |conn| Ok(repo::mark_warmed(conn, id)?))
         .await
         .map_err(ApiError::unavailable)?;
-    state.activities.forget(id);
+    state.sale.activities.forget(id);
     Ok(HttpResponse::Ok().json(json!({
         "activity_id": id,
         "status": "READY",
@@ -294,7 +301,7 @@ pub async fn show(
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     // Anonymous and cheap to send in floods: its own pool.
-    let (activity, stock) = store::run(&state.public_db, move |conn| {
+    let (activity, stock) = store::run(&state.pg.public, move |conn| {
         Ok(repo::find_with_stock(conn, id)?)
     })
     .await
@@ -328,16 +335,17 @@ pub async fn end(
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let now = state.clock.now();
-    let activity = store::run(&state.db, move |conn| Ok(repo::end(conn, id, now)?))
+    let activity = store::run(&state.pg.db, move |conn| Ok(repo::end(conn, id, now)?))
         .await
         .map_err(ApiError::unavailable)?
         .ok_or_else(|| ApiError::not_found("no such activity"))?;
     state
+        .redis
         .gate
         .end_sale(id, activity.layout(), activity.end_at.timestamp_millis())
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
-    state.activities.forget(id);
+    state.sale.activities.forget(id);
     let (activity, stock) = load(&state, id).await?;
     Ok(HttpResponse::Ok().json(view(&activity, stock.total, state.clock.now())))
 }
@@ -357,7 +365,7 @@ const LISTED_AFTER_END: chrono::Duration = chrono::Duration::hours(1);
 pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let now = state.clock.now();
     let since = now - LISTED_AFTER_END;
-    let rows = store::run(&state.public_db, move |conn| {
+    let rows = store::run(&state.pg.public, move |conn| {
         Ok(repo::list_recent(conn, since, 50)?)
     })
     .await
@@ -393,7 +401,7 @@ pub async fn stats(
     path: web::Path<i64>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    let stats = crate::activities::stats::read(&state.db, &state.gate, &*state.clock, id)
+    let stats = crate::activities::stats::read(&state.pg.db, &state.redis.gate, &*state.clock, id)
         .await
         .map_err(ApiError::unavailable)?
         .ok_or_else(|| ApiError::not_found("no such activity"))?;
@@ -421,7 +429,7 @@ pub async fn token(
     let ttl = state.settings.admission.token_ttl_secs;
     // Redis is down and this activity's purchases go to the database: a
     // signed token instead of one kept in Redis.
-    match state.admission.fallback.token(id, user.user_id.get()) {
+    match state.sale.admission.fallback.token(id, user.user_id.get()) {
         Ok(Some(token)) => {
             return Ok(HttpResponse::Ok().json(PurchaseToken {
                 token,
@@ -432,14 +440,15 @@ pub async fn token(
         Err(_) => return Err(ApiError::new(ErrorCode::NotActive, "the sale is not open")),
     }
     let meta = match state
+        .sale
         .activities
-        .lookup(&state.gate, &state.db, id, &*state.clock)
+        .lookup(&state.redis.gate, &state.pg.db, id, &*state.clock)
         .await
         .map_err(ApiError::unavailable)?
     {
         Lookup::Warm(meta) => Some(meta),
         Lookup::Restoring => {
-            state.restore_wanted.notify_one();
+            state.sale.restore_wanted.notify_one();
             return Err(ApiError::new(
                 ErrorCode::RetryLater,
                 "the sale is being restored; retry shortly",
@@ -452,6 +461,7 @@ pub async fn token(
     };
     let token = uuid::Uuid::new_v4().simple().to_string();
     state
+        .redis
         .gate
         .issue_token(id, meta.layout, user.user_id.get(), &token, ttl)
         .await

@@ -96,10 +96,11 @@ pub async fn create(
     let new = body.into_inner().validate(state.clock.now())?;
     let rt = tokio::runtime::Handle::current();
     let st = state.clone();
-    let coupon = store::run(&state.db, move |conn| {
+    let coupon = store::run(&state.pg.db, move |conn| {
         repo::create(conn, &new, |c| {
             rt.block_on(
-                st.coupons
+                st.redis
+                    .coupons
                     .warm(c.id, c.total, c.valid_until.timestamp_millis()),
             )?;
             Ok(())
@@ -151,7 +152,7 @@ pub async fn claim(
     // main runtime: a dropped request (a client gone, a shutdown out of
     // time) drops this handler, not the task, so a claim is never left
     // taken in Redis with its event neither sent nor undone.
-    let claims = state.claims.clone();
+    let claims = state.sale.claims.clone();
     let claimed = state
         .background
         .spawn(async move { claims.claim(coupon_id, user_id, request_id).await })
@@ -203,7 +204,7 @@ fn refused(refusal: ClaimRefusal) -> ApiError {
     ))]
 pub async fn mine(user: AuthUser, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let user_id = user.user_id.get();
-    let coupons = store::run(&state.db, move |conn| Ok(repo::mine(conn, user_id)?))
+    let coupons = store::run(&state.pg.db, move |conn| Ok(repo::mine(conn, user_id)?))
         .await
         .map_err(ApiError::unavailable)?;
     Ok(HttpResponse::Ok().json(json!({"coupons": coupons})))
@@ -227,13 +228,14 @@ pub async fn stats(
     path: web::Path<i64>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    let (found, counts) = store::run(&state.db, move |conn| {
+    let (found, counts) = store::run(&state.pg.db, move |conn| {
         Ok((repo::find(conn, id)?, repo::status_counts(conn, id)?))
     })
     .await
     .map_err(ApiError::unavailable)?;
     let (coupon, claimed) = found.ok_or_else(|| ApiError::not_found("no such coupon"))?;
     let remaining = state
+        .redis
         .coupons
         .remaining(id)
         .await

@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use actix_web::{HttpResponse, web};
-use diesel::RunQueryDsl;
 use serde_json::json;
 
 use crate::http::error::{ApiError, ErrorCode, Problem, problem_with};
@@ -60,7 +59,7 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
         ("kafka", kafka),
         ("consumers", consumers(&state)),
     ];
-    let (selling_from_db, database, restoring) = state.admission.fallback.status();
+    let (selling_from_db, database, restoring) = state.sale.admission.fallback.status();
     let failed: Vec<String> = checks
         .iter()
         .filter(|(name, _)| !(selling_from_db && *name == "redis"))
@@ -148,7 +147,7 @@ async fn probe(name: &str, check: impl Future<Output = Result<(), Unready>>) -> 
 async fn redis_ping(state: &AppState) -> Result<(), Unready> {
     let pong: String = async {
         // Through the gate's connection: a cluster answers from every master.
-        anyhow::Ok(state.gate.ping().await?)
+        anyhow::Ok(state.redis.gate.ping().await?)
     }
     .await
     .map_err(Unready::because("unreachable"))?;
@@ -161,15 +160,12 @@ async fn redis_ping(state: &AppState) -> Result<(), Unready> {
 }
 
 async fn postgres_ping(state: &AppState) -> Result<(), Unready> {
-    crate::store::run(&state.public_db, |conn| {
-        diesel::sql_query("SELECT 1").execute(conn)?;
-        Ok(())
-    })
-    .await
-    .map_err(Unready::because("unreachable"))?;
+    crate::store::ping(&state.pg.public)
+        .await
+        .map_err(Unready::because("unreachable"))?;
     // Purchases wait for the first read of the activities' admission
     // modes (an activity may be selling through the database).
-    if state.admission.fallback.modes_unread() {
+    if state.sale.admission.fallback.modes_unread() {
         return Err(Unready::because("the admission modes are not read yet")(
             anyhow::anyhow!("no mode poll has completed"),
         ));
@@ -180,22 +176,23 @@ async fn postgres_ping(state: &AppState) -> Result<(), Unready> {
 /// Kafka as a fresh client sees it ([`crate::bus::probe`]): never through
 /// the producer, which may be the very client that wedged.
 async fn kafka_ping(state: &AppState) -> Result<(), Unready> {
-    if !state.kafka_probe.answers() {
+    if !state.kafka.probe.answers() {
         return Err(Unready::because("no broker answers")(anyhow::anyhow!(
             "the broker has not answered a fresh client for {}s",
-            state.kafka_probe.answering_for().as_secs()
+            state.kafka.probe.answering_for().as_secs()
         )));
     }
     let stall = Duration::from_secs(state.settings.kafka.consumer_stall_secs);
-    if !stall.is_zero() && state.producer.stalled_for() >= stall {
+    if !stall.is_zero() && state.kafka.producer.stalled_for() >= stall {
         return Err(Unready::because(
             "the producer delivers nothing while the broker answers",
         )(anyhow::anyhow!(
             "no delivery for {}s",
-            state.producer.stalled_for().as_secs()
+            state.kafka.producer.stalled_for().as_secs()
         )));
     }
     if !state
+        .kafka
         .topics_created
         .load(std::sync::atomic::Ordering::Relaxed)
     {
@@ -210,6 +207,7 @@ async fn kafka_ping(state: &AppState) -> Result<(), Unready> {
 
 fn consumers(state: &AppState) -> Result<(), String> {
     let mut stalled: Vec<String> = state
+        .kafka
         .consumers
         .stalled()
         .into_iter()

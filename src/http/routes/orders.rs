@@ -122,7 +122,7 @@ pub async fn place(
     let ip = client_ip(&req, state.settings.forwarded_hops());
     let purchase = body.into_inner().purchase(activity_id, user.user_id, ip)?;
     let mut through_database = false;
-    let (code, order_no, status) = match state.admission.admit(&gate.0, &purchase).await {
+    let (code, order_no, status) = match state.sale.admission.admit(&gate.0, &purchase).await {
         Ok(Admitted::Accepted(no)) => (StatusCode::ACCEPTED, no, OrderStatus::Processing),
         Ok(Admitted::Fallback(no)) => {
             through_database = true;
@@ -215,7 +215,7 @@ async fn current_status(
     order_no: OrderNo,
     user_id: UserId,
 ) -> Result<OrderStatus, ApiError> {
-    let row = store::run(&state.db, move |conn| {
+    let row = store::run(&state.pg.db, move |conn| {
         Ok(repo::find_for_user(conn, order_no, user_id)?)
     })
     .await
@@ -224,6 +224,7 @@ async fn current_status(
         return Ok(order.status);
     }
     let reservation = state
+        .redis
         .gate
         .reservation(activity_id, layout, order_no.get())
         .await
@@ -310,7 +311,7 @@ pub async fn show(
 ) -> Result<HttpResponse, ApiError> {
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
-    let found = find(&state, &state.db, order_no, user_id, None)
+    let found = find(&state, &state.pg.db, order_no, user_id, None)
         .await?
         .ok_or_else(|| ApiError::not_found("no such order"))?;
     Ok(HttpResponse::Ok().json(match found {
@@ -391,6 +392,7 @@ pub(super) async fn find(
     }
     for (activity_id, layout) in recent {
         let reservation = state
+            .redis
             .gate
             .reservation(activity_id, layout, order_no.get())
             .await
@@ -426,20 +428,12 @@ pub async fn cancel(
     state: web::Data<AppState>,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    use crate::orders::transitions::{self, ReleaseTo};
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
-    let outcome = store::run(&state.db, move |conn| {
-        use diesel::Connection;
-        Ok(conn.transaction(|conn| {
-            let Some((order, status)) = transitions::lock_for_user(conn, order_no, user_id)? else {
-                return Ok::<_, diesel::result::Error>(None);
-            };
-            if status == OrderStatus::WaitingPay {
-                transitions::release(conn, &[order], ReleaseTo::Cancelled)?;
-            }
-            repo::find_for_user(conn, order_no, user_id)
-        })?)
+    let outcome = store::run(&state.pg.db, move |conn| {
+        Ok(crate::orders::transitions::cancel_for_user(
+            conn, order_no, user_id,
+        )?)
     })
     .await
     .map_err(ApiError::unavailable)?;
@@ -454,7 +448,7 @@ pub async fn cancel(
         order_no: order.order_no,
         status: OrderStatus::Cancelled,
     };
-    state.order_events.publish(&[change]).await;
+    state.redis.order_events.publish(&[change]).await;
     Ok(HttpResponse::Ok().json(order_view(&order)))
 }
 
@@ -511,7 +505,7 @@ pub async fn list(
         Some(c) => Some(OrderNo::parse(c).ok_or_else(|| ApiError::bad_request("bad cursor"))?),
     };
     let user_id = user.user_id;
-    let orders = store::run(&state.db, move |conn| {
+    let orders = store::run(&state.pg.db, move |conn| {
         Ok(repo::list_for_user(conn, user_id, status, cursor, limit)?)
     })
     .await

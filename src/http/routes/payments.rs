@@ -40,9 +40,9 @@ pub async fn pay(
     // Under the leased instance id; without one (Redis down, the lease
     // run out) the database makes the number, so an order sold through
     // the fallback can still be paid before its deadline.
-    let leased = state.ids.next_id();
-    let provider = state.provider.name();
-    let intent = store::run(&state.db, move |conn| {
+    let leased = state.sale.ids.next_id();
+    let provider = state.payments.provider.name();
+    let intent = store::run(&state.pg.db, move |conn| {
         let payment_no = match leased {
             Some(n) => n,
             None => crate::ids::database_number(conn, None)?,
@@ -126,7 +126,7 @@ pub async fn notify(
             "provider_txn_id must be 1..=128 characters",
         ));
     }
-    let outcome = store::run(&state.db, move |conn| {
+    let outcome = store::run(&state.pg.db, move |conn| {
         Ok(repo::apply_callback(conn, payment_no, order_no, &cb)?)
     })
     .await
@@ -141,7 +141,7 @@ pub async fn notify(
             order_no: order_no.get(),
             status: OrderStatus::Paid,
         };
-        state.order_events.publish(&[change]).await;
+        state.redis.order_events.publish(&[change]).await;
     }
     match outcome {
         CallbackOutcome::Applied
@@ -205,7 +205,7 @@ pub async fn simulate(
     path: web::Path<String>,
     body: web::Json<Simulate>,
 ) -> Result<HttpResponse, ApiError> {
-    let Some(mock) = state.mock.as_ref() else {
+    let Some(mock) = state.payments.mock.as_ref() else {
         return Err(ApiError::not_found("no such route"));
     };
     let body = body.into_inner();
@@ -217,7 +217,7 @@ pub async fn simulate(
     }
     let payment_no = crate::http::id_in_path(&path, PaymentNo::parse, "no such payment")?;
     let user_id = user.user_id;
-    let payment = store::run(&state.db, move |conn| {
+    let payment = store::run(&state.pg.db, move |conn| {
         Ok(repo::find_for_user(conn, payment_no, user_id)?)
     })
     .await
@@ -231,11 +231,12 @@ pub async fn simulate(
         provider_txn_id: Some(format!("mock-{}", payment.payment_no)),
         paid_at: Some(state.clock.now()),
     };
-    let url = format!("{}/api/v1/payments/notify", state.self_url);
+    let url = format!("{}/api/v1/payments/notify", state.payments.self_url);
     let mut statuses = Vec::with_capacity(body.times as usize);
     for _ in 0..body.times {
         let (bytes, header) = mock.signed_callback(&callback, state.clock.now());
         let sent = state
+            .payments
             .http
             .post(&url)
             .header("content-type", "application/json")

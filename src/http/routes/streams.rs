@@ -67,6 +67,7 @@ pub async fn order_events(
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
     let Some(slot) = state
+        .sale
         .order_streams
         .take(user_id.get(), state.settings.orders.streams_per_user.max(1))
     else {
@@ -78,8 +79,8 @@ pub async fn order_events(
     };
     // Listening before the first read: a change committed in between is
     // heard, not lost.
-    let mut notes = state.order_events.subscribe();
-    let found = find(&state, &state.public_db, order_no, user_id, None)
+    let mut notes = state.redis.order_events.subscribe();
+    let found = find(&state, &state.pg.public, order_no, user_id, None)
         .await?
         .ok_or_else(|| ApiError::not_found("no such order"))?;
     let mut status = found.status();
@@ -124,7 +125,7 @@ pub async fn order_events(
                     Ok(Note::Resync) | Err(RecvError::Lagged(_)) => {
                         // Every stream hears this at once: spread the reads.
                         tokio::time::sleep(RESYNC_SPREAD.mul_f64(fastrand::f64())).await;
-                        match find(&state, &state.public_db, order_no, user_id, activity).await {
+                        match find(&state, &state.pg.public, order_no, user_id, activity).await {
                             Ok(Some(now)) => Some(now.status()),
                             _ => None,
                         }
