@@ -3,6 +3,7 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use seckill::bus::events::OrderRequested;
+use seckill::domain::ActivityId;
 use seckill::ids::{IdGenerator, OrderNo, Snowflake};
 use std::hint::black_box;
 
@@ -17,7 +18,7 @@ fn codec(c: &mut Criterion) {
     let event = OrderRequested {
         event_id: "385614060701356032".into(),
         order_no: OrderNo::new(385_614_060_701_356_032),
-        activity_id: 7,
+        activity_id: ActivityId::new(7),
         user_id: 123_456,
         request_id: "c0a80001-7f3e-4c1e-9d7a-1b2c3d4e5f60".into(),
         quantity: 1,

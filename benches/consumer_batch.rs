@@ -11,6 +11,7 @@ use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, 
 use diesel::{Connection, PgConnection, RunQueryDsl};
 use seckill::bus::events::OrderRequested;
 use seckill::config::Settings;
+use seckill::domain::ActivityId;
 use seckill::ids::{OrderNo, Snowflake};
 use seckill::orders::repo::{self, ActivityTerms};
 use seckill::store::PgConn;
@@ -60,7 +61,7 @@ fn events(ids: &Snowflake, n: usize) -> Vec<OrderRequested> {
             OrderRequested {
                 event_id: no.to_string(),
                 order_no: OrderNo::new(no),
-                activity_id: 1,
+                activity_id: ActivityId::new(1),
                 user_id: no,
                 request_id: format!("r{no}"),
                 quantity: 1,
@@ -75,7 +76,7 @@ fn batch(c: &mut Criterion) {
     let Some(pool) = connect() else { return };
     let mut conn: seckill::store::PooledConn = pool.get().expect("connection");
     let terms = HashMap::from([(
-        1,
+        ActivityId::new(1),
         ActivityTerms {
             price_cents: 100,
             pay_timeout_secs: 900,
@@ -101,7 +102,7 @@ fn batch(c: &mut Criterion) {
 fn apply(
     conn: &mut PgConn,
     evs: &[OrderRequested],
-    terms: &HashMap<i64, ActivityTerms>,
+    terms: &HashMap<ActivityId, ActivityTerms>,
     none: &HashSet<i64>,
 ) {
     let out =

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use seckill::admission::{Admission, RedisGate, ReserveRequest, WarmSpec};
 use seckill::config::Settings;
+use seckill::domain::ActivityId;
 
 fn setup(rt: &tokio::runtime::Runtime) -> Option<(Arc<RedisGate>, i64, i64)> {
     let mut settings = Settings::load_env("development").ok()?;
@@ -29,10 +30,10 @@ fn setup(rt: &tokio::runtime::Runtime) -> Option<(Arc<RedisGate>, i64, i64)> {
             layout: seckill::admission::Layout::single(1),
         };
         // Activity 1: sold out (the common answer in a flash sale).
-        gate.warmup(&spec(1, 0)).await.ok()?;
+        gate.warmup(&spec(ActivityId::new(1), 0)).await.ok()?;
         // Activity 2: effectively unlimited stock (the accept path).
-        gate.warmup(&spec(2, i32::MAX)).await.ok()?;
-        gate.issue_token(1, seckill::admission::Layout::single(1), 42, "bench", 3600).await.ok()?;
+        gate.warmup(&spec(ActivityId::new(2), i32::MAX)).await.ok()?;
+        gate.issue_token(ActivityId::new(1), seckill::admission::Layout::single(1), 42, "bench", 3600).await.ok()?;
         Some((Arc::new(gate), 1, 2))
     })
 }
@@ -46,7 +47,7 @@ fn request<'a>(
 ) -> ReserveRequest<'a> {
     ReserveRequest {
         coupon_id: None,
-        activity_id,
+        activity_id: ActivityId::new(activity_id),
         user_id,
         request_id,
         token,
@@ -86,9 +87,15 @@ fn gate(c: &mut Criterion) {
             b.to_async(&rt).iter(|| async {
                 let n = counter.fetch_add(1, Ordering::Relaxed);
                 let token = format!("t{n}");
-                gate.issue_token(open, seckill::admission::Layout::single(1), n, &token, 60)
-                    .await
-                    .unwrap();
+                gate.issue_token(
+                    ActivityId::new(open),
+                    seckill::admission::Layout::single(1),
+                    n,
+                    &token,
+                    60,
+                )
+                .await
+                .unwrap();
                 let r = gate
                     .reserve(&request(open, n, &token, &token, n))
                     .await

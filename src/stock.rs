@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Integer};
 
+use crate::domain::ActivityId;
 use crate::store::PgConn;
 
 /// One order's units, as the ledger books them (readable from any query
@@ -25,7 +26,7 @@ use crate::store::PgConn;
 pub struct Units {
     /// The activity whose stock they are.
     #[diesel(sql_type = BigInt)]
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     /// The order they back (the flow row's `biz_no`).
     #[diesel(sql_type = BigInt)]
     pub order_no: i64,
@@ -53,7 +54,7 @@ impl Flow {
 }
 
 /// The opening balance of a new activity: `total` units, all available.
-pub fn open(conn: &mut PgConn, activity_id: i64, total: i32) -> QueryResult<()> {
+pub fn open(conn: &mut PgConn, activity_id: ActivityId, total: i32) -> QueryResult<()> {
     use crate::store::schema::stock;
     diesel::insert_into(stock::table)
         .values((
@@ -132,8 +133,8 @@ pub fn release(conn: &mut PgConn, orders: &[Units]) -> QueryResult<()> {
 }
 
 /// `orders` grouped by activity, in activity-id order.
-fn by_activity(orders: &[Units]) -> BTreeMap<i64, Vec<Units>> {
-    let mut grouped: BTreeMap<i64, Vec<Units>> = BTreeMap::new();
+fn by_activity(orders: &[Units]) -> BTreeMap<ActivityId, Vec<Units>> {
+    let mut grouped: BTreeMap<ActivityId, Vec<Units>> = BTreeMap::new();
     for o in orders {
         grouped.entry(o.activity_id).or_default().push(*o);
     }
@@ -141,7 +142,7 @@ fn by_activity(orders: &[Units]) -> BTreeMap<i64, Vec<Units>> {
 }
 
 /// `available → locked` for `units`, only if that many are available.
-fn take_available(conn: &mut PgConn, activity_id: i64, units: i32) -> QueryResult<bool> {
+fn take_available(conn: &mut PgConn, activity_id: ActivityId, units: i32) -> QueryResult<bool> {
     let n = diesel::sql_query(
         "UPDATE stock SET available = available - $2, locked = locked + $2, updated_at = now() \
          WHERE activity_id = $1 AND available >= $2",
@@ -153,7 +154,7 @@ fn take_available(conn: &mut PgConn, activity_id: i64, units: i32) -> QueryResul
 }
 
 /// `locked → available` for `units`.
-fn give_back(conn: &mut PgConn, activity_id: i64, units: i32) -> QueryResult<()> {
+fn give_back(conn: &mut PgConn, activity_id: ActivityId, units: i32) -> QueryResult<()> {
     diesel::sql_query(
         "UPDATE stock SET locked = locked - $2, available = available + $2, updated_at = now() \
          WHERE activity_id = $1",

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use super::Lifecycle;
 use crate::admission::RedisGate;
 use crate::clock::Clock;
+use crate::domain::ActivityId;
 use crate::store::{self, PgPool};
 
 /// How long a warm activity's meta is trusted. Windows and limits never
@@ -44,7 +45,7 @@ pub enum Lookup {
 /// Process-local cache of [`Lookup`]s.
 #[derive(Default)]
 pub struct ActivityCache {
-    entries: RwLock<HashMap<i64, (Instant, Lookup)>>,
+    entries: RwLock<HashMap<ActivityId, (Instant, Lookup)>>,
 }
 
 impl ActivityCache {
@@ -55,7 +56,7 @@ impl ActivityCache {
         &self,
         gate: &RedisGate,
         db: &PgPool,
-        activity_id: i64,
+        activity_id: ActivityId,
         clock: &dyn Clock,
     ) -> anyhow::Result<Lookup> {
         if let Some(hit) = self.read(activity_id) {
@@ -88,14 +89,14 @@ impl ActivityCache {
 
     /// Drops what is known about an activity (Redis just said it is not
     /// warm after all).
-    pub fn forget(&self, activity_id: i64) {
+    pub fn forget(&self, activity_id: ActivityId) {
         self.entries
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&activity_id);
     }
 
-    fn read(&self, activity_id: i64) -> Option<Lookup> {
+    fn read(&self, activity_id: ActivityId) -> Option<Lookup> {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
         let (at, found) = entries.get(&activity_id)?;
         (at.elapsed() < ttl(found)).then_some(*found)

@@ -11,13 +11,14 @@ use diesel::prelude::*;
 use serde::Serialize;
 
 use crate::admission::{Layout, WarmSpec};
+use crate::domain::ActivityId;
 use crate::store::schema::activities;
 
 /// An activity row.
 #[derive(Debug, Clone, Queryable, Selectable)]
 #[diesel(table_name = activities)]
 pub struct Activity {
-    pub id: i64,
+    pub id: ActivityId,
     pub sku_id: i64,
     pub name: String,
     pub price_cents: i64,

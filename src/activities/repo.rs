@@ -7,6 +7,7 @@ use diesel::sql_types::{BigInt, Text};
 use super::Activity;
 use crate::admission::Layout;
 use crate::admission::fallback::Mode;
+use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 use crate::store::PgConn;
 use crate::store::schema::{activities, stock};
@@ -49,7 +50,7 @@ pub fn create(conn: &mut PgConn, new: &NewActivity, units: i32) -> QueryResult<A
 }
 
 /// The activity, if it exists.
-pub fn find(conn: &mut PgConn, id: i64) -> QueryResult<Option<Activity>> {
+pub fn find(conn: &mut PgConn, id: ActivityId) -> QueryResult<Option<Activity>> {
     activities::table
         .find(id)
         .select(Activity::as_select())
@@ -58,7 +59,10 @@ pub fn find(conn: &mut PgConn, id: i64) -> QueryResult<Option<Activity>> {
 }
 
 /// The activity with its stock row.
-pub fn find_with_stock(conn: &mut PgConn, id: i64) -> QueryResult<Option<(Activity, StockRow)>> {
+pub fn find_with_stock(
+    conn: &mut PgConn,
+    id: ActivityId,
+) -> QueryResult<Option<(Activity, StockRow)>> {
     activities::table
         .inner_join(stock::table)
         .filter(activities::id.eq(id))
@@ -68,7 +72,7 @@ pub fn find_with_stock(conn: &mut PgConn, id: i64) -> QueryResult<Option<(Activi
 }
 
 /// Records that the activity's stock is in Redis (PENDING → READY, once).
-pub fn mark_warmed(conn: &mut PgConn, id: i64) -> QueryResult<()> {
+pub fn mark_warmed(conn: &mut PgConn, id: ActivityId) -> QueryResult<()> {
     diesel::update(
         activities::table
             .find(id)
@@ -84,7 +88,7 @@ pub fn mark_warmed(conn: &mut PgConn, id: i64) -> QueryResult<()> {
 }
 
 /// Number of orders per status for one activity.
-pub fn order_counts(conn: &mut PgConn, id: i64) -> QueryResult<Vec<(OrderStatus, i64)>> {
+pub fn order_counts(conn: &mut PgConn, id: ActivityId) -> QueryResult<Vec<(OrderStatus, i64)>> {
     #[derive(QueryableByName)]
     struct Count {
         #[diesel(sql_type = Text)]
@@ -103,7 +107,7 @@ pub fn order_counts(conn: &mut PgConn, id: i64) -> QueryResult<Vec<(OrderStatus,
 /// A warmed activity reconciliation looks at.
 #[derive(Debug, Clone, Copy)]
 pub struct ToReconcile {
-    pub id: i64,
+    pub id: ActivityId,
     pub layout: Layout,
     pub end_at: DateTime<Utc>,
     /// Where its purchases are admitted.
@@ -113,7 +117,7 @@ pub struct ToReconcile {
 /// Warmed activities still to reconcile: not yet ENDED (their Redis keys
 /// not yet removed).
 pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<ToReconcile>> {
-    let rows: Vec<(i64, i32, i32, DateTime<Utc>, String)> = activities::table
+    let rows: Vec<(ActivityId, i32, i32, DateTime<Utc>, String)> = activities::table
         .filter(activities::warmed_at.is_not_null())
         .filter(activities::status.ne("ENDED"))
         .select((
@@ -138,7 +142,12 @@ pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<ToReconcile>> {
 /// Moves the activity's admission from `from` to `to` under its stock
 /// row's lock, the lock every fallback purchase takes before it reads the
 /// mode; false if it was not in `from`.
-pub fn switch_admission(conn: &mut PgConn, id: i64, from: &[Mode], to: Mode) -> QueryResult<bool> {
+pub fn switch_admission(
+    conn: &mut PgConn,
+    id: ActivityId,
+    from: &[Mode],
+    to: Mode,
+) -> QueryResult<bool> {
     conn.transaction(|conn| {
         stock::table
             .find(id)
@@ -163,7 +172,7 @@ pub fn switch_admission(conn: &mut PgConn, id: i64, from: &[Mode], to: Mode) -> 
 }
 
 /// Records that an ended activity's Redis keys are gone.
-pub fn mark_ended(conn: &mut PgConn, id: i64) -> QueryResult<()> {
+pub fn mark_ended(conn: &mut PgConn, id: ActivityId) -> QueryResult<()> {
     diesel::update(activities::table.find(id))
         .set((
             activities::status.eq("ENDED"),
@@ -175,8 +184,11 @@ pub fn mark_ended(conn: &mut PgConn, id: i64) -> QueryResult<()> {
 
 /// Activities whose sale window is not long past (status lookups search
 /// their reservations).
-pub fn recent_ids(conn: &mut PgConn, since: DateTime<Utc>) -> QueryResult<Vec<(i64, Layout)>> {
-    let rows: Vec<(i64, i32, i32)> = activities::table
+pub fn recent_ids(
+    conn: &mut PgConn,
+    since: DateTime<Utc>,
+) -> QueryResult<Vec<(ActivityId, Layout)>> {
+    let rows: Vec<(ActivityId, i32, i32)> = activities::table
         .filter(activities::end_at.gt(since))
         .filter(activities::warmed_at.is_not_null())
         .select((activities::id, activities::buckets, activities::shards))
@@ -206,7 +218,7 @@ pub fn list_recent(
 /// Ends the sale at `now`: its window closes there (and opens no later
 /// than just before, so a sale that had not started never does). `None`
 /// when there is no such activity; an ended one is returned unchanged.
-pub fn end(conn: &mut PgConn, id: i64, now: DateTime<Utc>) -> QueryResult<Option<Activity>> {
+pub fn end(conn: &mut PgConn, id: ActivityId, now: DateTime<Utc>) -> QueryResult<Option<Activity>> {
     conn.transaction(|conn| {
         let Some(activity) = activities::table
             .find(id)

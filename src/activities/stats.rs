@@ -9,6 +9,7 @@ use serde::Serialize;
 use super::{Lifecycle, repo};
 use crate::admission::RedisGate;
 use crate::clock::Clock;
+use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 use crate::store::{self, PgPool};
 
@@ -16,7 +17,8 @@ use crate::store::{self, PgPool};
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ActivityStats {
     /// The activity.
-    pub activity_id: i64,
+    #[schema(value_type = i64)]
+    pub activity_id: ActivityId,
     /// Its lifecycle state on the sale clock.
     pub status: Lifecycle,
     /// Units the activity was created with.
@@ -42,7 +44,7 @@ pub async fn read(
     db: &PgPool,
     gate: &RedisGate,
     clock: &dyn Clock,
-    id: i64,
+    id: ActivityId,
 ) -> anyhow::Result<Option<ActivityStats>> {
     // The stock row and the order counts from ONE snapshot, so a transition
     // committing in between can never show, say, CLOSED with its units still

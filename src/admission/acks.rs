@@ -11,9 +11,10 @@ use tokio::sync::mpsc;
 
 use super::{Layout, RedisGate};
 use crate::clock::SharedClock;
+use crate::domain::ActivityId;
 
 /// `(activity_id, its layout, order_no)`.
-type Ack = (i64, Layout, i64);
+type Ack = (ActivityId, Layout, i64);
 
 /// Most acknowledgements taken off the queue at once.
 const MAX_BATCH: usize = 512;
@@ -35,7 +36,7 @@ impl Acks {
         let (tx, mut rx) = mpsc::channel::<Ack>(capacity.max(1));
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(MAX_BATCH);
-            let mut by_activity: HashMap<(i64, Layout), Vec<i64>> = HashMap::new();
+            let mut by_activity: HashMap<(ActivityId, Layout), Vec<i64>> = HashMap::new();
             while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
                 for (activity_id, layout, order_no) in batch.drain(..) {
                     by_activity
@@ -51,7 +52,7 @@ impl Acks {
                     if let Err(e) = gate.ack(activity_id, layout, &order_nos, now).await {
                         tracing::warn!(
                             error = %e,
-                            activity_id,
+                            activity_id = %activity_id,
                             count = order_nos.len(),
                             "acknowledgements not recorded on their reservations"
                         );
@@ -63,7 +64,7 @@ impl Acks {
     }
 
     /// Queues the acknowledgement of one purchase, waiting for room.
-    pub async fn ack(&self, activity_id: i64, layout: Layout, order_no: i64) {
+    pub async fn ack(&self, activity_id: ActivityId, layout: Layout, order_no: i64) {
         // The writer only stops when the process does.
         let _ = self.tx.send((activity_id, layout, order_no)).await;
     }
@@ -100,7 +101,8 @@ mod tests {
         // fills the queue, whatever the scheduling.
         let mut queued = 0;
         while acks.has_room() && queued < 10 {
-            acks.ack(1, Layout::single(1), queued).await;
+            acks.ack(ActivityId::new(1), Layout::single(1), queued)
+                .await;
             queued += 1;
             tokio::task::yield_now().await;
         }

@@ -30,7 +30,7 @@ use crate::bus::progress;
 use crate::clock::SharedClock;
 use crate::config::Settings;
 use crate::coupons::gate::CouponGate;
-use crate::domain::{RequestId, UserId, is_client_key};
+use crate::domain::{ActivityId, CouponId, RequestId, UserId, is_client_key};
 use crate::ids::{IdGenerator, OrderNo};
 use crate::metrics::Metrics;
 use crate::store::PgPool;
@@ -39,7 +39,7 @@ use crate::store::PgPool;
 #[derive(Debug, Clone)]
 pub struct Purchase {
     /// The activity.
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     /// The buyer.
     pub user_id: UserId,
     /// The client's address, when known (its own rate bucket).
@@ -51,7 +51,7 @@ pub struct Purchase {
     /// The one-time purchase token, if the activity asked for one.
     pub token: Option<String>,
     /// A coupon of the buyer's to use.
-    pub coupon_id: Option<i64>,
+    pub coupon_id: Option<CouponId>,
 }
 
 /// A purchase the broker has: 202, or (a replay) the order's status.
@@ -367,7 +367,7 @@ impl Admitter {
             Admission::NumberTaken => {
                 tracing::error!(
                     order_no,
-                    activity_id = p.activity_id,
+                    activity_id = %p.activity_id,
                     "order number already reserved: two instances share an instance id"
                 );
                 Err(Refusal::NumberTaken)
@@ -436,7 +436,11 @@ impl Admitter {
     }
 
     /// The activity's window and limits, if it is warm.
-    async fn open_activity(&self, gate: &RedisGate, id: i64) -> Result<ActivityMeta, Refusal> {
+    async fn open_activity(
+        &self,
+        gate: &RedisGate,
+        id: ActivityId,
+    ) -> Result<ActivityMeta, Refusal> {
         match self
             .activities
             .lookup(gate, &self.db, id, &*self.clock)
@@ -461,7 +465,7 @@ impl Admitter {
         let Some(coupon_id) = p.coupon_id else {
             return Ok(());
         };
-        let holds = coupon_id >= 1
+        let holds = coupon_id.get() >= 1
             && self
                 .coupons
                 .holds(coupon_id, p.user_id.get())
@@ -513,7 +517,7 @@ impl Admitter {
     /// while still unknown.
     async fn replay(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_no: i64,
     ) -> Result<Admitted, Refusal> {

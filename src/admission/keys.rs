@@ -10,6 +10,8 @@
 //! master one contiguous equal range, so with as many shards as masters
 //! every master holds one shard.
 
+use crate::domain::ActivityId;
+
 /// Hash slots of a Redis Cluster.
 const SLOTS: u32 = 16_384;
 
@@ -107,7 +109,7 @@ pub fn slot_of_tag(tag: &str) -> u32 {
 /// The hash tag of shard `shard` of `shards` of an activity (without the
 /// braces): the first `a:<id>:<shard>.<k>` whose slot is in the shard's
 /// range.
-fn shard_tag(activity_id: i64, shard: usize, shards: usize) -> String {
+fn shard_tag(activity_id: ActivityId, shard: usize, shards: usize) -> String {
     let (lo, hi) = (
         SLOTS * shard as u32 / shards as u32,
         SLOTS * (shard as u32 + 1) / shards as u32,
@@ -127,7 +129,7 @@ pub struct ActivityKeys {
 
 impl ActivityKeys {
     /// Keys for `activity_id` under `prefix` (`redis.key_prefix`).
-    pub fn new(prefix: &str, activity_id: i64) -> Self {
+    pub fn new(prefix: &str, activity_id: ActivityId) -> Self {
         Self {
             base: format!("{prefix}{{a:{activity_id}}}:"),
         }
@@ -135,7 +137,7 @@ impl ActivityKeys {
 
     /// Keys of shard `shard` of an activity laid out as `layout`: the base
     /// keys when it is not sharded.
-    pub fn shard(prefix: &str, activity_id: i64, layout: Layout, shard: usize) -> Self {
+    pub fn shard(prefix: &str, activity_id: ActivityId, layout: Layout, shard: usize) -> Self {
         if !layout.is_sharded() {
             return Self::new(prefix, activity_id);
         }
@@ -215,7 +217,7 @@ mod tests {
 
     #[test]
     fn every_key_of_an_activity_shares_one_hash_tag() {
-        let k = ActivityKeys::new("sk:", 42);
+        let k = ActivityKeys::new("sk:", ActivityId::new(42));
         for key in [
             k.meta(),
             k.bucket(3),
@@ -229,15 +231,18 @@ mod tests {
             assert!(key.starts_with("sk:{a:42}:"), "{key}");
         }
         assert_ne!(
-            ActivityKeys::new("sk:", 4).meta(),
-            ActivityKeys::new("sk:", 42).meta()
+            ActivityKeys::new("sk:", ActivityId::new(4)).meta(),
+            ActivityKeys::new("sk:", ActivityId::new(42)).meta()
         );
     }
 
     #[test]
     fn an_unsharded_activity_keeps_the_base_tag_in_every_shard_call() {
-        let k = ActivityKeys::shard("sk:", 42, Layout::single(4), 3);
-        assert_eq!(k.meta(), ActivityKeys::new("sk:", 42).meta());
+        let k = ActivityKeys::shard("sk:", ActivityId::new(42), Layout::single(4), 3);
+        assert_eq!(
+            k.meta(),
+            ActivityKeys::new("sk:", ActivityId::new(42)).meta()
+        );
     }
 
     #[test]
@@ -248,7 +253,7 @@ mod tests {
         for shards in [2, 3, 5, 16] {
             let layout = Layout::new(4, shards);
             for s in 0..shards {
-                let k = ActivityKeys::shard("sk:", 7, layout, s);
+                let k = ActivityKeys::shard("sk:", ActivityId::new(7), layout, s);
                 let key = k.bucket(0);
                 let tag = &key[key.find('{').unwrap() + 1..key.find('}').unwrap()];
                 let slot = slot_of_tag(tag);

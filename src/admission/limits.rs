@@ -79,7 +79,7 @@ impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
 /// The two limiters of the purchase path.
 pub struct Limits {
     /// Per activity.
-    pub activity: KeyedLimiter<i64>,
+    pub activity: KeyedLimiter<crate::domain::ActivityId>,
     /// Per client IP.
     pub ip: KeyedLimiter<IpAddr>,
 }

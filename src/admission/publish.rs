@@ -28,6 +28,7 @@ use crate::admission::{Layout, RedisGate, ReleaseReason};
 use crate::bus::events::OrderRequested;
 use crate::bus::{Producer, PublishError, runner};
 use crate::clock::SharedClock;
+use crate::domain::ActivityId;
 use crate::metrics::Metrics;
 
 /// How the publish of one purchase ended, as far as its buyer is told.
@@ -135,14 +136,14 @@ impl Publisher {
                 // The broker does not have it, and no one else has sent it
                 // (a retry only ever sends after this request answered): the
                 // reservation can go, and with it the request_id.
-                tracing::warn!(error = %e, order_no, activity_id, "order event not delivered; releasing");
+                tracing::warn!(error = %e, order_no, activity_id = %activity_id, "order event not delivered; releasing");
                 if let Err(re) = self
                     .gate
                     .release(activity_id, order_no, layout, ReleaseReason::PublishFailed)
                     .await
                 {
                     // Left open: reconciliation voids it once provably unsent.
-                    tracing::error!(error = %re, order_no, activity_id, "release after an undelivered publish failed");
+                    tracing::error!(error = %re, order_no, activity_id = %activity_id, "release after an undelivered publish failed");
                 }
                 let _ = answer.send(Published::NotDelivered(e));
             }
@@ -191,7 +192,7 @@ impl Publisher {
                     break;
                 }
                 Err(e) if attempt == 0 => {
-                    tracing::warn!(error = %e, order_no, activity_id, "order event delivery unknown; sending it again until the broker has it");
+                    tracing::warn!(error = %e, order_no, activity_id = %activity_id, "order event delivery unknown; sending it again until the broker has it");
                 }
                 Err(_) => {}
             }
@@ -232,7 +233,7 @@ impl Publisher {
     /// recorded, so a reservation being voided never turns into a 202.
     pub async fn confirm(
         self: &Arc<Self>,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_no: i64,
     ) -> redis::RedisResult<Confirmation> {

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use prometheus::IntGauge;
 
 use super::{Layout, RedisGate};
+use crate::domain::ActivityId;
 
 /// The pub/sub channel of stock coming back, under a key prefix: messages
 /// are activity ids.
@@ -44,7 +45,7 @@ struct Flag {
 /// The flags of this instance.
 pub struct SoldOut {
     ttl: Duration,
-    flags: RwLock<HashMap<i64, Flag>>,
+    flags: RwLock<HashMap<ActivityId, Flag>>,
     /// One flag is being set at a time.
     loading: AtomicBool,
     /// Flagged activities: while 0, a purchase takes no lock here.
@@ -68,7 +69,7 @@ impl SoldOut {
     /// Whether `user_id`'s purchase in `activity_id` is answered SOLD_OUT
     /// from memory: the activity is flagged and the user has no request
     /// accepted in it.
-    pub fn refuses(&self, activity_id: i64, user_id: i64) -> bool {
+    pub fn refuses(&self, activity_id: ActivityId, user_id: i64) -> bool {
         if self.count.load(Ordering::Acquire) == 0 {
             return false;
         }
@@ -88,7 +89,7 @@ impl SoldOut {
     pub async fn mark(
         &self,
         gate: &RedisGate,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         asked_at: Instant,
     ) {
@@ -101,14 +102,14 @@ impl SoldOut {
         let result = self.load(gate, activity_id, layout, asked_at).await;
         self.loading.store(false, Ordering::Release);
         if let Err(e) = result {
-            tracing::debug!(error = %e, activity_id, "sold-out flag not set");
+            tracing::debug!(error = %e, activity_id = %activity_id, "sold-out flag not set");
         }
     }
 
     async fn load(
         &self,
         gate: &RedisGate,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         asked_at: Instant,
     ) -> redis::RedisResult<()> {
@@ -136,8 +137,8 @@ impl SoldOut {
     /// release was heard since.
     fn set(
         &self,
-        flags: &mut HashMap<i64, Flag>,
-        activity_id: i64,
+        flags: &mut HashMap<ActivityId, Flag>,
+        activity_id: ActivityId,
         buyers: Arc<HashSet<i64>>,
         generation: i64,
         asked_at: Instant,
@@ -157,7 +158,7 @@ impl SoldOut {
         );
     }
 
-    fn is_fresh(&self, activity_id: i64) -> bool {
+    fn is_fresh(&self, activity_id: ActivityId) -> bool {
         let flags = self.flags.read().unwrap_or_else(|e| e.into_inner());
         flags
             .get(&activity_id)
@@ -166,7 +167,7 @@ impl SoldOut {
     }
 
     /// Stock of `activity_id` came back: its next purchase goes to Redis.
-    pub fn clear(&self, activity_id: i64) {
+    pub fn clear(&self, activity_id: ActivityId) {
         let mut flags = self.flags.write().unwrap_or_else(|e| e.into_inner());
         let f = flags.entry(activity_id).or_insert_with(|| Flag {
             since: None,
@@ -188,14 +189,14 @@ impl SoldOut {
         self.recount(&flags);
     }
 
-    fn recount(&self, flags: &HashMap<i64, Flag>) {
+    fn recount(&self, flags: &HashMap<ActivityId, Flag>) {
         let n = flagged(flags);
         self.count.store(n, Ordering::Release);
         self.gauge.set(n);
     }
 }
 
-fn flagged(flags: &HashMap<i64, Flag>) -> i64 {
+fn flagged(flags: &HashMap<ActivityId, Flag>) -> i64 {
     flags.values().filter(|f| f.since.is_some()).count() as i64
 }
 
@@ -212,7 +213,7 @@ pub async fn listen(
         let flags = flags.clone();
         move |m: &redis::Msg| {
             if let Ok(id) = m.get_payload::<i64>() {
-                flags.clear(id);
+                flags.clear(ActivityId::new(id));
             }
         }
     };
@@ -241,7 +242,7 @@ mod tests {
     fn set(s: &SoldOut, activity: i64, buyers: &[i64]) {
         let mut flags = s.flags.write().unwrap();
         flags.insert(
-            activity,
+            ActivityId::new(activity),
             Flag {
                 since: Some(Instant::now()),
                 buyers: Arc::new(buyers.iter().copied().collect()),
@@ -255,13 +256,16 @@ mod tests {
     #[test]
     fn a_flag_refuses_only_buyers_without_an_accepted_request_and_only_until_cleared() {
         let s = flags(60_000);
-        assert!(!s.refuses(1, 5), "nothing flagged");
+        assert!(!s.refuses(ActivityId::new(1), 5), "nothing flagged");
         set(&s, 1, &[7]);
-        assert!(s.refuses(1, 5));
-        assert!(!s.refuses(1, 7), "a buyer with an order goes to Redis");
-        assert!(!s.refuses(2, 5), "another activity");
-        s.clear(1);
-        assert!(!s.refuses(1, 5));
+        assert!(s.refuses(ActivityId::new(1), 5));
+        assert!(
+            !s.refuses(ActivityId::new(1), 7),
+            "a buyer with an order goes to Redis"
+        );
+        assert!(!s.refuses(ActivityId::new(2), 5), "another activity");
+        s.clear(ActivityId::new(1));
+        assert!(!s.refuses(ActivityId::new(1), 5));
     }
 
     #[test]
@@ -271,24 +275,33 @@ mod tests {
         // the flag set. It must not be: units are waiting.
         let s = flags(60_000);
         let asked_at = Instant::now();
-        s.clear(1);
+        s.clear(ActivityId::new(1));
         let mut f = s.flags.write().unwrap();
-        s.set(&mut f, 1, Arc::default(), 0, asked_at);
+        s.set(&mut f, ActivityId::new(1), Arc::default(), 0, asked_at);
         s.recount(&f);
         drop(f);
-        assert!(!s.refuses(1, 5), "set after the release it came before");
+        assert!(
+            !s.refuses(ActivityId::new(1), 5),
+            "set after the release it came before"
+        );
         // A call sent after the release is flagged as usual.
         let mut f = s.flags.write().unwrap();
-        s.set(&mut f, 1, Arc::default(), 0, Instant::now());
+        s.set(
+            &mut f,
+            ActivityId::new(1),
+            Arc::default(),
+            0,
+            Instant::now(),
+        );
         s.recount(&f);
         drop(f);
-        assert!(s.refuses(1, 5));
+        assert!(s.refuses(ActivityId::new(1), 5));
     }
 
     #[test]
     fn a_flag_expires_on_its_own() {
         let s = flags(0);
         set(&s, 1, &[]);
-        assert!(!s.refuses(1, 5));
+        assert!(!s.refuses(ActivityId::new(1), 5));
     }
 }

@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::domain::{ActivityId, CouponId};
 use crate::ids::OrderNo;
 
 /// `order.requested`: a purchase admitted by Redis, to be written by the
@@ -15,7 +16,7 @@ pub struct OrderRequested {
     /// The order's number, made at admission.
     pub order_no: OrderNo,
     /// The activity.
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     /// The buyer.
     pub user_id: i64,
     /// The client's idempotency key.
@@ -23,7 +24,7 @@ pub struct OrderRequested {
     /// Units reserved.
     pub quantity: i32,
     /// Coupon the buyer asked to use, if any.
-    pub coupon_id: Option<i64>,
+    pub coupon_id: Option<CouponId>,
     /// When Redis reserved the stock, unix ms.
     pub reserved_at_ms: i64,
 }
@@ -49,7 +50,7 @@ impl OrderRequested {
         if event.quantity < 1 {
             return Err("quantity must be at least 1".into());
         }
-        if event.activity_id < 1 || event.user_id < 1 {
+        if event.activity_id.get() < 1 || event.user_id < 1 {
             return Err("activity_id and user_id must be positive".into());
         }
         Ok(event)
@@ -65,7 +66,7 @@ pub struct StockReleased {
     /// The order whose reservation is released.
     pub order_no: OrderNo,
     /// The activity.
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     /// The buyer (their per-user holding goes down).
     pub user_id: i64,
     /// Units released.
@@ -88,7 +89,7 @@ pub struct OrderPaid {
     /// The order.
     pub order_no: OrderNo,
     /// The activity.
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     /// The buyer.
     pub user_id: i64,
     /// Amount charged, cents.
@@ -104,7 +105,7 @@ pub struct CouponClaimed {
     /// Idempotency key: `claim-<coupon_id>-<user_id>`.
     pub event_id: String,
     /// The batch.
-    pub coupon_id: i64,
+    pub coupon_id: CouponId,
     /// The claimant.
     pub user_id: i64,
     /// The client's idempotency key.
@@ -122,7 +123,7 @@ impl CouponClaimed {
     /// Decodes and validates.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let e: Self = serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON: {e}"))?;
-        if e.coupon_id < 1 || e.user_id < 1 {
+        if e.coupon_id.get() < 1 || e.user_id < 1 {
             return Err("coupon_id and user_id must be positive".into());
         }
         if e.request_id.is_empty() || e.request_id.len() > 64 || e.event_id.is_empty() {
@@ -145,7 +146,7 @@ impl StockReleased {
     /// Decodes and validates.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let e: Self = serde_json::from_slice(bytes).map_err(|e| format!("invalid JSON: {e}"))?;
-        if e.quantity < 1 || e.buckets < 1 || e.shards < 1 || e.activity_id < 1 {
+        if e.quantity < 1 || e.buckets < 1 || e.shards < 1 || e.activity_id.get() < 1 {
             return Err("quantity, buckets, shards and activity_id must be positive".into());
         }
         Ok(e)
@@ -160,7 +161,7 @@ mod tests {
         OrderRequested {
             event_id: "77".into(),
             order_no: OrderNo::new(77),
-            activity_id: 3,
+            activity_id: ActivityId::new(3),
             user_id: 9,
             request_id: "r-1".into(),
             quantity: 1,

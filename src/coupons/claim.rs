@@ -14,6 +14,7 @@ use super::gate::{Claim, CouponGate};
 use crate::bus::events::CouponClaimed;
 use crate::bus::{Producer, PublishError};
 use crate::clock::SharedClock;
+use crate::domain::CouponId;
 use crate::store::{self, PgPool};
 
 /// A claim that holds.
@@ -69,7 +70,7 @@ impl Claims {
     /// Claims one coupon of `coupon_id` for `user_id` under `request_id`.
     pub async fn claim(
         &self,
-        coupon_id: i64,
+        coupon_id: CouponId,
         user_id: i64,
         request_id: String,
     ) -> Result<Claimed, ClaimRefusal> {
@@ -107,27 +108,27 @@ impl Claims {
                     .confirm(coupon_id, user_id, &event.request_id)
                     .await
                 {
-                    tracing::warn!(error = %e, coupon_id, user_id, "confirming a delivered coupon claim failed");
+                    tracing::warn!(error = %e, coupon_id = %coupon_id, user_id, "confirming a delivered coupon claim failed");
                 }
                 Ok(claimed)
             }
             Err(e @ (PublishError::QueueFull | PublishError::NotDelivered(_)))
                 if claimed == Claimed::New =>
             {
-                tracing::warn!(error = %e, coupon_id, user_id, "coupon claim not delivered; undoing the claim");
+                tracing::warn!(error = %e, coupon_id = %coupon_id, user_id, "coupon claim not delivered; undoing the claim");
                 if let Err(e) = self
                     .gate
                     .unclaim(coupon_id, user_id, &event.request_id)
                     .await
                 {
-                    tracing::error!(error = %e, coupon_id, user_id, "undoing a coupon claim failed");
+                    tracing::error!(error = %e, coupon_id = %coupon_id, user_id, "undoing a coupon claim failed");
                 }
                 Err(ClaimRefusal::NotKept)
             }
             // Unknown (or a replay's send failed): the claim stays, a retry
             // with the same request_id sends it again.
             Err(e) => {
-                tracing::warn!(error = %e, coupon_id, user_id, "coupon claim delivery unconfirmed; the claim is kept");
+                tracing::warn!(error = %e, coupon_id = %coupon_id, user_id, "coupon claim delivery unconfirmed; the claim is kept");
                 Err(ClaimRefusal::Unconfirmed)
             }
         }
@@ -152,7 +153,7 @@ impl Claims {
 
     /// A batch Redis does not know: lost and being restored (the database
     /// has it), or no such batch.
-    async fn unknown_batch(&self, coupon_id: i64) -> ClaimRefusal {
+    async fn unknown_batch(&self, coupon_id: CouponId) -> ClaimRefusal {
         let exists = store::run(&self.db, move |conn| {
             Ok(super::repo::find(conn, coupon_id)?.is_some())
         })

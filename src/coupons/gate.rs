@@ -2,6 +2,7 @@
 
 use redis::{RedisResult, Script};
 
+use crate::domain::CouponId;
 use crate::store::redis_conn::RedisConn;
 
 /// What the claim script decided.
@@ -28,7 +29,7 @@ pub struct CouponKeys {
 
 impl CouponKeys {
     /// Keys for `coupon_id` under `prefix`.
-    pub fn new(prefix: &str, coupon_id: i64) -> Self {
+    pub fn new(prefix: &str, coupon_id: CouponId) -> Self {
         Self {
             base: format!("{prefix}{{c:{coupon_id}}}:"),
         }
@@ -81,12 +82,17 @@ impl CouponGate {
     }
 
     /// Keys of a batch.
-    pub fn keys(&self, coupon_id: i64) -> CouponKeys {
+    pub fn keys(&self, coupon_id: CouponId) -> CouponKeys {
         CouponKeys::new(&self.prefix, coupon_id)
     }
 
     /// Loads a new batch (`remaining = total`).
-    pub async fn warm(&self, coupon_id: i64, total: i32, valid_until_ms: i64) -> RedisResult<()> {
+    pub async fn warm(
+        &self,
+        coupon_id: CouponId,
+        total: i32,
+        valid_until_ms: i64,
+    ) -> RedisResult<()> {
         redis::cmd("HSET")
             .arg(self.keys(coupon_id).meta())
             .arg("remaining")
@@ -98,7 +104,7 @@ impl CouponGate {
     }
 
     /// Whether Redis holds the batch.
-    pub async fn is_warm(&self, coupon_id: i64) -> RedisResult<bool> {
+    pub async fn is_warm(&self, coupon_id: CouponId) -> RedisResult<bool> {
         redis::cmd("EXISTS")
             .arg(self.keys(coupon_id).meta())
             .query_async(&mut self.conn.clone())
@@ -107,7 +113,7 @@ impl CouponGate {
 
     /// When the batch was first seen lost (unix ms): `now_ms` if this is
     /// the first time.
-    pub async fn lost_since(&self, coupon_id: i64, now_ms: i64) -> RedisResult<i64> {
+    pub async fn lost_since(&self, coupon_id: CouponId, now_ms: i64) -> RedisResult<i64> {
         crate::store::redis_conn::first_seen(&self.conn, &self.keys(coupon_id).lost(), now_ms).await
     }
 
@@ -116,7 +122,7 @@ impl CouponGate {
     /// holder cannot claim twice), then the meta with what is left.
     pub async fn restore(
         &self,
-        coupon_id: i64,
+        coupon_id: CouponId,
         remaining: i64,
         valid_until_ms: i64,
         claims: &[(i64, String)],
@@ -155,7 +161,7 @@ impl CouponGate {
     /// Runs the claim script.
     pub async fn claim(
         &self,
-        coupon_id: i64,
+        coupon_id: CouponId,
         user_id: i64,
         request_id: &str,
         now_ms: i64,
@@ -185,7 +191,7 @@ impl CouponGate {
     /// Undoes a claim (its event was not published); idempotent.
     pub async fn unclaim(
         &self,
-        coupon_id: i64,
+        coupon_id: CouponId,
         user_id: i64,
         request_id: &str,
     ) -> RedisResult<bool> {
@@ -204,7 +210,12 @@ impl CouponGate {
     }
 
     /// The claim's event was delivered: it is no longer sent again.
-    pub async fn confirm(&self, coupon_id: i64, user_id: i64, request_id: &str) -> RedisResult<()> {
+    pub async fn confirm(
+        &self,
+        coupon_id: CouponId,
+        user_id: i64,
+        request_id: &str,
+    ) -> RedisResult<()> {
         redis::cmd("ZREM")
             .arg(self.keys(coupon_id).unconfirmed())
             .arg(format!("{user_id}:{request_id}"))
@@ -217,7 +228,7 @@ impl CouponGate {
     /// (user, request_id, claimed at), at most `limit`.
     pub async fn unconfirmed(
         &self,
-        coupon_id: i64,
+        coupon_id: CouponId,
         before_ms: i64,
         limit: usize,
     ) -> RedisResult<Vec<(i64, String, i64)>> {
@@ -241,7 +252,7 @@ impl CouponGate {
     }
 
     /// Whether `user_id` holds a coupon of the batch (the admission check).
-    pub async fn holds(&self, coupon_id: i64, user_id: i64) -> RedisResult<bool> {
+    pub async fn holds(&self, coupon_id: CouponId, user_id: i64) -> RedisResult<bool> {
         redis::cmd("SISMEMBER")
             .arg(self.keys(coupon_id).claimants())
             .arg(user_id)
@@ -250,7 +261,7 @@ impl CouponGate {
     }
 
     /// Coupons left in Redis (None if the batch is unknown there).
-    pub async fn remaining(&self, coupon_id: i64) -> RedisResult<Option<i64>> {
+    pub async fn remaining(&self, coupon_id: CouponId) -> RedisResult<Option<i64>> {
         redis::cmd("HGET")
             .arg(self.keys(coupon_id).meta())
             .arg("remaining")

@@ -6,6 +6,7 @@ use diesel::sql_types::{Array, BigInt, Text};
 use serde::Serialize;
 
 use crate::bus::events::CouponClaimed;
+use crate::domain::CouponId;
 use crate::store::PgConn;
 use crate::store::schema::{coupons, user_coupons};
 
@@ -14,7 +15,7 @@ use crate::store::schema::{coupons, user_coupons};
 #[diesel(table_name = coupons)]
 pub struct Coupon {
     #[serde(rename = "coupon_id")]
-    pub id: i64,
+    pub id: CouponId,
     pub name: String,
     pub total: i32,
     pub discount_cents: i64,
@@ -53,7 +54,7 @@ pub fn create(
 }
 
 /// The batch, if it exists.
-pub fn find(conn: &mut PgConn, id: i64) -> QueryResult<Option<(Coupon, i32)>> {
+pub fn find(conn: &mut PgConn, id: CouponId) -> QueryResult<Option<(Coupon, i32)>> {
     coupons::table
         .find(id)
         .select((Coupon::as_select(), coupons::claimed))
@@ -64,7 +65,7 @@ pub fn find(conn: &mut PgConn, id: i64) -> QueryResult<Option<(Coupon, i32)>> {
 /// One of the caller's coupons.
 #[derive(Debug, Clone, Queryable, Serialize)]
 pub struct Mine {
-    pub coupon_id: i64,
+    pub coupon_id: CouponId,
     pub status: String,
     #[serde(serialize_with = "opt_string")]
     pub order_no: Option<i64>,
@@ -91,7 +92,7 @@ pub fn mine(conn: &mut PgConn, user_id: i64) -> QueryResult<Vec<Mine>> {
 }
 
 /// User coupons of a batch per status.
-pub fn status_counts(conn: &mut PgConn, coupon_id: i64) -> QueryResult<Vec<(String, i64)>> {
+pub fn status_counts(conn: &mut PgConn, coupon_id: CouponId) -> QueryResult<Vec<(String, i64)>> {
     user_coupons::table
         .filter(user_coupons::coupon_id.eq(coupon_id))
         .group_by(user_coupons::status)
@@ -174,7 +175,7 @@ pub fn apply_claims(
 /// discount. The conditional update makes one coupon back one order (I8).
 pub fn lock_for_order(
     conn: &mut PgConn,
-    coupon_id: i64,
+    coupon_id: CouponId,
     user_id: i64,
     order_no: i64,
     gross_cents: i64,
@@ -224,14 +225,14 @@ pub fn use_for_order(conn: &mut PgConn, order_no: i64) -> QueryResult<()> {
 /// A batch still valid, as a restore needs it: what is left, and every
 /// claim written so far (user, request id), read in one snapshot.
 pub struct BatchSnapshot {
-    pub coupon_id: i64,
+    pub coupon_id: CouponId,
     pub remaining: i64,
     pub valid_until_ms: i64,
     pub claims: Vec<(i64, String)>,
 }
 
 /// The ids of the batches still valid at `now`.
-pub fn valid_ids(conn: &mut PgConn, now: DateTime<Utc>) -> QueryResult<Vec<i64>> {
+pub fn valid_ids(conn: &mut PgConn, now: DateTime<Utc>) -> QueryResult<Vec<CouponId>> {
     coupons::table
         .filter(coupons::valid_until.gt(now))
         .select(coupons::id)
@@ -240,7 +241,7 @@ pub fn valid_ids(conn: &mut PgConn, now: DateTime<Utc>) -> QueryResult<Vec<i64>>
 }
 
 /// One batch's snapshot (run it in a repeatable-read transaction).
-pub fn snapshot(conn: &mut PgConn, coupon_id: i64) -> QueryResult<Option<BatchSnapshot>> {
+pub fn snapshot(conn: &mut PgConn, coupon_id: CouponId) -> QueryResult<Option<BatchSnapshot>> {
     let Some((coupon, claimed)) = find(conn, coupon_id)? else {
         return Ok(None);
     };

@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use crate::auth::{JwtKeys, Role};
 use crate::config::Settings;
+use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 
 mod verify;
@@ -53,7 +54,7 @@ pub struct LoadgenArgs {
     pub shards: i32,
     /// Use this existing, warmed activity instead of creating one.
     #[arg(long)]
-    pub activity: Option<i64>,
+    pub activity: Option<ActivityId>,
     /// First user id (ids are first..first+users).
     #[arg(long, default_value_t = 1)]
     pub first_user: i64,
@@ -78,9 +79,10 @@ pub struct LoadgenArgs {
 type Outcome = (u16, String, Option<String>, Duration);
 
 /// The figures of one run, for scripts (`--json` prints them).
-#[derive(Debug, Default, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct Report {
-    pub activity_id: i64,
+    /// The activity bought from (0 for the ceiling, which buys nothing).
+    pub activity_id: ActivityId,
     pub requests: u64,
     pub accepted: u64,
     pub sold_out: u64,
@@ -205,7 +207,7 @@ type Ready = (i64, String, String);
 /// One purchase token per user.
 async fn fetch_tokens(
     client: &Arc<Client>,
-    activity_id: i64,
+    activity_id: ActivityId,
     args: &LoadgenArgs,
 ) -> anyhow::Result<Vec<Ready>> {
     eprintln!(
@@ -235,7 +237,11 @@ async fn fetch_tokens(
 
 /// One user's purchase token. A token is harmless to ask for twice: a
 /// connection lost on the way is retried, as a client would.
-async fn purchase_token(client: &Client, activity_id: i64, user: i64) -> anyhow::Result<Ready> {
+async fn purchase_token(
+    client: &Client,
+    activity_id: ActivityId,
+    user: i64,
+) -> anyhow::Result<Ready> {
     let jwt = client.token(user, Role::User)?;
     let path = format!("/api/v1/activities/{activity_id}/token");
     let url = client.url_of(user);
@@ -263,7 +269,7 @@ async fn purchase_token(client: &Client, activity_id: i64, user: i64) -> anyhow:
 /// returns each outcome and the seconds the burst took.
 async fn fire(
     client: &Arc<Client>,
-    activity_id: i64,
+    activity_id: ActivityId,
     tokens: Vec<Ready>,
     args: &LoadgenArgs,
 ) -> anyhow::Result<(Vec<Outcome>, f64)> {
@@ -404,12 +410,16 @@ async fn ceiling(client: &Arc<Client>, url: &str, args: &LoadgenArgs) -> anyhow:
         .await;
     let seconds = started.elapsed().as_secs_f64();
     progress.finish();
-    let report = summarize(0, &outcomes, seconds);
+    let report = summarize(ActivityId::new(0), &outcomes, seconds);
     print_report(&report, &BTreeMap::new());
     Ok(report)
 }
 
-async fn create_activity(client: &Client, admin: &str, args: &LoadgenArgs) -> anyhow::Result<i64> {
+async fn create_activity(
+    client: &Client,
+    admin: &str,
+    args: &LoadgenArgs,
+) -> anyhow::Result<ActivityId> {
     let now = chrono::Utc::now();
     let body = json!({
         "sku_id": 1, "name": "loadgen", "price_cents": 100, "stock": args.stock,
@@ -439,7 +449,7 @@ async fn create_activity(client: &Client, admin: &str, args: &LoadgenArgs) -> an
     if status != 200 {
         bail!("warming up: {status} {warmed}");
     }
-    Ok(id)
+    Ok(ActivityId::new(id))
 }
 
 /// A once-a-second progress line on stderr.

@@ -8,6 +8,7 @@ use anyhow::bail;
 use serde_json::Value;
 
 use super::{Client, LoadgenArgs, Outcome, Report};
+use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 
 /// Waits for the consumers to drain the burst, then checks I1, I3, I4 and
@@ -49,7 +50,7 @@ pub(super) async fn verify(
     Ok(())
 }
 
-pub(super) fn summarize(activity_id: i64, outcomes: &[Outcome], seconds: f64) -> Report {
+pub(super) fn summarize(activity_id: ActivityId, outcomes: &[Outcome], seconds: f64) -> Report {
     let count =
         |f: &dyn Fn(u16, &str) -> bool| outcomes.iter().filter(|o| f(o.0, &o.1)).count() as u64;
     // Microseconds, 3 significant digits, up to ten minutes.
@@ -119,7 +120,7 @@ pub(super) fn print_report(r: &Report, codes: &BTreeMap<String, u64>) {
     );
 }
 
-async fn stats(client: &Client, admin: &str, activity_id: i64) -> anyhow::Result<Value> {
+async fn stats(client: &Client, admin: &str, activity_id: ActivityId) -> anyhow::Result<Value> {
     let path = format!("/api/v1/admin/activities/{activity_id}/stats");
     let (status, body) = client
         .send(reqwest::Method::GET, &path, admin, None)
@@ -134,7 +135,7 @@ async fn stats(client: &Client, admin: &str, activity_id: i64) -> anyhow::Result
 async fn drain(
     client: &Client,
     admin: &str,
-    activity_id: i64,
+    activity_id: ActivityId,
     accepted: u64,
     timeout: u64,
 ) -> anyhow::Result<Value> {
@@ -268,7 +269,7 @@ mod tests {
             .map(|ms| (202, String::new(), None, Duration::from_millis(ms)))
             .collect();
         fastrand::shuffle(&mut outcomes);
-        let r = summarize(1, &outcomes, 2.0);
+        let r = summarize(ActivityId::new(1), &outcomes, 2.0);
         let near = |got: f64, want: f64| (got - want).abs() <= want * 0.002;
         assert!(near(r.p50_ms, 500.0), "{}", r.p50_ms);
         assert!(near(r.p99_ms, 990.0), "{}", r.p99_ms);

@@ -28,6 +28,7 @@ pub use crate::bus::runner::ConsumerHandle;
 use crate::bus::runner::{self, Handler, Subscription, Supervision};
 use crate::bus::{Producer, Topics};
 use crate::config::Settings;
+use crate::domain::ActivityId;
 use crate::metrics::Metrics;
 use crate::store::redis_conn::unreachable;
 use crate::store::{self, PgPool};
@@ -206,7 +207,7 @@ async fn dead_letter_conflict(
 ) -> bool {
     tracing::error!(
         event_id = %e.event_id,
-        activity_id = e.activity_id,
+        activity_id = %e.activity_id,
         user_id = e.user_id,
         request_id = %e.request_id,
         "order event conflicts with one applied under the same event_id; dead-lettered"
@@ -226,7 +227,7 @@ async fn dead_letter_conflict(
 /// the marks are left to reconciliation, which settles every open
 /// reservation by its row once Redis answers.
 async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result<BatchOutcome> {
-    let activity_ids: Vec<i64> = events
+    let activity_ids: Vec<ActivityId> = events
         .iter()
         .map(|e| e.activity_id)
         .collect::<HashSet<_>>()
@@ -261,7 +262,7 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
 
     // Reservations follow the rows: kept for live orders, released for
     // FAILED ones and for events that produced no row.
-    let mut commit: HashMap<i64, Vec<i64>> = HashMap::new();
+    let mut commit: HashMap<ActivityId, Vec<i64>> = HashMap::new();
     for (_, e) in events
         .iter()
         .enumerate()
@@ -289,7 +290,7 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
             if statuses.get(&order_no) == Some(&OrderStatus::WaitingPay) {
                 tracing::error!(
                     order_no,
-                    activity_id,
+                    activity_id = %activity_id,
                     "order created for a released reservation; reconciliation needed"
                 );
             }
@@ -322,7 +323,7 @@ fn left_to_reconciliation<T>(result: redis::RedisResult<T>) -> redis::RedisResul
 
 /// An activity's layout among `terms`; the unsharded one for an activity
 /// the database does not know (its events produce no row).
-fn layout_of(terms: &HashMap<i64, repo::ActivityTerms>, activity_id: i64) -> Layout {
+fn layout_of(terms: &HashMap<ActivityId, repo::ActivityTerms>, activity_id: ActivityId) -> Layout {
     terms
         .get(&activity_id)
         .map_or(Layout::single(1), |t| t.layout)
@@ -331,10 +332,10 @@ fn layout_of(terms: &HashMap<i64, repo::ActivityTerms>, activity_id: i64) -> Lay
 /// Order_nos among `events` whose reservation Redis already released.
 async fn released_reservations(
     gate: &RedisGate,
-    terms: &HashMap<i64, repo::ActivityTerms>,
+    terms: &HashMap<ActivityId, repo::ActivityTerms>,
     events: &[OrderRequested],
 ) -> redis::RedisResult<HashSet<i64>> {
-    let mut by_activity: HashMap<i64, Vec<i64>> = HashMap::new();
+    let mut by_activity: HashMap<ActivityId, Vec<i64>> = HashMap::new();
     for e in events {
         by_activity
             .entry(e.activity_id)

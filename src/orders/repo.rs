@@ -12,7 +12,7 @@ use super::OrderStatus;
 use crate::admission::Layout;
 use crate::bus::events::OrderRequested;
 use crate::coupons::repo as coupons;
-use crate::domain::UserId;
+use crate::domain::{ActivityId, CouponId, UserId};
 use crate::ids::OrderNo;
 use crate::stock::{self, Units};
 use crate::store::PgConn;
@@ -25,11 +25,11 @@ pub struct Order {
     #[serde(serialize_with = "as_string")]
     pub order_no: i64,
     pub request_id: String,
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     pub user_id: i64,
     pub quantity: i32,
     pub amount_cents: i64,
-    pub coupon_id: Option<i64>,
+    pub coupon_id: Option<CouponId>,
     pub status: OrderStatus,
     pub failure_reason: Option<String>,
     pub pay_deadline: Option<DateTime<Utc>>,
@@ -88,8 +88,11 @@ pub struct ActivityTerms {
 }
 
 /// Terms of the given activities.
-pub fn activity_terms(conn: &mut PgConn, ids: &[i64]) -> QueryResult<HashMap<i64, ActivityTerms>> {
-    let rows: Vec<(i64, i64, i32, i32, i32)> = activities::table
+pub fn activity_terms(
+    conn: &mut PgConn,
+    ids: &[ActivityId],
+) -> QueryResult<HashMap<ActivityId, ActivityTerms>> {
+    let rows: Vec<(ActivityId, i64, i32, i32, i32)> = activities::table
         .filter(activities::id.eq_any(ids))
         .select((
             activities::id,
@@ -166,7 +169,7 @@ pub fn apply_batch(
     conn: &mut PgConn,
     consumer: &str,
     events: &[OrderRequested],
-    terms: &HashMap<i64, ActivityTerms>,
+    terms: &HashMap<ActivityId, ActivityTerms>,
     released: &HashSet<i64>,
     now: DateTime<Utc>,
 ) -> QueryResult<BatchOutcome> {
@@ -260,7 +263,7 @@ pub fn apply_batch(
 
 /// What an event says of its order, to tell a redelivery from another
 /// order under the same number.
-fn payload(e: &OrderRequested) -> (i64, i64, &str, i32, Option<i64>) {
+fn payload(e: &OrderRequested) -> (ActivityId, i64, &str, i32, Option<CouponId>) {
     (
         e.activity_id,
         e.user_id,
@@ -360,11 +363,11 @@ fn over_limit(conn: &mut PgConn, batch: &[Units]) -> QueryResult<Vec<Units>> {
 struct OrderColumns {
     order_no: Vec<i64>,
     request_id: Vec<String>,
-    activity_id: Vec<i64>,
+    activity_id: Vec<ActivityId>,
     user_id: Vec<i64>,
     quantity: Vec<i32>,
     amount_cents: Vec<i64>,
-    coupon_id: Vec<Option<i64>>,
+    coupon_id: Vec<Option<CouponId>>,
     status: Vec<OrderStatus>,
     failure_reason: Vec<Option<&'static str>>,
     pay_deadline: Vec<Option<DateTime<Utc>>>,

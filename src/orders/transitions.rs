@@ -12,7 +12,7 @@ use diesel::sql_types::{Array, BigInt, Text};
 use super::OrderStatus;
 use crate::bus::events::StockReleased;
 use crate::coupons::repo as coupons;
-use crate::domain::UserId;
+use crate::domain::{ActivityId, UserId};
 use crate::ids::OrderNo;
 use crate::outbox;
 use crate::stock::{self, Units};
@@ -84,11 +84,11 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
     stock::release(conn, &units)?;
     coupons::unlock_for_orders(conn, &moved)?;
 
-    let ids: Vec<i64> = units.iter().map(|u| u.activity_id).collect();
-    let layouts: HashMap<i64, (i32, i32)> = activities::table
+    let ids: Vec<ActivityId> = units.iter().map(|u| u.activity_id).collect();
+    let layouts: HashMap<ActivityId, (i32, i32)> = activities::table
         .filter(activities::id.eq_any(&ids))
         .select((activities::id, (activities::buckets, activities::shards)))
-        .load::<(i64, (i32, i32))>(conn)?
+        .load::<(ActivityId, (i32, i32))>(conn)?
         .into_iter()
         .collect();
     for w in winners {

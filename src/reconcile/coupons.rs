@@ -18,6 +18,7 @@
 
 use crate::bus::events::CouponClaimed;
 use crate::coupons::repo;
+use crate::domain::CouponId;
 use crate::store;
 
 use super::Reconciler;
@@ -28,7 +29,7 @@ const RESEND_PER_RUN: usize = 500;
 impl Reconciler {
     /// Restores every valid batch Redis lost once that is safe; the ids
     /// of those still waiting.
-    pub(super) async fn restore_coupons(&self) -> anyhow::Result<Vec<i64>> {
+    pub(super) async fn restore_coupons(&self) -> anyhow::Result<Vec<CouponId>> {
         let now = self.clock.now();
         let ids = store::run(&self.db, move |conn| Ok(repo::valid_ids(conn, now)?)).await?;
         let mut lost = Vec::new();
@@ -67,7 +68,7 @@ impl Reconciler {
                 .await?;
             self.count("repair", "coupon_batch_restored");
             tracing::warn!(
-                coupon_id = id,
+                coupon_id = %id,
                 remaining = b.remaining,
                 claims = b.claims.len(),
                 "coupon batch restored into Redis from the database"
@@ -81,7 +82,7 @@ impl Reconciler {
     /// Sends again each claim of batch `coupon_id` made more than the
     /// publish window ago and still unconfirmed; a delivered one is
     /// confirmed. A send that fails stays for the next run.
-    async fn resend_unconfirmed_claims(&self, coupon_id: i64) -> anyhow::Result<()> {
+    async fn resend_unconfirmed_claims(&self, coupon_id: CouponId) -> anyhow::Result<()> {
         let window_ms = i64::try_from(self.settings.reconcile.publish_window_secs)
             .unwrap_or(i64::MAX / 2000)
             .saturating_mul(1000);
@@ -108,7 +109,7 @@ impl Reconciler {
                 )
                 .await;
             if let Err(e) = sent {
-                tracing::warn!(error = %e, coupon_id, user_id, "sending an unconfirmed coupon claim again failed; next run");
+                tracing::warn!(error = %e, coupon_id = %coupon_id, user_id, "sending an unconfirmed coupon claim again failed; next run");
                 continue;
             }
             self.coupons
@@ -116,7 +117,7 @@ impl Reconciler {
                 .await?;
             self.count("repair", "coupon_claim_resent");
             tracing::warn!(
-                coupon_id,
+                coupon_id = %coupon_id,
                 user_id,
                 "a coupon claim whose delivery was never confirmed was sent again"
             );

@@ -35,6 +35,7 @@ use crate::bus::progress::GroupProgress;
 use crate::bus::{Producer, Topics};
 use crate::clock::SharedClock;
 use crate::config::Settings;
+use crate::domain::ActivityId;
 use crate::metrics::Metrics;
 use crate::orders::OrderStatus;
 use crate::orders::events::OrderEvents;
@@ -71,7 +72,7 @@ struct LastRun<'a> {
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// The activity.
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     /// No difference found.
     pub consistent: bool,
     /// Each difference, in words.
@@ -84,7 +85,7 @@ pub struct Report {
 }
 
 impl Report {
-    fn new(activity_id: i64) -> Self {
+    fn new(activity_id: ActivityId) -> Self {
         Self {
             activity_id,
             consistent: true,
@@ -138,7 +139,7 @@ pub fn spawn(r: Reconciler, wake: Arc<Notify>) -> WorkerHandle {
         let mut last_run: Option<tokio::time::Instant> = None;
         // Activities already reported as waiting for a restore: reported
         // once, not on every run until it happens.
-        let mut waiting: HashSet<i64> = HashSet::new();
+        let mut waiting: HashSet<ActivityId> = HashSet::new();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
@@ -166,7 +167,7 @@ pub fn spawn(r: Reconciler, wake: Arc<Notify>) -> WorkerHandle {
                         }
                         if !report.consistent || !report.repaired.is_empty() {
                             tracing::warn!(
-                                activity_id = report.activity_id,
+                                activity_id = %report.activity_id,
                                 differences = ?report.differences,
                                 repaired = ?report.repaired,
                                 "reconciliation found differences"
@@ -346,7 +347,7 @@ impl Reconciler {
                 self.repairs().remove_activity(id, layout).await?;
                 self.count("repair", "lost_shard_keys_dropped");
                 tracing::warn!(
-                    activity_id = id,
+                    activity_id = %id,
                     "a shard of the activity is gone from Redis: its other keys are dropped, \
                      to be restored from the database"
                 );
@@ -381,7 +382,7 @@ impl Reconciler {
     /// mode the restore ran and only the switch back is left.
     async fn back_from_fallback(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         mode: Mode,
     ) -> anyhow::Result<bool> {
@@ -393,7 +394,7 @@ impl Reconciler {
         self.repairs().remove_activity(activity_id, layout).await?;
         self.count("repair", "fallback_keys_dropped");
         tracing::warn!(
-            activity_id,
+            activity_id = %activity_id,
             "Redis answers again: its keys of an activity sold through the database \
              are dropped, to be restored from the database"
         );
@@ -403,7 +404,7 @@ impl Reconciler {
     /// Moves the activity's admission from `from` to `to`.
     async fn switch_admission(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         from: &'static [Mode],
         to: Mode,
     ) -> anyhow::Result<()> {
@@ -417,7 +418,7 @@ impl Reconciler {
         })
         .await?;
         if switched && to == Mode::Redis {
-            tracing::warn!(activity_id, "activity admitted through Redis again");
+            tracing::warn!(activity_id = %activity_id, "activity admitted through Redis again");
         }
         Ok(())
     }
@@ -429,7 +430,7 @@ impl Reconciler {
     /// on their own TTL).
     async fn clean_up(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         report: &mut Report,
     ) -> anyhow::Result<()> {
@@ -459,7 +460,7 @@ impl Reconciler {
     /// Reconciles one warm activity; reservations before `cutoff` are voided.
     async fn activity(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         cutoff: &Cutoff,
     ) -> anyhow::Result<Report> {
@@ -555,7 +556,7 @@ impl Reconciler {
     }
 
     /// Sets the activity's stock gauges to what this run read.
-    fn show_stock(&self, activity_id: i64, redis_available: i64, open: i64, f: &Figures) {
+    fn show_stock(&self, activity_id: ActivityId, redis_available: i64, open: i64, f: &Figures) {
         let id = activity_id.to_string();
         let units = &self.metrics.stock_units;
         units
@@ -575,7 +576,7 @@ impl Reconciler {
     }
 
     /// Removes the gauges of an activity whose keys are gone.
-    fn forget_stock(&self, activity_id: i64) {
+    fn forget_stock(&self, activity_id: ActivityId) {
         let id = activity_id.to_string();
         let units = &self.metrics.stock_units;
         let _ = units.remove_label_values(&[&id, "redis", "available"]);
@@ -592,7 +593,7 @@ impl Reconciler {
     /// record is gone although it cannot have expired yet (Redis lost it;
     /// the script then records the release as it gives the units back).
     /// Returns the units given back now.
-    async fn apply_releases(&self, activity_id: i64, layout: Layout) -> anyhow::Result<i64> {
+    async fn apply_releases(&self, activity_id: ActivityId, layout: Layout) -> anyhow::Result<i64> {
         let ttl =
             i64::try_from(self.settings.admission.reservation_ttl_secs).unwrap_or(i64::MAX / 2);
         let released: Vec<Released> = store::run(&self.db, move |conn| {
@@ -646,7 +647,7 @@ impl Reconciler {
 }
 
 /// `stock.released` events of the activity the outbox has not sent yet.
-fn unsent_releases(conn: &mut PgConn, activity_id: i64) -> QueryResult<i64> {
+fn unsent_releases(conn: &mut PgConn, activity_id: ActivityId) -> QueryResult<i64> {
     #[derive(QueryableByName)]
     struct N {
         #[diesel(sql_type = BigInt)]
@@ -661,7 +662,7 @@ fn unsent_releases(conn: &mut PgConn, activity_id: i64) -> QueryResult<i64> {
     Ok(n.n)
 }
 
-fn figures(conn: &mut PgConn, activity_id: i64) -> QueryResult<Figures> {
+fn figures(conn: &mut PgConn, activity_id: ActivityId) -> QueryResult<Figures> {
     diesel::sql_query(format!(
         "SELECT s.total, s.available, s.locked, s.sold, \
            (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders WHERE activity_id = $1 AND status = {}) AS waiting_units, \

@@ -10,6 +10,7 @@ use redis::{RedisResult, Script};
 use crate::admission::RedisGate;
 use crate::admission::gate::WarmSpec;
 use crate::admission::keys::{Layout, split_evenly};
+use crate::domain::ActivityId;
 
 /// What a sharded repair compares before and after.
 #[derive(Debug, PartialEq, Eq)]
@@ -44,7 +45,7 @@ impl<'a> Repairs<'a> {
     /// undone and `None` returned.
     pub async fn repair(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         expected: i64,
         target: i64,
@@ -79,7 +80,7 @@ impl<'a> Repairs<'a> {
             .is_none()
         {
             tracing::warn!(
-                activity_id,
+                activity_id = %activity_id,
                 applied,
                 "a sharded repair could not be undone; the next run compares again"
             );
@@ -89,7 +90,7 @@ impl<'a> Repairs<'a> {
 
     async fn repair_shard(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         shard: usize,
         expected: i64,
@@ -111,7 +112,11 @@ impl<'a> Repairs<'a> {
         Ok((done == 1).then_some(value))
     }
 
-    async fn shard_states(&self, activity_id: i64, layout: Layout) -> RedisResult<Vec<ShardState>> {
+    async fn shard_states(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+    ) -> RedisResult<Vec<ShardState>> {
         let mut states = Vec::with_capacity(layout.shards);
         for shard in 0..layout.shards {
             let k = self.gate.shard_keys(activity_id, layout, shard);
@@ -134,7 +139,7 @@ impl<'a> Repairs<'a> {
     /// Open reservations made before `cutoff_ms` (up to 1,000 per shard).
     pub async fn open_before(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         cutoff_ms: i64,
     ) -> RedisResult<Vec<i64>> {
@@ -157,7 +162,11 @@ impl<'a> Repairs<'a> {
     /// Removes an ended activity's keys (meta, buckets, request and holding
     /// hashes, open index, transfer records). Reservation records expire on
     /// their own.
-    pub async fn remove_activity(&self, activity_id: i64, layout: Layout) -> RedisResult<()> {
+    pub async fn remove_activity(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+    ) -> RedisResult<()> {
         for shard in 0..layout.shards {
             let k = self.gate.shard_keys(activity_id, layout, shard);
             // The records of open reservations first: one left behind
@@ -203,7 +212,7 @@ impl<'a> Repairs<'a> {
     /// Drops an order from the open index (its record is gone).
     pub async fn forget_open(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_no: i64,
     ) -> RedisResult<()> {
@@ -216,7 +225,7 @@ impl<'a> Repairs<'a> {
 
     /// When Redis was first seen without this (warmed) activity: sets the
     /// marker to `now_ms` unless it is there, and returns its value.
-    pub async fn restoring_since(&self, activity_id: i64, now_ms: i64) -> RedisResult<i64> {
+    pub async fn restoring_since(&self, activity_id: ActivityId, now_ms: i64) -> RedisResult<i64> {
         crate::store::redis_conn::first_seen(
             &self.gate.conn(),
             &self.gate.keys(activity_id).restoring(),
@@ -340,7 +349,7 @@ impl<'a> Repairs<'a> {
     /// Whether every shard of a sharded activity still has its meta (a
     /// shard's master can restart empty while the base keys, elsewhere,
     /// stay). One EXISTS per shard: their keys sit in different slots.
-    pub async fn shards_warm(&self, activity_id: i64, layout: Layout) -> RedisResult<bool> {
+    pub async fn shards_warm(&self, activity_id: ActivityId, layout: Layout) -> RedisResult<bool> {
         if !layout.is_sharded() {
             return Ok(true);
         }

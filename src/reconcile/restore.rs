@@ -31,6 +31,7 @@ use diesel::sql_types::{BigInt, Integer, Text, Timestamptz};
 use super::repairs::{Restore, RestoredOrder, RestoredState};
 use super::{Cutoff, Reconciler, Report};
 use crate::admission::fallback::Mode;
+use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 use crate::store::{self, PgConn};
 
@@ -59,7 +60,7 @@ impl Reconciler {
     /// and what it waits for until then.
     pub(super) async fn restore(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         cutoff: &Cutoff,
     ) -> anyhow::Result<Report> {
         let mut report = Report::new(activity_id);
@@ -117,7 +118,7 @@ impl Reconciler {
             restore.orders.len()
         ));
         tracing::warn!(
-            activity_id,
+            activity_id = %activity_id,
             units = restore.spec.units,
             orders = restore.orders.len(),
             "activity restored into Redis from the database"
@@ -127,7 +128,11 @@ impl Reconciler {
 }
 
 /// The activity as the database knows it, in one snapshot.
-fn snapshot(conn: &mut PgConn, activity_id: i64, ttl_secs: f64) -> QueryResult<Option<Restore>> {
+fn snapshot(
+    conn: &mut PgConn,
+    activity_id: ActivityId,
+    ttl_secs: f64,
+) -> QueryResult<Option<Restore>> {
     let Some((activity, stock)) = crate::activities::repo::find_with_stock(conn, activity_id)?
     else {
         return Ok(None);

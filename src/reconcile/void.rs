@@ -11,6 +11,7 @@ use anyhow::Context;
 use super::{RESERVATION_EXPIRED, Reconciler, Report};
 use crate::admission::gate::{Reservation, VoidClaim};
 use crate::admission::{Layout, ReleaseReason};
+use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 use crate::orders::events::StatusChange;
 use crate::orders::repo as orders;
@@ -26,7 +27,7 @@ impl Reconciler {
     /// lost its event, which is published again.
     pub(super) async fn void_stale(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         cutoff: &Cutoff,
         report: &mut Report,
@@ -105,7 +106,7 @@ impl Reconciler {
     /// lost the event, which is published again.
     async fn settle_acknowledged(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         order_no: i64,
         layout: Layout,
         r: &Reservation,

@@ -15,6 +15,7 @@ use seckill::bus::events::OrderRequested;
 use seckill::bus::runner::Handler;
 use seckill::bus::{Producer, PublishError, Topics, client_config};
 use seckill::config::Settings;
+use seckill::domain::ActivityId;
 use seckill::ids::OrderNo;
 use seckill::orders::consumer::{self, ConsumerDeps};
 use serde_json::json;
@@ -45,7 +46,7 @@ pub(crate) fn event(activity_id: i64, user_id: i64, order_no: i64) -> OrderReque
     OrderRequested {
         event_id: order_no.to_string(),
         order_no: OrderNo::new(order_no),
-        activity_id,
+        activity_id: ActivityId::new(activity_id),
         user_id,
         request_id: format!("by-hand-{order_no}"),
         quantity: 1,
@@ -413,7 +414,7 @@ async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_rese
     let now = chrono::Utc::now().timestamp_millis();
     let reserved = gate
         .reserve(&ReserveRequest {
-            activity_id: activity,
+            activity_id: ActivityId::new(activity),
             user_id: 2,
             request_id: "poison",
             token: &token,
@@ -427,7 +428,7 @@ async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_rese
         .unwrap();
     assert_eq!(reserved, Admission::Accepted(order_no));
     gate.ack(
-        activity,
+        ActivityId::new(activity),
         seckill::admission::Layout::single(1),
         &[order_no],
         now,
@@ -440,11 +441,15 @@ async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_rese
     ))
     .await;
     let r = gate
-        .reservation(activity, seckill::admission::Layout::single(1), order_no)
+        .reservation(
+            ActivityId::new(activity),
+            seckill::admission::Layout::single(1),
+            order_no,
+        )
         .await
         .unwrap()
         .unwrap();
-    let payload = r.event(activity, order_no).encode();
+    let payload = r.event(ActivityId::new(activity), order_no).encode();
     produce(&app, None, &order_no.to_string(), &payload).await;
 
     // The consumer records FAILED in the database, then releases in Redis:

@@ -14,6 +14,7 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 use seckill::admission::keys::ActivityKeys;
 use seckill::bus::Topics;
 use seckill::config::Settings;
+use seckill::domain::ActivityId;
 use secrecy::ExposeSecret;
 
 /// A report on why `activity_id`'s reservations are still open (blocking).
@@ -82,7 +83,7 @@ fn retried<T>(mut f: impl FnMut() -> Result<T, String>) -> Result<T, String> {
 
 fn open_reservations(settings: &Settings, activity_id: i64) -> redis::RedisResult<Vec<i64>> {
     let mut conn = crate::cleanup::redis_sync(settings)?;
-    let keys = ActivityKeys::new(&settings.redis.key_prefix, activity_id);
+    let keys = ActivityKeys::new(&settings.redis.key_prefix, ActivityId::new(activity_id));
     redis::cmd("ZRANGE")
         .arg(keys.open())
         .arg(0)
@@ -94,7 +95,7 @@ fn open_reservations(settings: &Settings, activity_id: i64) -> redis::RedisResul
 fn reservation_fields(settings: &Settings, activity_id: i64, order_no: i64) -> String {
     let read = || -> redis::RedisResult<Vec<(String, String)>> {
         let mut conn = crate::cleanup::redis_sync(settings)?;
-        let keys = ActivityKeys::new(&settings.redis.key_prefix, activity_id);
+        let keys = ActivityKeys::new(&settings.redis.key_prefix, ActivityId::new(activity_id));
         redis::cmd("HGETALL")
             .arg(keys.reservation(order_no))
             .query(&mut *conn)

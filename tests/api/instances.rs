@@ -6,6 +6,7 @@ use std::time::Duration;
 use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::app::Application;
 use seckill::bus::Topics;
+use seckill::domain::ActivityId;
 use seckill::ids::instance_of;
 
 use crate::helpers::{TestApp, eventually, spawn_app, spawn_app_with};
@@ -114,7 +115,7 @@ async fn a_reservation_is_never_overwritten_by_another_purchase_under_the_same_n
         let token = app.purchase_token(user, activity).await;
         reserved.push(
             gate.reserve(&ReserveRequest {
-                activity_id: activity,
+                activity_id: ActivityId::new(activity),
                 user_id: user,
                 request_id,
                 token: &token,
@@ -133,7 +134,11 @@ async fn a_reservation_is_never_overwritten_by_another_purchase_under_the_same_n
         [Admission::Accepted(order_no), Admission::NumberTaken]
     );
     let kept = gate
-        .reservation(activity, seckill::admission::Layout::single(1), order_no)
+        .reservation(
+            ActivityId::new(activity),
+            seckill::admission::Layout::single(1),
+            order_no,
+        )
         .await
         .unwrap()
         .unwrap();

@@ -7,6 +7,7 @@ use seckill::admission::gate::VoidClaim;
 use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::bus::Topics;
 use seckill::bus::events::OrderRequested;
+use seckill::domain::ActivityId;
 use seckill::ids::OrderNo;
 use serde_json::json;
 
@@ -75,7 +76,7 @@ async fn orphan_made_at(app: &TestApp, activity: i64, user: i64, order_no: i64, 
     let token = app.purchase_token(user, activity).await;
     let r = gate
         .reserve(&ReserveRequest {
-            activity_id: activity,
+            activity_id: ActivityId::new(activity),
             user_id: user,
             request_id: "crashed",
             token: &token,
@@ -106,7 +107,11 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
     // The accepted purchase's reservation records the acknowledgement.
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let open = seckill::reconcile::repairs::Repairs::new(&gate)
-        .open_before(activity, seckill::admission::Layout::single(1), i64::MAX)
+        .open_before(
+            ActivityId::new(activity),
+            seckill::admission::Layout::single(1),
+            i64::MAX,
+        )
         .await
         .unwrap();
     let bought = *open
@@ -119,7 +124,11 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
         Duration::from_secs(10),
         || async {
             let r = gate
-                .reservation(activity, seckill::admission::Layout::single(1), bought)
+                .reservation(
+                    ActivityId::new(activity),
+                    seckill::admission::Layout::single(1),
+                    bought,
+                )
                 .await
                 .unwrap()
                 .unwrap();
@@ -127,11 +136,15 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
         },
     )
     .await;
-    let event = kept.event(activity, bought);
+    let event = kept.event(ActivityId::new(activity), bought);
     assert_eq!((event.order_no.get(), event.user_id), (bought, 1));
     assert!(
         !gate
-            .reservation(activity, seckill::admission::Layout::single(1), 777_000_002)
+            .reservation(
+                ActivityId::new(activity),
+                seckill::admission::Layout::single(1),
+                777_000_002
+            )
             .await
             .unwrap()
             .unwrap()
@@ -183,7 +196,7 @@ async fn an_acknowledged_purchase_whose_event_the_broker_lost_is_published_again
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let now = chrono::Utc::now().timestamp_millis();
     gate.ack(
-        activity,
+        ActivityId::new(activity),
         seckill::admission::Layout::single(1),
         &[777_000_003],
         now,
@@ -262,7 +275,7 @@ async fn a_reservation_no_event_backs_is_voided_and_a_late_event_cannot_revive_i
     let late = OrderRequested {
         event_id: "777000001".into(),
         order_no: OrderNo::new(777_000_001),
-        activity_id: activity,
+        activity_id: ActivityId::new(activity),
         user_id: 2,
         request_id: "crashed".into(),
         quantity: 1,
@@ -452,7 +465,7 @@ async fn a_reservation_being_voided_never_turns_into_a_202_and_one_sent_lately_i
     let now = chrono::Utc::now().timestamp_millis();
     // 777000005's event is being sent again right now (a retry's copy).
     gate.sending(
-        activity,
+        ActivityId::new(activity),
         seckill::admission::Layout::single(1),
         777_000_005,
         now,
@@ -462,7 +475,7 @@ async fn a_reservation_being_voided_never_turns_into_a_202_and_one_sent_lately_i
     // 777000004 is claimed by a reconciliation that stopped half-way.
     assert_eq!(
         gate.claim_void(
-            activity,
+            ActivityId::new(activity),
             seckill::admission::Layout::single(1),
             777_000_004,
             now
@@ -670,7 +683,7 @@ async fn coming_back_from_the_fallback_leaves_no_open_reservation_record_behind(
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let layout = seckill::admission::Layout::single(1);
     assert!(
-        gate.reservation(activity, layout, order_no)
+        gate.reservation(ActivityId::new(activity), layout, order_no)
             .await
             .unwrap()
             .is_some()
@@ -684,11 +697,11 @@ async fn coming_back_from_the_fallback_leaves_no_open_reservation_record_behind(
     .await;
     reconcile(&app).await;
     assert!(
-        !gate.is_warm(activity).await.unwrap(),
+        !gate.is_warm(ActivityId::new(activity)).await.unwrap(),
         "the stale copy was dropped"
     );
     assert!(
-        gate.reservation(activity, layout, order_no)
+        gate.reservation(ActivityId::new(activity), layout, order_no)
             .await
             .unwrap()
             .is_none(),

@@ -11,6 +11,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use seckill::admission::Layout;
 use seckill::admission::keys::ActivityKeys;
+use seckill::domain::ActivityId;
 use serde_json::json;
 
 use crate::helpers::{TestApp, json, spawn_app, spawn_app_with};
@@ -48,7 +49,12 @@ async fn shard_units(app: &TestApp, activity: i64, layout: Layout) -> Vec<i64> {
     let mut conn = app.redis();
     let mut units = Vec::new();
     for shard in 0..layout.shards {
-        let k = ActivityKeys::shard(&app.settings.redis.key_prefix, activity, layout, shard);
+        let k = ActivityKeys::shard(
+            &app.settings.redis.key_prefix,
+            ActivityId::new(activity),
+            layout,
+            shard,
+        );
         let values: Vec<Option<i64>> = redis::cmd("MGET")
             .arg(k.buckets(layout.buckets))
             .query_async(&mut conn)
@@ -131,7 +137,12 @@ async fn units_lent_by_a_shard_whose_borrower_never_took_them_are_credited_by_re
     // What a process dying between lend.lua and borrow.lua leaves: shard 1
     // took 3 units off its bucket and recorded them lent to shard 0.
     let mut conn = app.redis();
-    let donor = ActivityKeys::shard(&app.settings.redis.key_prefix, activity, layout, 1);
+    let donor = ActivityKeys::shard(
+        &app.settings.redis.key_prefix,
+        ActivityId::new(activity),
+        layout,
+        1,
+    );
     let long_ago = chrono::Utc::now().timestamp_millis() - 120_000;
     let _: () = redis::pipe()
         .cmd("DECRBY")
@@ -187,11 +198,11 @@ async fn a_purchase_that_finds_every_unit_in_a_stale_transfer_completes_it_and_b
     // before shard 0 was credited.
     let mut conn = app.redis();
     let prefix = &app.settings.redis.key_prefix;
-    let donor = ActivityKeys::shard(prefix, activity, layout, 1);
+    let donor = ActivityKeys::shard(prefix, ActivityId::new(activity), layout, 1);
     let long_ago = chrono::Utc::now().timestamp_millis() - 60_000;
     // One command at a time: on a cluster the shards sit in other slots.
     for shard in 0..3 {
-        let k = ActivityKeys::shard(prefix, activity, layout, shard);
+        let k = ActivityKeys::shard(prefix, ActivityId::new(activity), layout, shard);
         let _: () = redis::cmd("SET")
             .arg(k.bucket(0))
             .arg(0)

@@ -8,6 +8,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
 
 use super::{Decided, Declined, Health, Mode, unix_ms};
+use crate::domain::{ActivityId, CouponId};
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
 use crate::stock::{self, Units};
@@ -15,11 +16,11 @@ use crate::store::PgConn;
 
 /// One fallback purchase, as the blocking task runs it.
 pub(super) struct Buy {
-    pub(super) activity_id: i64,
+    pub(super) activity_id: ActivityId,
     pub(super) user_id: i64,
     pub(super) request_id: String,
     pub(super) quantity: i32,
-    pub(super) coupon_id: Option<i64>,
+    pub(super) coupon_id: Option<CouponId>,
     /// The sale clock (windows).
     pub(super) now_ms: i64,
     /// Whether this instance may move the activity from REDIS to
@@ -143,7 +144,7 @@ impl Buy {
                     Mode::Database,
                 )?;
                 tracing::warn!(
-                    activity_id = self.activity_id,
+                    activity_id = %self.activity_id,
                     "activity moved to the database fallback"
                 );
             }

@@ -48,6 +48,7 @@ use super::limits::KeyedLimiter;
 use crate::bus::progress::GroupProgress;
 use crate::clock::SharedClock;
 use crate::config::Settings;
+use crate::domain::ActivityId;
 use crate::ids::OrderNo;
 use crate::metrics::Metrics;
 use crate::orders::OrderStatus;
@@ -173,9 +174,9 @@ impl Health {
 #[derive(Default)]
 struct Polled {
     /// Activities not in REDIS mode.
-    modes: HashMap<i64, Mode>,
+    modes: HashMap<ActivityId, Mode>,
     /// Warmed activities' windows (unix ms), for signed tokens.
-    windows: HashMap<i64, (i64, i64)>,
+    windows: HashMap<ActivityId, (i64, i64)>,
 }
 
 /// The fallback's state on one instance: shared by admission, the token
@@ -183,7 +184,7 @@ struct Polled {
 pub struct Fallback {
     settings: Arc<Settings>,
     db: PgPool,
-    limiter: KeyedLimiter<i64>,
+    limiter: KeyedLimiter<ActivityId>,
     health: Arc<Health>,
     polled: RwLock<Polled>,
     /// When the last completed mode poll started (unix ms).
@@ -268,7 +269,7 @@ impl Fallback {
     }
 
     /// An activity's mode as last read.
-    fn mode(&self, activity_id: i64) -> Mode {
+    fn mode(&self, activity_id: ActivityId) -> Mode {
         let polled = self.polled.read().unwrap_or_else(|e| e.into_inner());
         polled
             .modes
@@ -278,7 +279,7 @@ impl Fallback {
     }
 
     /// Where a purchase of `activity_id` goes now.
-    pub fn route(&self, activity_id: i64) -> Route {
+    pub fn route(&self, activity_id: ActivityId) -> Route {
         if !self.enabled() {
             return Route::Redis;
         }
@@ -340,10 +341,10 @@ impl Fallback {
 
     /// Whether this instance sends any purchase to the database now, and
     /// the activities it reads in each mode other than REDIS.
-    pub fn status(&self) -> (bool, Vec<i64>, Vec<i64>) {
+    pub fn status(&self) -> (bool, Vec<ActivityId>, Vec<ActivityId>) {
         let polled = self.polled.read().unwrap_or_else(|e| e.into_inner());
-        let mut database: Vec<i64> = Vec::new();
-        let mut restoring: Vec<i64> = Vec::new();
+        let mut database: Vec<ActivityId> = Vec::new();
+        let mut restoring: Vec<ActivityId> = Vec::new();
         for (&id, &mode) in &polled.modes {
             match mode {
                 Mode::Database => database.push(id),
@@ -371,7 +372,7 @@ impl Fallback {
     /// A signed purchase token for the buyer, when purchases of the
     /// activity go to the database; `Err(NotActive)` outside its window,
     /// `Ok(None)` when they go through Redis.
-    pub fn token(&self, activity_id: i64, user_id: i64) -> Result<Option<String>, Declined> {
+    pub fn token(&self, activity_id: ActivityId, user_id: i64) -> Result<Option<String>, Declined> {
         if self.route(activity_id) != Route::Database {
             return Ok(None);
         }
@@ -392,14 +393,14 @@ impl Fallback {
         )))
     }
 
-    fn sign(&self, activity_id: i64, user_id: i64, expires: i64) -> String {
+    fn sign(&self, activity_id: ActivityId, user_id: i64, expires: i64) -> String {
         let mut mac =
             Hmac::<Sha256>::new_from_slice(&self.token_key).expect("HMAC takes any key length");
         mac.update(format!("{activity_id}:{user_id}:{expires}").as_bytes());
         hex::encode(mac.finalize().into_bytes())
     }
 
-    fn token_valid(&self, activity_id: i64, user_id: i64, token: Option<&str>) -> bool {
+    fn token_valid(&self, activity_id: ActivityId, user_id: i64, token: Option<&str>) -> bool {
         let Some(rest) = token.and_then(|t| t.strip_prefix("fb.")) else {
             return false;
         };
@@ -564,7 +565,7 @@ impl Fallback {
 #[derive(QueryableByName)]
 struct ModeRow {
     #[diesel(sql_type = BigInt)]
-    id: i64,
+    id: ActivityId,
     #[diesel(sql_type = Text)]
     admission: String,
     #[diesel(sql_type = Timestamptz)]

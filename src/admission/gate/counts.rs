@@ -5,11 +5,12 @@ use redis::RedisResult;
 
 use super::RedisGate;
 use crate::admission::keys::Layout;
+use crate::domain::ActivityId;
 
 impl RedisGate {
     /// Purchases the activity has accepted since it was warmed (or
     /// restored), over its shards.
-    pub async fn acceptances(&self, activity_id: i64, layout: Layout) -> RedisResult<i64> {
+    pub async fn acceptances(&self, activity_id: ActivityId, layout: Layout) -> RedisResult<i64> {
         let mut sum = 0;
         for shard in 0..layout.shards {
             let n: Option<i64> = redis::cmd("HGET")
@@ -26,7 +27,7 @@ impl RedisGate {
     /// hashes), over its shards.
     pub async fn buyers(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
     ) -> RedisResult<std::collections::HashSet<i64>> {
         let mut buyers = std::collections::HashSet::new();
@@ -45,7 +46,11 @@ impl RedisGate {
     }
 
     /// Number of open (not yet committed) reservations, over all shards.
-    pub async fn open_reservations(&self, activity_id: i64, layout: Layout) -> RedisResult<i64> {
+    pub async fn open_reservations(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+    ) -> RedisResult<i64> {
         let mut open = 0;
         for shard in 0..layout.shards {
             let n: i64 = redis::cmd("ZCARD")

@@ -6,6 +6,7 @@ use redis::RedisResult;
 use super::RedisGate;
 use super::reserve::ReserveRequest;
 use crate::admission::keys::Layout;
+use crate::domain::ActivityId;
 
 /// How long a shard that found every other shard empty answers SOLD_OUT
 /// without asking them again: a release elsewhere is seen within this.
@@ -103,7 +104,7 @@ impl RedisGate {
             .query_async(&mut self.conn.clone())
             .await?;
         tracing::debug!(
-            activity_id = r.activity_id,
+            activity_id = %r.activity_id,
             home,
             donor,
             lent,
@@ -115,7 +116,7 @@ impl RedisGate {
     /// Credits shard `home` with transfer `id`'s units, once (`borrow.lua`).
     async fn credit(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         home: usize,
         id: &str,
@@ -138,7 +139,7 @@ impl RedisGate {
     /// The transfers the shards have lent and not yet settled.
     pub(super) async fn transfers(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
     ) -> RedisResult<Vec<Transfer>> {
         let mut found = Vec::new();
@@ -174,7 +175,7 @@ impl RedisGate {
     /// Reconciliation only.
     pub async fn settle_transfers(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         before_ms: i64,
     ) -> RedisResult<usize> {

@@ -24,6 +24,7 @@ use redis::{RedisResult, Script};
 
 use crate::admission::keys::{ActivityKeys, Layout};
 use crate::config::{AdmissionSettings, RedisSettings};
+use crate::domain::ActivityId;
 use crate::store::redis_conn::{RedisClient, RedisConn};
 
 mod counts;
@@ -120,14 +121,14 @@ impl RedisGate {
 
     /// The base keys of an activity: its meta and `restoring` marker (and,
     /// unsharded, all of its keys).
-    pub(crate) fn keys(&self, activity_id: i64) -> ActivityKeys {
+    pub(crate) fn keys(&self, activity_id: ActivityId) -> ActivityKeys {
         ActivityKeys::new(&self.prefix, activity_id)
     }
 
     /// The keys of one shard of an activity.
     pub(crate) fn shard_keys(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         shard: usize,
     ) -> ActivityKeys {
@@ -137,7 +138,7 @@ impl RedisGate {
     /// The keys of the shard holding `order_no`'s reservation.
     pub(crate) fn order_keys(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_no: i64,
     ) -> ActivityKeys {
@@ -166,7 +167,7 @@ impl RedisGate {
     }
 
     /// The activity's window, limits and layout, when it is warm.
-    pub async fn meta(&self, activity_id: i64) -> RedisResult<Option<Meta>> {
+    pub async fn meta(&self, activity_id: ActivityId) -> RedisResult<Option<Meta>> {
         type Fields = (
             Option<i64>,
             Option<i64>,
@@ -191,7 +192,7 @@ impl RedisGate {
     }
 
     /// Whether the activity has been warmed (its meta hash exists).
-    pub async fn is_warm(&self, activity_id: i64) -> RedisResult<bool> {
+    pub async fn is_warm(&self, activity_id: ActivityId) -> RedisResult<bool> {
         redis::cmd("EXISTS")
             .arg(self.keys(activity_id).meta())
             .query_async(&mut self.conn.clone())

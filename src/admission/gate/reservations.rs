@@ -7,6 +7,7 @@ use redis::RedisResult;
 use super::{RedisGate, by_shard};
 use crate::admission::keys::Layout;
 use crate::bus::events::OrderRequested;
+use crate::domain::{ActivityId, CouponId};
 use crate::ids::OrderNo;
 
 /// Why a reservation is released; recorded on the reservation.
@@ -36,7 +37,7 @@ impl RedisGate {
     /// whether this call released it.
     pub async fn release(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         order_no: i64,
         layout: Layout,
         reason: ReleaseReason,
@@ -74,7 +75,7 @@ impl RedisGate {
     /// [`Status::Occupied`] means it is acknowledged now.
     pub async fn ack(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_nos: &[i64],
         now_ms: i64,
@@ -102,7 +103,7 @@ impl RedisGate {
     /// call (see `sending.lua`). `None` when the record is gone.
     pub async fn sending(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_no: i64,
         now_ms: i64,
@@ -123,7 +124,7 @@ impl RedisGate {
     /// `cutoff_ms` for voiding (`void.lua`).
     pub async fn claim_void(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_no: i64,
         cutoff_ms: i64,
@@ -148,7 +149,7 @@ impl RedisGate {
     /// one round trip per shard; `None` where the record is gone.
     pub async fn statuses(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_nos: &[i64],
     ) -> RedisResult<Vec<Option<Status>>> {
@@ -171,7 +172,7 @@ impl RedisGate {
     /// idempotent. Returns the order_nos that had been released meanwhile.
     pub async fn commit(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_nos: &[i64],
     ) -> RedisResult<Vec<i64>> {
@@ -192,7 +193,7 @@ impl RedisGate {
     /// The reservation record of an order, if Redis has it.
     pub async fn reservation(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         order_no: i64,
     ) -> RedisResult<Option<Reservation>> {
@@ -262,7 +263,7 @@ pub struct Reservation {
     /// When it was made (unix ms): the event's `reserved_at_ms`.
     pub reserved_at_ms: i64,
     /// The coupon the purchase named.
-    pub coupon_id: Option<i64>,
+    pub coupon_id: Option<CouponId>,
 }
 
 impl Reservation {
@@ -299,7 +300,7 @@ impl Reservation {
 
     /// The `order.requested` event admission published for it, rebuilt
     /// byte for byte (the consumers deduplicate by its event_id).
-    pub fn event(&self, activity_id: i64, order_no: i64) -> OrderRequested {
+    pub fn event(&self, activity_id: ActivityId, order_no: i64) -> OrderRequested {
         OrderRequested {
             event_id: order_no.to_string(),
             order_no: OrderNo::new(order_no),
@@ -337,14 +338,14 @@ mod tests {
         let published = OrderRequested {
             event_id: "42".into(),
             order_no: OrderNo::new(42),
-            activity_id: 9,
+            activity_id: ActivityId::new(9),
             user_id: 7,
             request_id: "req-1".into(),
             quantity: 2,
-            coupon_id: Some(3),
+            coupon_id: Some(CouponId::new(3)),
             reserved_at_ms: 1_700_000_000_000,
         };
-        assert_eq!(r.event(9, 42).encode(), published.encode());
+        assert_eq!(r.event(ActivityId::new(9), 42).encode(), published.encode());
     }
 
     #[test]

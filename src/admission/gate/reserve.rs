@@ -7,6 +7,7 @@ use redis::RedisResult;
 use super::RedisGate;
 use super::lending::{BORROW_ROUNDS, DRY_MS, IN_FLIGHT_PAUSE, Lend, STALE_TRANSFER_MS};
 use crate::admission::keys::Layout;
+use crate::domain::{ActivityId, CouponId};
 
 /// What the admission script decided. Ordinary outcomes, not errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +39,7 @@ pub enum Admission {
 #[derive(Debug, Clone, Copy)]
 pub struct ReserveRequest<'a> {
     /// The activity.
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     /// The buyer.
     pub user_id: i64,
     /// The client's idempotency key.
@@ -55,7 +56,7 @@ pub struct ReserveRequest<'a> {
     pub now_ms: i64,
     /// The coupon the buyer wants to use, kept on the reservation so the
     /// order event can be rebuilt from it.
-    pub coupon_id: Option<i64>,
+    pub coupon_id: Option<CouponId>,
 }
 
 impl RedisGate {

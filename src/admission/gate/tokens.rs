@@ -4,13 +4,14 @@ use redis::RedisResult;
 
 use super::RedisGate;
 use crate::admission::keys::Layout;
+use crate::domain::ActivityId;
 
 impl RedisGate {
     /// Stores a one-time purchase token bound to `user_id`, in the buyer's
     /// shard.
     pub async fn issue_token(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         user_id: i64,
         token: &str,

@@ -5,12 +5,13 @@ use redis::{RedisResult, Script};
 
 use super::RedisGate;
 use crate::admission::keys::Layout;
+use crate::domain::ActivityId;
 
 /// An activity's sale window and limits, as warmed into Redis.
 #[derive(Debug, Clone, Copy)]
 pub struct WarmSpec {
     /// The activity.
-    pub activity_id: i64,
+    pub activity_id: ActivityId,
     /// Sale start, unix ms.
     pub start_ms: i64,
     /// Sale end, unix ms.
@@ -79,7 +80,12 @@ impl RedisGate {
     /// (the admission script reads the window there): `end_ms` moves to
     /// `now_ms` if it was later, and `start_ms` to just before it if it was
     /// later still. Idempotent; an activity never warmed is left alone.
-    pub async fn end_sale(&self, activity_id: i64, layout: Layout, now_ms: i64) -> RedisResult<()> {
+    pub async fn end_sale(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+        now_ms: i64,
+    ) -> RedisResult<()> {
         let script = Script::new(
             "if redis.call('HEXISTS', KEYS[1], 'start_ms') == 0 then return 0 end \
              local now = tonumber(ARGV[1]) \
@@ -106,7 +112,7 @@ impl RedisGate {
 
     /// Units available in Redis: the sum of every shard's buckets, plus
     /// units lent by one shard and not yet credited to another.
-    pub async fn available(&self, activity_id: i64, layout: Layout) -> RedisResult<i64> {
+    pub async fn available(&self, activity_id: ActivityId, layout: Layout) -> RedisResult<i64> {
         let mut sum = 0;
         for shard in 0..layout.shards {
             sum += self.shard_sum(activity_id, layout, shard).await?;
@@ -125,7 +131,7 @@ impl RedisGate {
 
     pub(crate) async fn shard_sum(
         &self,
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         shard: usize,
     ) -> RedisResult<i64> {

@@ -10,6 +10,7 @@ use crate::activities::cache::Lookup;
 use crate::activities::repo::{self, NewActivity};
 use crate::activities::{Activity, Lifecycle};
 use crate::admission::Layout;
+use crate::domain::ActivityId;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::state::AppState;
@@ -123,7 +124,8 @@ impl CreateActivity {
 /// An activity as clients see it.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ActivityView {
-    activity_id: i64,
+    #[schema(value_type = i64)]
+    activity_id: ActivityId,
     sku_id: i64,
     name: String,
     price_cents: i64,
@@ -215,7 +217,7 @@ pub async fn create(
     Ok(HttpResponse::Created().json(view(&activity, units, state.clock.now())))
 }
 
-async fn load(state: &AppState, id: i64) -> Result<(Activity, repo::StockRow), ApiError> {
+async fn load(state: &AppState, id: ActivityId) -> Result<(Activity, repo::StockRow), ApiError> {
     store::run(&state.pg.db, move |conn| {
         Ok(repo::find_with_stock(conn, id)?)
     })
@@ -241,7 +243,7 @@ async fn load(state: &AppState, id: i64) -> Result<(Activity, repo::StockRow), A
 pub async fn warmup(
     _admin: AdminUser,
     state: web::Data<AppState>,
-    path: web::Path<i64>,
+    path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let (activity, stock) = load(&state, id).await?;
@@ -297,7 +299,7 @@ pub async fn warmup(
     ))]
 pub async fn show(
     state: web::Data<AppState>,
-    path: web::Path<i64>,
+    path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     // Anonymous and cheap to send in floods: its own pool.
@@ -331,7 +333,7 @@ pub async fn show(
 pub async fn end(
     _admin: AdminUser,
     state: web::Data<AppState>,
-    path: web::Path<i64>,
+    path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let now = state.clock.now();
@@ -398,7 +400,7 @@ pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> 
 pub async fn stats(
     _admin: AdminUser,
     state: web::Data<AppState>,
-    path: web::Path<i64>,
+    path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let stats = crate::activities::stats::read(&state.pg.db, &state.redis.gate, &*state.clock, id)
@@ -423,7 +425,7 @@ pub async fn stats(
 pub async fn token(
     user: AuthUser,
     state: web::Data<AppState>,
-    path: web::Path<i64>,
+    path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let ttl = state.settings.admission.token_ttl_secs;

@@ -7,7 +7,7 @@ use serde_json::json;
 
 use crate::coupons::claim::{ClaimRefusal, Claimed};
 use crate::coupons::repo::{self, NewCoupon};
-use crate::domain::RequestId;
+use crate::domain::{CouponId, RequestId};
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::state::AppState;
@@ -138,7 +138,7 @@ pub struct ClaimBody {
 pub async fn claim(
     user: AuthUser,
     state: web::Data<AppState>,
-    path: web::Path<i64>,
+    path: web::Path<CouponId>,
     body: web::Json<ClaimBody>,
 ) -> Result<HttpResponse, ApiError> {
     let coupon_id = path.into_inner();
@@ -225,7 +225,7 @@ pub async fn mine(user: AuthUser, state: web::Data<AppState>) -> Result<HttpResp
 pub async fn stats(
     _admin: AdminUser,
     state: web::Data<AppState>,
-    path: web::Path<i64>,
+    path: web::Path<CouponId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let (found, counts) = store::run(&state.pg.db, move |conn| {

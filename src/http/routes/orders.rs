@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 use crate::admission::admit::{Admitted, Purchase, Refusal};
 use crate::admission::gate::Reservation;
 use crate::admission::{Layout, ThreadGate};
-use crate::domain::{RequestId, UserId};
+use crate::domain::{ActivityId, CouponId, RequestId, UserId};
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::ids::OrderNo;
@@ -36,14 +36,15 @@ pub struct PlaceOrder {
     #[schema(minimum = 1)]
     quantity: Option<i32>,
     /// A claimed coupon to pay with.
-    coupon_id: Option<i64>,
+    #[schema(value_type = Option<i64>)]
+    coupon_id: Option<CouponId>,
 }
 
 impl PlaceOrder {
     /// The purchase this body asks for (400 if its request_id is not one).
     fn purchase(
         self,
-        activity_id: i64,
+        activity_id: ActivityId,
         user_id: UserId,
         client_ip: Option<IpAddr>,
     ) -> Result<Purchase, ApiError> {
@@ -114,7 +115,7 @@ pub async fn place(
     user: AuthUser,
     state: web::Data<AppState>,
     gate: web::Data<ThreadGate>,
-    path: web::Path<i64>,
+    path: web::Path<ActivityId>,
     req: HttpRequest,
     body: web::Json<PlaceOrder>,
 ) -> Result<HttpResponse, ApiError> {
@@ -211,7 +212,7 @@ fn answer(refusal: Refusal) -> ApiError {
 /// The status of an order the caller owns: its row, else its reservation.
 async fn current_status(
     state: &AppState,
-    (activity_id, layout): (i64, Layout),
+    (activity_id, layout): (ActivityId, Layout),
     order_no: OrderNo,
     user_id: UserId,
 ) -> Result<OrderStatus, ApiError> {
@@ -253,11 +254,13 @@ pub struct Placed<'a> {
 pub struct OrderView {
     order_no: String,
     request_id: String,
-    activity_id: i64,
+    #[schema(value_type = i64)]
+    activity_id: ActivityId,
     user_id: i64,
     quantity: i32,
     amount_cents: Option<i64>,
-    coupon_id: Option<i64>,
+    #[schema(value_type = Option<i64>)]
+    coupon_id: Option<CouponId>,
     /// PROCESSING, WAITING_PAY, PAID, CANCELLED, CLOSED or FAILED.
     #[schema(value_type = String)]
     status: OrderStatus,
@@ -338,7 +341,7 @@ pub async fn show(
 pub(super) enum Found {
     Row(Order),
     Reserved {
-        activity_id: i64,
+        activity_id: ActivityId,
         layout: Layout,
         r: Reservation,
     },
@@ -371,7 +374,7 @@ pub(super) async fn find(
     db: &store::PgPool,
     order_no: OrderNo,
     user_id: UserId,
-    activity: Option<(i64, Layout)>,
+    activity: Option<(ActivityId, Layout)>,
 ) -> Result<Option<Found>, ApiError> {
     let now = state.clock.now();
     let (row, recent) = store::run(db, move |conn| {
