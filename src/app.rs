@@ -81,7 +81,7 @@ impl Worker {
             Worker::Closer => w.closer_enabled.then(|| {
                 closer::spawn(
                     state.pg.db.clone(),
-                    Duration::from_millis(w.closer_interval_ms),
+                    w.closer_interval_ms,
                     w.closer_batch.max(1),
                     state.metrics.clone(),
                     state.redis.order_events.clone(),
@@ -92,19 +92,19 @@ impl Worker {
                 .reconcile
                 .enabled
                 .then(|| reconcile::spawn(state.reconciler(), state.sale.restore_wanted.clone())),
-            Worker::LagSampler => {
-                (s.admission.max_consumer_lag > 0 || s.kafka.consumer_stall_secs > 0).then(|| {
-                    progress::spawn_sampler(
-                        state.kafka.order_progress.clone(),
-                        Duration::from_millis(s.admission.lag_sample_ms.max(50)),
-                        state.metrics.order_consumer_lag.clone(),
-                        state.metrics.order_consumer_stalled_seconds.clone(),
-                        state.supervision(),
-                        Duration::from_secs(s.kafka.consumer_stall_secs),
-                    )
-                })
-            }
-            Worker::SoldOutListener => (s.admission.sold_out_ttl_ms > 0).then(|| {
+            Worker::LagSampler => (s.admission.max_consumer_lag > 0
+                || !s.kafka.consumer_stall_secs.is_zero())
+            .then(|| {
+                progress::spawn_sampler(
+                    state.kafka.order_progress.clone(),
+                    s.admission.lag_sample_ms,
+                    state.metrics.order_consumer_lag.clone(),
+                    state.metrics.order_consumer_stalled_seconds.clone(),
+                    state.supervision(),
+                    s.kafka.consumer_stall_secs,
+                )
+            }),
+            Worker::SoldOutListener => (!s.admission.sold_out_ttl_ms.is_zero()).then(|| {
                 let channel = crate::admission::soldout::channel(&s.redis.key_prefix);
                 let flags = state.sale.sold_out.clone();
                 let seeds = seed_nodes(s);
@@ -192,8 +192,9 @@ impl Application {
         // Connections get two thirds of the shutdown deadline to finish,
         // the workers the rest; at the deadline the process exits anyway
         // (`run_until_stopped`).
-        let shutdown = (settings.app.shutdown_timeout_secs * 2 / 3).max(1);
-        let deadline = Duration::from_secs(settings.app.shutdown_timeout_secs);
+        let deadline = settings.app.shutdown_timeout_secs;
+        // actix counts whole seconds: at least one.
+        let shutdown = (deadline * 2 / 3).as_secs().max(1);
         let keys = web::Data::new(JwtKeys::from_settings(&settings.auth)?);
         let mut state = AppState::connect_with_clock(settings, clock)?;
         state.payments.self_url = format!("http://{}:{port}", loopback(&state.settings.app.host));

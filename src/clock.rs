@@ -15,6 +15,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
+/// A duration in whole milliseconds, for arithmetic on unix-ms instants
+/// (saturating: no setting is anywhere near 292 million years).
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
 /// A source of the current time.
 pub trait Clock: Send + Sync {
     /// Now.

@@ -4,10 +4,32 @@
 //! `Settings` (logs, panics, `Debug`) never shows them.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
+
+/// Durations as the files write them: whole milliseconds or seconds, the
+/// key's suffix (`_ms`, `_secs`) naming the unit. Their lower bounds are
+/// checked once, in [`Settings::validate`].
+mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer};
+
+    pub fn millis<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
+    }
+
+    pub fn secs<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_secs)
+    }
+
+    pub fn optional_secs<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_secs))
+    }
+}
 
 /// The JWT secret shipped in `config/default.toml`. Known to everyone who
 /// reads the repository, so production refuses to start with it.
@@ -49,11 +71,13 @@ pub struct ReconcileSettings {
     /// Run the reconciler periodically inside `serve`.
     pub enabled: bool,
     /// Pause between runs, in seconds.
-    pub interval_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub interval_secs: Duration,
     /// A reservation still open this long after it was made has no order
     /// event behind it (a crash between reserve and publish): it is voided.
     /// Must be well above `2 × kafka.timeout_ms` plus the consumer's lag.
-    pub reservation_grace_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub reservation_grace_secs: Duration,
     /// Sooner than the grace, an unacknowledged reservation is voided once
     /// this long has passed since it was made or last sent and the order
     /// consumers have committed every partition to its end (its event, had
@@ -61,15 +85,16 @@ pub struct ReconcileSettings {
     /// Redis that lost an activity waits before it is restored from the
     /// database. Must cover a message's whole life in the producer: at
     /// least `2 × kafka.message_timeout_ms + admission.publish_budget_ms`.
-    pub publish_window_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub publish_window_secs: Duration,
     /// How long after an activity's end its Redis keys are removed (once
     /// every order is settled and the figures agree), in seconds.
-    pub cleanup_after_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub cleanup_after_secs: Duration,
     /// Lifetime of the lease one reconciler holds at a time, in seconds;
-    /// renewed every third of it while a run lasts. Unset: four intervals,
-    /// at least 120 s.
-    #[serde(default)]
-    pub lease_secs: Option<u64>,
+    /// renewed every third of it while a run lasts. Unset: 30 s.
+    #[serde(default, deserialize_with = "duration::optional_secs")]
+    pub lease_secs: Option<Duration>,
 }
 
 /// The payment provider.
@@ -80,7 +105,8 @@ pub struct PaymentSettings {
     /// Shared HMAC-SHA256 secret of `X-Pay-Signature`.
     pub notify_secret: SecretString,
     /// Largest accepted |now − t| of a signed callback, in seconds.
-    pub signature_tolerance_secs: i64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub signature_tolerance_secs: Duration,
 }
 
 /// Background workers run by `serve` (each can be switched off).
@@ -89,13 +115,15 @@ pub struct WorkerSettings {
     /// Close overdue WAITING_PAY orders.
     pub closer_enabled: bool,
     /// Pause between closer scans, in milliseconds.
-    pub closer_interval_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub closer_interval_ms: Duration,
     /// Orders closed per transaction.
     pub closer_batch: i64,
     /// Publish the transactional outbox.
     pub relay_enabled: bool,
     /// Pause between outbox polls when idle, in milliseconds.
-    pub relay_poll_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub relay_poll_ms: Duration,
     /// Outbox rows published per transaction.
     pub relay_batch: i64,
     /// Attempts before an outbox row is marked DEAD.
@@ -110,7 +138,8 @@ pub struct WorkerSettings {
 #[derive(Debug, Clone, Deserialize)]
 pub struct AdmissionSettings {
     /// Lifetime of a one-time purchase token, in seconds.
-    pub token_ttl_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub token_ttl_secs: Duration,
     /// Per-activity token bucket refill rate (requests/s); 0 = off.
     pub activity_rate_per_sec: u32,
     /// Per-activity token bucket capacity.
@@ -136,24 +165,33 @@ pub struct AdmissionSettings {
     /// messages behind (SPEC step 2); 0 turns it off.
     pub max_consumer_lag: i64,
     /// How often `serve` samples that lag, in milliseconds.
-    pub lag_sample_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub lag_sample_ms: Duration,
     /// How long reservation records live in Redis, in seconds.
-    pub reservation_ttl_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub reservation_ttl_secs: Duration,
     /// How long a purchase waits for its delivery report before it answers
     /// 503 RETRY_LATER (the delivery goes on in the background), in ms.
-    pub publish_budget_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub publish_budget_ms: Duration,
     /// How long this instance answers SOLD_OUT from memory after Redis
     /// said so for an activity, unless a release clears it first, in ms;
     /// 0 turns the sold-out fast path off.
-    #[serde(default = "default_sold_out_ttl_ms")]
-    pub sold_out_ttl_ms: u64,
+    #[serde(
+        default = "default_sold_out_ttl_ms",
+        deserialize_with = "duration::millis"
+    )]
+    pub sold_out_ttl_ms: Duration,
     /// Sell through the database while Redis is down (docs/FALLBACK.md).
     #[serde(default = "default_true")]
     pub fallback_enabled: bool,
     /// How long Redis must have failed every probe before this instance
     /// takes purchases to the database, in ms.
-    #[serde(default = "default_fallback_after_ms")]
-    pub fallback_after_ms: u64,
+    #[serde(
+        default = "default_fallback_after_ms",
+        deserialize_with = "duration::millis"
+    )]
+    pub fallback_after_ms: Duration,
     /// Purchases per second per activity (on each instance) the fallback
     /// admits; 0 refuses them all (429).
     #[serde(default = "default_fallback_rate_per_sec")]
@@ -164,16 +202,16 @@ fn default_true() -> bool {
     true
 }
 
-fn default_fallback_after_ms() -> u64 {
-    2000
+fn default_fallback_after_ms() -> Duration {
+    Duration::from_millis(2000)
 }
 
 fn default_fallback_rate_per_sec() -> u32 {
     1000
 }
 
-fn default_sold_out_ttl_ms() -> u64 {
-    200
+fn default_sold_out_ttl_ms() -> Duration {
+    Duration::from_millis(200)
 }
 
 /// Order-creating consumer settings (SPEC step 3).
@@ -184,14 +222,18 @@ pub struct OrderSettings {
     /// Largest number of messages in one database transaction.
     pub batch_size: usize,
     /// Longest wait for a batch to fill, in milliseconds.
-    pub batch_wait_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub batch_wait_ms: Duration,
     /// Batches applied at once, each in its own transaction.
     #[serde(default = "default_batches_in_flight")]
     pub batches_in_flight: usize,
     /// How long an order's event stream stays open without reaching a
     /// final status, in seconds.
-    #[serde(default = "default_events_timeout_secs")]
-    pub events_timeout_secs: u64,
+    #[serde(
+        default = "default_events_timeout_secs",
+        deserialize_with = "duration::secs"
+    )]
+    pub events_timeout_secs: Duration,
     /// Order event streams one user may hold open at once on this
     /// instance; one more answers 429.
     #[serde(default = "default_streams_per_user")]
@@ -206,8 +248,8 @@ fn default_batches_in_flight() -> usize {
     4
 }
 
-fn default_events_timeout_secs() -> u64 {
-    1800
+fn default_events_timeout_secs() -> Duration {
+    Duration::from_secs(1800)
 }
 
 /// Process-level settings.
@@ -230,9 +272,11 @@ pub struct AppSettings {
     /// Lifetime of the instance-id lease in Redis, in seconds; renewed five
     /// times per lifetime. A process that cannot renew stops making order
     /// numbers when it runs out; a crashed one's id is free again after it.
-    pub instance_lease_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub instance_lease_secs: Duration,
     /// How long a graceful shutdown waits for in-flight requests, in seconds.
-    pub shutdown_timeout_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub shutdown_timeout_secs: Duration,
 }
 
 /// JWT verification settings.
@@ -292,7 +336,8 @@ pub struct RedisSettings {
     /// Largest number of pooled connections (`gate_connection = "pool"`).
     pub pool_size: usize,
     /// Connect / checkout timeout, in milliseconds.
-    pub timeout_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub timeout_ms: Duration,
     /// Connection of the admission script: `multiplexed` (one long-lived
     /// pipelined connection, the default) or `pool` (a deadpool checkout per
     /// call, which PINGs on recycle). See BENCHMARKS.md.
@@ -310,7 +355,8 @@ pub struct PostgresSettings {
     /// view, readiness), which therefore never take the consumers' ones.
     pub public_pool_size: u32,
     /// Connection checkout timeout, in milliseconds.
-    pub timeout_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub timeout_ms: Duration,
 }
 
 /// Kafka settings.
@@ -321,14 +367,17 @@ pub struct KafkaSettings {
     /// Prefix of every topic and consumer group name; tests use one per test.
     pub topic_prefix: String,
     /// Timeout of metadata and admin calls, in milliseconds.
-    pub timeout_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub timeout_ms: Duration,
     /// How long librdkafka retries one message before reporting a timeout
     /// (`message.timeout.ms`), in milliseconds.
-    pub message_timeout_ms: u64,
+    #[serde(deserialize_with = "duration::millis")]
+    pub message_timeout_ms: Duration,
     /// A consumer with messages waiting that commits nothing, or that
     /// cannot reach its group coordinator, this long is rebuilt; purchases
     /// get 503 BUSY while the order consumers are stalled this long. 0 = off.
-    pub consumer_stall_secs: u64,
+    #[serde(deserialize_with = "duration::secs")]
+    pub consumer_stall_secs: Duration,
     /// Partitions of the topics this service creates.
     pub partitions: i32,
     /// Replication factor of the topics this service creates (1 for the
@@ -337,12 +386,12 @@ pub struct KafkaSettings {
     pub replication_factor: i32,
     /// How long the producer waits to fill a batch (`linger.ms`), in
     /// milliseconds.
-    #[serde(default = "default_linger_ms")]
-    pub linger_ms: u64,
+    #[serde(default = "default_linger_ms", deserialize_with = "duration::millis")]
+    pub linger_ms: Duration,
 }
 
-fn default_linger_ms() -> u64 {
-    2
+fn default_linger_ms() -> Duration {
+    Duration::from_millis(2)
 }
 
 /// Log output settings.
@@ -391,11 +440,8 @@ impl Settings {
     /// a delivery that began within the publish budget and was retried by
     /// librdkafka for a message timeout, once more. Reservations are voided,
     /// and a lost Redis restored, only after this has passed.
-    pub fn in_flight_bound_ms(&self) -> u64 {
-        self.kafka
-            .message_timeout_ms
-            .saturating_mul(2)
-            .saturating_add(self.admission.publish_budget_ms)
+    pub fn in_flight_bound(&self) -> Duration {
+        self.kafka.message_timeout_ms * 2 + self.admission.publish_budget_ms
     }
 
     /// How long after Redis was seen to have lost an activity an event sent
@@ -404,10 +450,8 @@ impl Settings {
     /// messages already handed to librdkafka (within a publish budget of
     /// their reservation) are left, and librdkafka reports each within its
     /// message timeout. The restore waits this long.
-    pub fn restore_wait_ms(&self) -> u64 {
-        self.kafka
-            .message_timeout_ms
-            .saturating_add(self.admission.publish_budget_ms)
+    pub fn restore_wait(&self) -> Duration {
+        self.kafka.message_timeout_ms + self.admission.publish_budget_ms
     }
 
     /// How many `X-Forwarded-For` hops from the right name the client.
@@ -467,9 +511,7 @@ impl Settings {
                 );
             }
         }
-        if self.app.instance_lease_secs < 2 {
-            bail!("app.instance_lease_secs must be at least 2");
-        }
+        self.check_durations()?;
         if self.redis.mode == RedisMode::Cluster
             && self.redis.gate_connection == GateConnection::Pool
         {
@@ -477,7 +519,7 @@ impl Settings {
                 "redis.gate_connection = \"pool\" is for one server only, not redis.mode = \"cluster\""
             );
         }
-        if self.reconcile.publish_window_secs.saturating_mul(1000) < self.in_flight_bound_ms() {
+        if self.reconcile.publish_window_secs < self.in_flight_bound() {
             bail!(
                 "reconcile.publish_window_secs must be at least \
                  2 × kafka.message_timeout_ms + admission.publish_budget_ms \
@@ -493,6 +535,81 @@ impl Settings {
                 "app.instance_id must be within 0..=1022 (10 bits of the snowflake id; \
                  1023 is the database's, for orders admitted while Redis is down)"
             );
+        }
+        Ok(())
+    }
+}
+
+impl Settings {
+    /// Every duration's lower bound, each named by its key: the ones the
+    /// code divides by, waits on in a loop, or needs at least one tick of.
+    fn check_durations(&self) -> anyhow::Result<()> {
+        let ms = Duration::from_millis;
+        let s = Duration::from_secs;
+        let bounds = [
+            (
+                "app.instance_lease_secs",
+                self.app.instance_lease_secs,
+                s(2),
+            ),
+            (
+                "app.shutdown_timeout_secs",
+                self.app.shutdown_timeout_secs,
+                s(1),
+            ),
+            (
+                "admission.publish_budget_ms",
+                self.admission.publish_budget_ms,
+                ms(1),
+            ),
+            (
+                "admission.lag_sample_ms",
+                self.admission.lag_sample_ms,
+                ms(50),
+            ),
+            (
+                "admission.token_ttl_secs",
+                self.admission.token_ttl_secs,
+                s(1),
+            ),
+            (
+                "admission.reservation_ttl_secs",
+                self.admission.reservation_ttl_secs,
+                s(1),
+            ),
+            ("orders.batch_wait_ms", self.orders.batch_wait_ms, ms(1)),
+            (
+                "orders.events_timeout_secs",
+                self.orders.events_timeout_secs,
+                s(1),
+            ),
+            (
+                "workers.closer_interval_ms",
+                self.workers.closer_interval_ms,
+                ms(1),
+            ),
+            ("workers.relay_poll_ms", self.workers.relay_poll_ms, ms(10)),
+            (
+                "reconcile.interval_secs",
+                self.reconcile.interval_secs,
+                s(1),
+            ),
+            ("redis.timeout_ms", self.redis.timeout_ms, ms(1)),
+            ("postgres.timeout_ms", self.postgres.timeout_ms, ms(1)),
+            ("kafka.timeout_ms", self.kafka.timeout_ms, ms(1)),
+            (
+                "kafka.message_timeout_ms",
+                self.kafka.message_timeout_ms,
+                ms(1),
+            ),
+        ];
+        for (key, value, least) in bounds {
+            if value < least {
+                bail!("{key} must be at least {least:?} (it is {value:?})");
+            }
+        }
+        if self.reconcile.lease_secs.is_some_and(|l| l < s(1)) {
+            bail!("reconcile.lease_secs must be at least 1 s when set");
         }
         Ok(())
     }
@@ -519,6 +636,19 @@ mod tests {
         // As config/production.toml has it.
         s.payment.mock = env != "production";
         s
+    }
+
+    #[test]
+    fn a_duration_below_its_bound_is_refused_by_its_key() {
+        let mut s = settings("test", DEV_JWT_SECRET);
+        assert!(s.validate().is_ok());
+        s.workers.relay_poll_ms = Duration::from_millis(5);
+        let err = s.validate().expect_err("below 10 ms").to_string();
+        assert!(err.contains("workers.relay_poll_ms"), "{err}");
+        s.workers.relay_poll_ms = Duration::from_millis(10);
+        s.admission.publish_budget_ms = Duration::ZERO;
+        let err = s.validate().expect_err("zero budget").to_string();
+        assert!(err.contains("admission.publish_budget_ms"), "{err}");
     }
 
     #[test]
@@ -590,12 +720,12 @@ mod tests {
     fn a_publish_window_shorter_than_a_publish_can_take_is_refused() {
         let mut s = Settings::load_env("test").expect("test settings load");
         assert!(s.validate().is_ok());
-        s.kafka.message_timeout_ms = 15_000;
-        s.admission.publish_budget_ms = 5_000;
-        s.reconcile.publish_window_secs = 30;
+        s.kafka.message_timeout_ms = std::time::Duration::from_millis(15_000);
+        s.admission.publish_budget_ms = std::time::Duration::from_millis(5_000);
+        s.reconcile.publish_window_secs = std::time::Duration::from_secs(30);
         let err = s.validate().expect_err("30 s < 2 × 15 s + 5 s");
         assert!(err.to_string().contains("publish_window_secs"), "{err}");
-        s.reconcile.publish_window_secs = 35;
+        s.reconcile.publish_window_secs = std::time::Duration::from_secs(35);
         assert!(s.validate().is_ok());
     }
 

@@ -215,9 +215,7 @@ async fn consume(settings: Settings, which: Consumers) -> anyhow::Result<()> {
     let names: Vec<&str> = running.iter().map(|(name, _)| *name).collect();
     tracing::info!(consumers = ?names, "consumers running");
     seckill::app::shutdown_signal().await;
-    seckill::app::exit_at(std::time::Duration::from_secs(
-        deps.settings.app.shutdown_timeout_secs,
-    ));
+    seckill::app::exit_at(deps.settings.app.shutdown_timeout_secs);
     for (_, handle) in running {
         handle.stop().await;
     }

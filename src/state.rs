@@ -207,7 +207,7 @@ impl Sale {
             p.pg.db.clone(),
             &settings.redis.key_prefix,
             settings.app.instance_id,
-            Duration::from_secs(settings.app.instance_lease_secs),
+            settings.app.instance_lease_secs,
             leased.clone(),
             metrics.instance_id.clone(),
         );
@@ -218,13 +218,13 @@ impl Sale {
             gate: gate.clone(),
             acks: Acks::start(gate.clone(), a.max_pending_acks, clock.clone()),
             metrics: metrics.clone(),
-            budget: Duration::from_millis(a.publish_budget_ms.max(1)),
+            budget: a.publish_budget_ms,
             breaker: Breaker::default(),
             clock: clock.clone(),
         });
         let activities = Arc::new(ActivityCache::default());
         let sold_out = Arc::new(SoldOut::new(
-            Duration::from_millis(a.sold_out_ttl_ms),
+            a.sold_out_ttl_ms,
             metrics.sold_out_activities.clone(),
         ));
         let restore_wanted = Arc::new(Notify::new());
@@ -432,7 +432,7 @@ pub(crate) fn loopback(host: &str) -> &str {
 /// Builds the Redis pool with bounded waits, so a dead Redis fails a request
 /// quickly instead of hanging it.
 pub fn redis_pool(settings: &RedisSettings) -> anyhow::Result<deadpool_redis::Pool> {
-    let timeout = Some(Duration::from_millis(settings.timeout_ms));
+    let timeout = Some(settings.timeout_ms);
     let mut config = deadpool_redis::Config::from_url(settings.url.clone());
     let mut pool = PoolConfig::new(settings.pool_size);
     pool.timeouts = Timeouts {

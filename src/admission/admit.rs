@@ -555,7 +555,8 @@ impl Admitter {
             ));
         }
         if self.order_consumers_stalled().is_some() {
-            let window = u32::try_from(self.settings.kafka.consumer_stall_secs).unwrap_or(30);
+            let window =
+                u32::try_from(self.settings.kafka.consumer_stall_secs.as_secs()).unwrap_or(30);
             return Some((
                 "the order consumers are stalled; retry shortly",
                 window.clamp(1, 30),
@@ -568,7 +569,8 @@ impl Admitter {
     /// waiting and committed nothing, once that reaches
     /// `kafka.consumer_stall_secs`.
     pub fn order_consumers_stalled(&self) -> Option<i64> {
-        let stall = i64::try_from(self.settings.kafka.consumer_stall_secs).unwrap_or(i64::MAX);
+        let stall =
+            i64::try_from(self.settings.kafka.consumer_stall_secs.as_secs()).unwrap_or(i64::MAX);
         let stalled = self.metrics.order_consumer_stalled_seconds.get();
         (stall > 0 && stalled >= stall).then_some(stalled)
     }

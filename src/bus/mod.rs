@@ -14,7 +14,6 @@ pub use producer::{Delivery, Producer, PublishError};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use anyhow::Context;
 use rdkafka::ClientConfig;
@@ -111,7 +110,7 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow:
             )
         })
         .collect();
-    let timeout = Duration::from_millis(settings.timeout_ms);
+    let timeout = settings.timeout_ms;
     let options = AdminOptions::new()
         .operation_timeout(Some(timeout))
         .request_timeout(Some(timeout));

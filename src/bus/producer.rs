@@ -305,7 +305,7 @@ impl Producer {
     /// in between.
     pub fn supervise(&self, watch: super::runner::Supervision) -> crate::worker::WorkerHandle {
         let producer = self.clone();
-        let stall = Duration::from_secs(self.settings.consumer_stall_secs);
+        let stall = self.settings.consumer_stall_secs;
         watch.rebuilds.with_label_values(&["producer"]);
         crate::worker::WorkerHandle::spawn(move |stop| async move {
             let mut in_a_row = 0;
@@ -394,11 +394,15 @@ fn build(settings: &KafkaSettings, progress: &Arc<Progress>) -> anyhow::Result<C
     super::client_config(settings)
         .set("enable.idempotence", "true")
         .set("acks", "all")
-        .set("linger.ms", settings.linger_ms.to_string())
+        .set("linger.ms", settings.linger_ms.as_millis().to_string())
         .set("queue.buffering.max.messages", "200000")
         .set(
             "message.timeout.ms",
-            settings.message_timeout_ms.max(1000).to_string(),
+            settings
+                .message_timeout_ms
+                .max(Duration::from_secs(1))
+                .as_millis()
+                .to_string(),
         )
         .create_with_context(DeliveryContext(progress.clone()))
         .context("creating the Kafka producer")

@@ -42,7 +42,7 @@ impl GroupProgress {
             kafka: kafka.clone(),
             group: group.to_owned(),
             topic: topic.to_owned(),
-            timeout: Duration::from_millis(kafka.timeout_ms.max(100)),
+            timeout: kafka.timeout_ms.max(Duration::from_millis(100)),
             failing_since: AtomicI64::new(0),
         })
     }

@@ -150,7 +150,7 @@ async fn supervise<H: Handler>(
     // alert on its increase sees it before the first rebuild.
     supervision.restarts.with_label_values(&[&group]);
     supervision.rebuilds.with_label_values(&[sub.group]);
-    let stall = Duration::from_secs(kafka.consumer_stall_secs);
+    let stall = kafka.consumer_stall_secs;
     // How long the group has had messages waiting with nothing committed,
     // sampled from outside the client by a task of its own (a sample can
     // take seconds while the broker is away).

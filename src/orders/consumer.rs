@@ -99,7 +99,7 @@ impl ConsumerDeps {
 /// Subscribes and starts the consumer on the current runtime.
 pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
     let orders = &deps.settings.orders;
-    let wait = Duration::from_millis(orders.batch_wait_ms);
+    let wait = orders.batch_wait_ms;
     deps.subscribe_in_flight(
         CONSUMER,
         &deps.topics.order_requested,

@@ -47,7 +47,7 @@ pub fn spawn(relay: Relay) -> WorkerHandle {
 }
 
 async fn run(relay: Relay, shutdown: CancellationToken) {
-    let idle = Duration::from_millis(relay.settings.relay_poll_ms.max(10));
+    let idle = relay.settings.relay_poll_ms;
     let mut last_gauges = std::time::Instant::now() - Duration::from_secs(60);
     while !shutdown.is_cancelled() {
         let handled = match tick(&relay).await {

@@ -46,7 +46,7 @@ impl Reconciler {
         // The moment first, the consumers' progress after it.
         let at_ms = self.clock.now_ms();
         let proven = self.coupon_progress.caught_up().await.unwrap_or(false);
-        let bound = i64::try_from(self.settings.restore_wait_ms()).unwrap_or(i64::MAX / 2);
+        let bound = crate::clock::millis(self.settings.restore_wait());
         let mut waiting = Vec::new();
         for id in lost {
             let since = self.coupons.lost_since(id, at_ms).await?;
@@ -83,9 +83,7 @@ impl Reconciler {
     /// publish window ago and still unconfirmed; a delivered one is
     /// confirmed. A send that fails stays for the next run.
     async fn resend_unconfirmed_claims(&self, coupon_id: CouponId) -> anyhow::Result<()> {
-        let window_ms = i64::try_from(self.settings.reconcile.publish_window_secs)
-            .unwrap_or(i64::MAX / 2000)
-            .saturating_mul(1000);
+        let window_ms = crate::clock::millis(self.settings.reconcile.publish_window_secs);
         let before_ms = self.clock.now_ms().saturating_sub(window_ms);
         let due = self
             .coupons

@@ -132,7 +132,7 @@ pub struct Reconciler {
 /// while a restore waits for its moment — never more than once a second,
 /// however often it is woken.
 pub fn spawn(r: Reconciler, wake: Arc<Notify>) -> WorkerHandle {
-    let interval = Duration::from_secs(r.settings.reconcile.interval_secs.max(1));
+    let interval = r.settings.reconcile.interval_secs;
     let at_most_every = Duration::from_secs(1).min(interval);
     WorkerHandle::spawn(|stop| async move {
         let mut next = interval;
@@ -215,7 +215,7 @@ struct Released {
 }
 
 /// The reconcile lease's lifetime when `reconcile.lease_secs` is unset.
-const DEFAULT_LEASE_SECS: u64 = 30;
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 impl Reconciler {
     /// What this run changes in Redis, through the gate's connection.
@@ -235,13 +235,8 @@ impl Reconciler {
         // Short: an instance killed while it held the lease holds up
         // every repair (a restore of a Redis lost meanwhile among them)
         // until it expires. The renewal keeps a long run holding it.
-        let ttl_ms = self
-            .settings
-            .reconcile
-            .lease_secs
-            .unwrap_or(DEFAULT_LEASE_SECS)
-            .max(1)
-            .saturating_mul(1000);
+        let ttl = self.settings.reconcile.lease_secs.unwrap_or(DEFAULT_LEASE);
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         if !self.notes.try_lease(LEASE, &self.owner, ttl_ms).await? {
             return Ok(None);
         }
@@ -249,7 +244,7 @@ impl Reconciler {
         let renewing = {
             let (notes, owner, held) = (self.notes.clone(), self.owner.clone(), held.clone());
             tokio::spawn(async move {
-                let every = Duration::from_millis(ttl_ms / 3);
+                let every = ttl / 3;
                 let mut renewed = std::time::Instant::now();
                 loop {
                     tokio::time::sleep(every).await;
@@ -258,7 +253,7 @@ impl Reconciler {
                         Ok(false) => break,
                         Err(e) => {
                             tracing::warn!(error = %e, "reconcile lease not renewed");
-                            if renewed.elapsed() >= Duration::from_millis(ttl_ms) {
+                            if renewed.elapsed() >= ttl {
                                 break;
                             }
                         }
@@ -287,10 +282,7 @@ impl Reconciler {
             by: &self.owner,
             activities: reports,
         };
-        let ttl = self
-            .settings
-            .reconcile
-            .interval_secs
+        let ttl = (self.settings.reconcile.interval_secs.as_secs())
             .saturating_mul(10)
             .max(3600);
         match serde_json::to_string(&last) {
@@ -327,9 +319,9 @@ impl Reconciler {
             Ok(crate::activities::repo::to_reconcile(conn)?)
         })
         .await?;
-        let cleanup_after = chrono::Duration::seconds(
-            i64::try_from(self.settings.reconcile.cleanup_after_secs).unwrap_or(i64::MAX / 4),
-        );
+        let cleanup_after = chrono::Duration::milliseconds(crate::clock::millis(
+            self.settings.reconcile.cleanup_after_secs,
+        ));
         // Asked of Kafka once per run, for every activity.
         let cutoff = self.void_cutoff().await;
         let mut reports = Vec::with_capacity(ids.len());
@@ -594,8 +586,7 @@ impl Reconciler {
     /// the script then records the release as it gives the units back).
     /// Returns the units given back now.
     async fn apply_releases(&self, activity_id: ActivityId, layout: Layout) -> anyhow::Result<i64> {
-        let ttl =
-            i64::try_from(self.settings.admission.reservation_ttl_secs).unwrap_or(i64::MAX / 2);
+        let ttl = crate::clock::millis(self.settings.admission.reservation_ttl_secs) / 1000;
         let released: Vec<Released> = store::run(&self.db, move |conn| {
             Ok(diesel::sql_query(format!(
                 "SELECT order_no, user_id, quantity, \

@@ -72,7 +72,7 @@ impl Reconciler {
         report.differences.push(format!(
             "Redis has no stock for this warmed activity (seen lost at {since} ms)"
         ));
-        let bound = i64::try_from(self.settings.restore_wait_ms()).unwrap_or(i64::MAX / 2);
+        let bound = crate::clock::millis(self.settings.restore_wait());
         let safe_from = since.saturating_add(bound);
         if cutoff.at_ms < safe_from || !cutoff.proven {
             report.restoring = true;
@@ -86,7 +86,7 @@ impl Reconciler {
             });
             return Ok(report);
         }
-        let ttl_secs = self.settings.admission.reservation_ttl_secs as f64;
+        let ttl_secs = self.settings.admission.reservation_ttl_secs.as_secs_f64();
         self.switch_admission(activity_id, &[Mode::Database, Mode::Redis], Mode::Restoring)
             .await?;
         let restore = store::run(&self.db, move |conn| {

@@ -159,11 +159,7 @@ impl Reconciler {
     pub(super) async fn void_cutoff(&self) -> Cutoff {
         let r = &self.settings.reconcile;
         let now = self.clock.now_ms();
-        let secs = |s: u64| {
-            i64::try_from(s)
-                .unwrap_or(i64::MAX / 2_000)
-                .saturating_mul(1000)
-        };
+        let secs = crate::clock::millis;
         let grace = Cutoff {
             at_ms: now,
             before_ms: now - secs(r.reservation_grace_secs),

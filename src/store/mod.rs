@@ -5,8 +5,6 @@ pub mod notes;
 pub mod redis_conn;
 pub mod schema;
 
-use std::time::Duration;
-
 use anyhow::Context;
 use diesel::PgConnection;
 use diesel::r2d2::{ConnectionManager, Pool, PooledConnection};
@@ -32,7 +30,7 @@ pub fn pool(settings: &PostgresSettings) -> PgPool {
     Pool::builder()
         .max_size(settings.pool_size)
         .min_idle(Some(0))
-        .connection_timeout(Duration::from_millis(settings.timeout_ms))
+        .connection_timeout(settings.timeout_ms)
         .build_unchecked(manager)
 }
 
@@ -49,7 +47,7 @@ pub fn public_pool(settings: &PostgresSettings) -> PgPool {
     Pool::builder()
         .max_size(settings.public_pool_size.max(1))
         .min_idle(Some(0))
-        .connection_timeout(Duration::from_millis(settings.timeout_ms))
+        .connection_timeout(settings.timeout_ms)
         .build_unchecked(manager)
 }
 

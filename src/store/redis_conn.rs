@@ -8,8 +8,6 @@
 //! keys (PING, SCRIPT LOAD, KEYS) are routed to every master by the cluster
 //! client.
 
-use std::time::Duration;
-
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
@@ -39,7 +37,7 @@ pub enum RedisClient {
 impl RedisClient {
     /// The client for `settings` (nothing connects yet).
     pub fn new(settings: &RedisSettings) -> RedisResult<Self> {
-        let timeout = Duration::from_millis(settings.timeout_ms);
+        let timeout = settings.timeout_ms;
         if settings.mode == RedisMode::Cluster {
             let client = ClusterClient::builder(seed_nodes(&settings.url))
                 .connection_timeout(timeout)

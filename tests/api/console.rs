@@ -187,7 +187,8 @@ async fn the_development_token_exists_only_on_a_development_server() {
 
 #[tokio::test]
 async fn the_last_reconciliation_report_is_kept_for_the_operator() {
-    let app = spawn_app_with(|s| s.reconcile.interval_secs = 3600).await;
+    let app =
+        spawn_app_with(|s| s.reconcile.interval_secs = std::time::Duration::from_secs(3600)).await;
     let admin = app.admin_token();
     let id = app.live_activity(3, 1, 1).await;
     let before = json(app.get("/api/v1/admin/reconcile/last", Some(&admin)).await).await;

@@ -315,7 +315,9 @@ async fn below_the_minimum_amount_the_order_fails_and_keeps_its_coupon_free() {
 
 #[tokio::test]
 async fn cancel_and_timeout_each_return_the_coupon_exactly_once() {
-    let app = spawn_app_with(|s| s.workers.closer_interval_ms = 200).await;
+    let app =
+        spawn_app_with(|s| s.workers.closer_interval_ms = std::time::Duration::from_millis(200))
+            .await;
     let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
     for user in [1, 2] {
         assert_eq!(claim(&app, user, coupon, "c").await.0, 202);
@@ -441,7 +443,7 @@ async fn a_claim_cut_off_by_a_shutdown_out_of_time_is_still_undone() {
     // them. The claim must not stay taken with no event behind it.
     let app = spawn_app_with(|s| {
         crate::helpers::kafka_unreachable(s, 3000);
-        s.app.shutdown_timeout_secs = 1;
+        s.app.shutdown_timeout_secs = std::time::Duration::from_secs(1);
     })
     .await;
     let coupon = create_coupon(&app, 5, 500, 0, 3600).await;

@@ -179,7 +179,7 @@ async fn while_the_order_consumers_lag_past_the_limit_purchases_get_503_busy_and
     let app = spawn_app_with(|s| {
         crate::helpers::without_order_consumer(s);
         s.admission.max_consumer_lag = 3;
-        s.admission.lag_sample_ms = 100;
+        s.admission.lag_sample_ms = std::time::Duration::from_millis(100);
     })
     .await;
     let activity = app.live_activity(10, 1, 1).await;

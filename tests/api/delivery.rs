@@ -348,8 +348,8 @@ async fn a_purchase_not_confirmed_within_its_budget_keeps_its_order_no_and_a_ret
     // can come back in time, so the outcome is unknown when the buyer hears
     // (with the default 2 ms linger, a loaded host could see both at once).
     let app = spawn_app_with(|s| {
-        s.admission.publish_budget_ms = 1;
-        s.kafka.linger_ms = 1000;
+        s.admission.publish_budget_ms = std::time::Duration::from_millis(1);
+        s.kafka.linger_ms = std::time::Duration::from_millis(1000);
     })
     .await;
     let activity = app.live_activity(10, 1, 1).await;
@@ -496,8 +496,8 @@ async fn a_consumer_group_wedged_with_messages_waiting_is_rebuilt_reported_and_b
     // so the order consumer gets no partition while messages wait.
     let app = spawn_app_with(|s| {
         crate::helpers::without_order_consumer(s);
-        s.kafka.consumer_stall_secs = 3;
-        s.admission.lag_sample_ms = 200;
+        s.kafka.consumer_stall_secs = std::time::Duration::from_secs(3);
+        s.admission.lag_sample_ms = std::time::Duration::from_millis(200);
     })
     .await;
     let activity = app.live_activity(20, 1, 1).await;

@@ -15,7 +15,7 @@ use crate::helpers::{OPEN, TestApp, eventually, json, spawn_app_with};
 async fn without_redis(stock: i32, rate: u32) -> (TestApp, i64) {
     let app = spawn_app_with(|s| {
         s.redis.url = "redis://127.0.0.1:1".into();
-        s.admission.fallback_after_ms = 200;
+        s.admission.fallback_after_ms = std::time::Duration::from_millis(200);
         s.admission.fallback_rate_per_sec = rate;
     })
     .await;
@@ -309,7 +309,7 @@ async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does
     let redis = Switch::start(real.trim_start_matches("redis://").trim_end_matches('/')).await;
     let app = spawn_app_with(|s| {
         s.redis.url = format!("redis://{}", redis.addr);
-        s.admission.fallback_after_ms = 200;
+        s.admission.fallback_after_ms = std::time::Duration::from_millis(200);
     })
     .await;
     app.wait_until_ready().await;

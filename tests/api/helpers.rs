@@ -123,15 +123,15 @@ impl TestApp {
 /// off too.
 pub fn without_order_consumer(settings: &mut Settings) {
     settings.orders.consumer_enabled = false;
-    settings.kafka.consumer_stall_secs = 0;
+    settings.kafka.consumer_stall_secs = std::time::Duration::from_secs(0);
 }
 
 /// No broker at all (a closed port): every message times out in
 /// librdkafka's queue after `message_timeout_ms`, never sent.
 pub fn kafka_unreachable(settings: &mut Settings, message_timeout_ms: u64) {
     settings.kafka.brokers = "127.0.0.1:1".into();
-    settings.kafka.timeout_ms = 1000;
-    settings.kafka.message_timeout_ms = message_timeout_ms;
+    settings.kafka.timeout_ms = std::time::Duration::from_millis(1000);
+    settings.kafka.message_timeout_ms = std::time::Duration::from_millis(message_timeout_ms);
 }
 
 /// The product's whole promise for the crash tests (I4): reconciliation
@@ -139,9 +139,11 @@ pub fn kafka_unreachable(settings: &mut Settings, message_timeout_ms: u64) {
 /// purchase whose acknowledged event the broker lost is published again
 /// well inside [`TestApp::drained`]'s 60 s.
 pub fn heal_within_the_drain(settings: &mut Settings) {
-    settings.reconcile.interval_secs = 2;
-    settings.kafka.message_timeout_ms = 5_000;
-    settings.reconcile.publish_window_secs = settings.in_flight_bound_ms().div_ceil(1000);
+    settings.reconcile.interval_secs = std::time::Duration::from_secs(2);
+    settings.kafka.message_timeout_ms = std::time::Duration::from_millis(5_000);
+    settings.reconcile.publish_window_secs = std::time::Duration::from_secs(
+        settings.in_flight_bound().as_millis().div_ceil(1000) as u64,
+    );
 }
 
 pub use crate::db::{create_database, database_url};
@@ -719,10 +721,10 @@ impl TestApp {
 /// Short Kafka timeouts and a fast reconciler, so the wait for events sent
 /// before Redis lost an activity, and its restore, take seconds.
 pub fn restores_quickly(s: &mut Settings) {
-    s.kafka.message_timeout_ms = 1000;
-    s.admission.publish_budget_ms = 1000;
-    s.reconcile.publish_window_secs = 3;
-    s.reconcile.interval_secs = 1;
+    s.kafka.message_timeout_ms = std::time::Duration::from_millis(1000);
+    s.admission.publish_budget_ms = std::time::Duration::from_millis(1000);
+    s.reconcile.publish_window_secs = std::time::Duration::from_secs(3);
+    s.reconcile.interval_secs = std::time::Duration::from_secs(1);
 }
 
 impl TestApp {

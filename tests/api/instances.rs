@@ -46,7 +46,7 @@ async fn two_instances_with_the_default_config_lease_distinct_ids_and_mint_disti
 async fn a_pinned_instance_id_held_by_a_running_instance_refuses_to_start() {
     let pin = |s: &mut seckill::config::Settings| {
         s.app.instance_id = Some(7);
-        s.app.instance_lease_secs = 2;
+        s.app.instance_lease_secs = std::time::Duration::from_secs(2);
     };
     let a = spawn_app_with(pin).await;
     assert_eq!(a.metric("seckill_instance_id").await, Some(7));
@@ -70,7 +70,7 @@ async fn a_pinned_instance_id_held_by_a_running_instance_refuses_to_start() {
 
 #[tokio::test]
 async fn an_instance_whose_lease_is_taken_stops_minting_then_leases_another_id() {
-    let a = spawn_app_with(|s| s.app.instance_lease_secs = 2).await;
+    let a = spawn_app_with(|s| s.app.instance_lease_secs = std::time::Duration::from_secs(2)).await;
     let activity = a.live_activity(5, 1, 1).await;
     let held = a.metric("seckill_instance_id").await.unwrap();
     assert!(held >= 0);
@@ -382,7 +382,7 @@ async fn an_id_redis_forgot_is_not_leased_again_while_its_holder_may_still_mint(
 
     let a = spawn_app_with(|s| {
         s.app.instance_id = Some(7);
-        s.app.instance_lease_secs = 2;
+        s.app.instance_lease_secs = std::time::Duration::from_secs(2);
     })
     .await;
     assert_eq!(a.metric("seckill_instance_id").await, Some(7));

@@ -46,8 +46,8 @@ async fn with_the_broker_down_released_stock_waits_in_the_outbox_and_is_applied_
     // after a single real refusal.
     let mut down = app.settings.clone();
     down.kafka.brokers = "127.0.0.1:1".into();
-    down.kafka.timeout_ms = 500;
-    down.kafka.message_timeout_ms = 1000;
+    down.kafka.timeout_ms = std::time::Duration::from_millis(500);
+    down.kafka.message_timeout_ms = std::time::Duration::from_millis(1000);
     down.workers.relay_max_attempts = 1;
     let dead_relay = relay::spawn(AppState::connect(down).unwrap().relay());
     eventually("rows moved to RETRY", Duration::from_secs(30), || async {

@@ -257,7 +257,9 @@ async fn another_users_order_is_404_for_pay_cancel_and_get() {
 
 #[tokio::test]
 async fn pay_racing_the_timeout_ends_each_order_paid_or_closed_and_conserves_stock() {
-    let app = spawn_app_with(|s| s.workers.closer_interval_ms = 200).await;
+    let app =
+        spawn_app_with(|s| s.workers.closer_interval_ms = std::time::Duration::from_millis(200))
+            .await;
     let activity = app.live_activity_paying_within(40, 3).await;
     let orders = app.waiting_orders(activity, 1, 40).await;
     let mut payments = Vec::new();

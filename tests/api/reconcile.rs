@@ -229,7 +229,7 @@ async fn an_acknowledged_purchase_whose_event_the_broker_lost_is_published_again
 async fn a_reservation_no_event_backs_is_voided_and_a_late_event_cannot_revive_it() {
     let app = spawn_app_with(|s| {
         only_reconciled_by_hand(s);
-        s.reconcile.reservation_grace_secs = 1;
+        s.reconcile.reservation_grace_secs = std::time::Duration::from_secs(1);
     })
     .await;
     let activity = app.live_activity(5, 1, 1).await;
@@ -375,7 +375,7 @@ async fn redis_drift_is_reported_and_repaired_from_the_database_when_nothing_is_
 async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_are_removed() {
     let app = spawn_app_with(|s| {
         only_reconciled_by_hand(s);
-        s.reconcile.cleanup_after_secs = 0;
+        s.reconcile.cleanup_after_secs = std::time::Duration::from_secs(0);
     })
     .await;
     let activity = app
@@ -721,7 +721,7 @@ async fn a_run_longer_than_its_lease_keeps_the_lease() {
 
     let app = spawn_app_with(|s| {
         only_reconciled_by_hand(s);
-        s.reconcile.lease_secs = Some(2);
+        s.reconcile.lease_secs = Some(std::time::Duration::from_secs(2));
     })
     .await;
     app.live_activity(5, 1, 1).await;

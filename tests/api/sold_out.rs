@@ -12,7 +12,8 @@ const FROM_MEMORY: &str = "seckill_admission_total{outcome=\"sold_out_memory\"}"
 const SCRIPT_CALLS: &str = "seckill_admission_script_seconds_count";
 
 async fn app_with_long_flags() -> TestApp {
-    spawn_app_with(|s| s.admission.sold_out_ttl_ms = 600_000).await
+    spawn_app_with(|s| s.admission.sold_out_ttl_ms = std::time::Duration::from_millis(600_000))
+        .await
 }
 
 /// Buys until Redis has said SOLD_OUT and this instance flagged the

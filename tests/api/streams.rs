@@ -157,7 +157,8 @@ async fn cancelling_ends_the_stream_and_only_the_owner_may_open_one() {
 
 #[tokio::test]
 async fn a_stream_ends_with_a_timeout_event_when_nothing_final_happens() {
-    let app = spawn_app_with(|s| s.orders.events_timeout_secs = 1).await;
+    let app =
+        spawn_app_with(|s| s.orders.events_timeout_secs = std::time::Duration::from_secs(1)).await;
     let activity = app.live_activity(5, 1, 1).await;
     let (_, body) = app.buy(1, activity).await;
     let order_no = body["order_no"].as_str().unwrap().to_owned();

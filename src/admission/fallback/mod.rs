@@ -223,7 +223,7 @@ impl Fallback {
             down_since: AtomicI64::new(0),
             back_at: AtomicI64::new(0),
             proven: AtomicBool::new(false),
-            after_ms: i64::try_from(settings.admission.fallback_after_ms).unwrap_or(i64::MAX),
+            after_ms: crate::clock::millis(settings.admission.fallback_after_ms),
             enabled: settings.admission.fallback_enabled,
         });
         Self {
@@ -257,9 +257,7 @@ impl Fallback {
     /// what the fallback waits out before it sells (a probe's worth more,
     /// as the last Redis call may come just after a failed probe).
     fn proof_wait_ms(&self) -> i64 {
-        let wait = self.settings.restore_wait_ms()
-            + u64::try_from((PROBE_EVERY + PROBE_TIMEOUT).as_millis()).unwrap_or(0);
-        i64::try_from(wait).unwrap_or(i64::MAX / 2)
+        crate::clock::millis(self.settings.restore_wait() + PROBE_EVERY + PROBE_TIMEOUT)
     }
 
     /// This instance may move an activity into the fallback: Redis down
@@ -325,7 +323,7 @@ impl Fallback {
             return Route::Redis;
         }
         let down = unix_ms() - down_since;
-        if down < self.settings.admission.fallback_after_ms as i64 {
+        if down < crate::clock::millis(self.settings.admission.fallback_after_ms) {
             // A blip: Redis itself answers (or fails) this purchase.
             Route::Redis
         } else if self.health.proven.load(Ordering::Acquire) {
@@ -386,7 +384,7 @@ impl Fallback {
             _ => return Err(Declined::NotActive),
         }
         let expires =
-            unix_ms() / 1000 + i64::try_from(self.settings.admission.token_ttl_secs).unwrap_or(60);
+            unix_ms() / 1000 + crate::clock::millis(self.settings.admission.token_ttl_secs) / 1000;
         Ok(Some(format!(
             "fb.{expires}.{}",
             self.sign(activity_id, user_id, expires)

@@ -97,7 +97,7 @@ impl RedisGate {
             pool,
             prefix: redis.key_prefix.clone(),
             returned: super::soldout::channel(&redis.key_prefix),
-            reservation_ttl_secs: admission.reservation_ttl_secs,
+            reservation_ttl_secs: admission.reservation_ttl_secs.as_secs(),
             reserve: Script::new(include_str!("../lua/reserve.lua")),
             release: Script::new(include_str!("../lua/release.lua")),
             commit: Script::new(include_str!("../lua/commit.lua")),

@@ -428,7 +428,7 @@ pub async fn token(
     path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    let ttl = state.settings.admission.token_ttl_secs;
+    let ttl = state.settings.admission.token_ttl_secs.as_secs();
     // Redis is down and this activity's purchases go to the database: a
     // signed token instead of one kept in Redis.
     match state.sale.admission.fallback.token(id, user.user_id.get()) {

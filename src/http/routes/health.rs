@@ -182,7 +182,7 @@ async fn kafka_ping(state: &AppState) -> Result<(), Unready> {
             state.kafka.probe.answering_for().as_secs()
         )));
     }
-    let stall = Duration::from_secs(state.settings.kafka.consumer_stall_secs);
+    let stall = state.settings.kafka.consumer_stall_secs;
     if !stall.is_zero() && state.kafka.producer.stalled_for() >= stall {
         return Err(Unready::because(
             "the producer delivers nothing while the broker answers",

@@ -95,7 +95,7 @@ pub async fn notify(
         header,
         &body,
         state.clock.now().timestamp(),
-        settings.signature_tolerance_secs,
+        crate::clock::millis(settings.signature_tolerance_secs) / 1000,
     ) {
         state
             .metrics

@@ -93,7 +93,7 @@ pub async fn order_events(
             ..
         } => Some((activity_id, layout)),
     };
-    let timeout = Duration::from_secs(state.settings.orders.events_timeout_secs.max(1));
+    let timeout = state.settings.orders.events_timeout_secs;
     let (tx, mut rx) = mpsc::channel::<Bytes>(8);
     let state = state.into_inner();
     tokio::spawn(async move {
