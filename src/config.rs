@@ -258,7 +258,7 @@ pub struct AppSettings {
     /// The environment's name, from `SECKILL_ENV` (default `development`).
     /// Only `development` and `test` allow the development secrets and the
     /// mock payment provider; every other name must set real ones.
-    pub env: String,
+    pub env: Environment,
     /// Address the HTTP server binds.
     pub host: String,
     /// Port the HTTP server binds; 0 picks a free one (tests).
@@ -277,6 +277,60 @@ pub struct AppSettings {
     /// How long a graceful shutdown waits for in-flight requests, in seconds.
     #[serde(deserialize_with = "duration::secs")]
     pub shutdown_timeout_secs: Duration,
+}
+
+/// The environment a process runs in (`app.env`, named by `SECKILL_ENV`).
+/// Two names are known; every other is a deployment's own (`production`,
+/// `staging`, a typo) and held to production's rules.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(from = "String")]
+pub enum Environment {
+    /// A developer's machine: the development secrets, the mock provider
+    /// and `POST /api/v1/dev/token`.
+    Development,
+    /// The test suites: the development secrets and the mock provider.
+    Test,
+    /// Any other name.
+    Named(String),
+}
+
+impl Environment {
+    /// The name, as `SECKILL_ENV` gave it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Environment::Development => "development",
+            Environment::Test => "test",
+            Environment::Named(name) => name,
+        }
+    }
+}
+
+impl From<String> for Environment {
+    fn from(name: String) -> Self {
+        match name.as_str() {
+            "development" => Environment::Development,
+            "test" => Environment::Test,
+            _ => Environment::Named(name),
+        }
+    }
+}
+
+impl From<&str> for Environment {
+    fn from(name: &str) -> Self {
+        Environment::from(name.to_owned())
+    }
+}
+
+impl std::fmt::Display for Environment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for Environment {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
 }
 
 /// JWT verification settings.
@@ -467,7 +521,7 @@ impl Settings {
     /// `development` or `test`; any other name (`production`, `staging`,
     /// `prod`, a typo) is held to production's rules.
     pub fn allows_development_conveniences(&self) -> bool {
-        matches!(self.app.env.as_str(), "development" | "test")
+        matches!(self.app.env, Environment::Development | Environment::Test)
     }
 
     /// What a production deployment must set and has not, each named by
@@ -636,6 +690,17 @@ mod tests {
         // As config/production.toml has it.
         s.payment.mock = env != "production";
         s
+    }
+
+    #[test]
+    fn only_two_environment_names_are_known_and_every_name_reads_back() {
+        assert_eq!(Environment::from("development"), Environment::Development);
+        assert_eq!(Environment::from("test"), Environment::Test);
+        for name in ["production", "prod", "staging", "Development", ""] {
+            let env = Environment::from(name);
+            assert_eq!(env, Environment::Named(name.to_owned()));
+            assert_eq!(env.to_string(), name);
+        }
     }
 
     #[test]
