@@ -63,11 +63,15 @@ pub fn find(conn: &mut PgConn, id: CouponId) -> QueryResult<Option<(Coupon, i32)
 }
 
 /// One of the caller's coupons.
-#[derive(Debug, Clone, Queryable, Serialize)]
+#[derive(Debug, Clone, Queryable, Serialize, utoipa::ToSchema)]
 pub struct Mine {
+    #[schema(value_type = i64)]
     pub coupon_id: CouponId,
+    /// UNUSED, LOCKED (by an order waiting for payment) or USED.
     pub status: String,
+    /// The order it is locked by or was used for, as a decimal string.
     #[serde(serialize_with = "opt_string")]
+    #[schema(value_type = Option<String>)]
     pub order_no: Option<i64>,
 }
 

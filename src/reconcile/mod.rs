@@ -69,9 +69,10 @@ struct LastRun<'a> {
 }
 
 /// What one activity's reconciliation found and did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Report {
     /// The activity.
+    #[schema(value_type = i64)]
     pub activity_id: ActivityId,
     /// No difference found.
     pub consistent: bool,

@@ -3,7 +3,6 @@
 use actix_web::{HttpResponse, web};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use utoipa::ToSchema;
 
 use crate::activities::cache::Lookup;
@@ -232,7 +231,7 @@ async fn load(state: &AppState, id: ActivityId) -> Result<(Activity, repo::Stock
     params(("id" = i64, Path, description = "activity id")),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "activity_id, status READY, warmed_stock"),
+        (status = 200, description = "warmed: status READY and the units Redis holds", body = Warmed),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
@@ -281,11 +280,22 @@ pub async fn warmup(
         .await
         .map_err(ApiError::unavailable)?;
     state.sale.activities.forget(id);
-    Ok(HttpResponse::Ok().json(json!({
-        "activity_id": id,
-        "status": "READY",
-        "warmed_stock": units,
-    })))
+    Ok(HttpResponse::Ok().json(Warmed {
+        activity_id: id,
+        status: "READY",
+        warmed_stock: units,
+    }))
+}
+
+/// A warm-up's answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Warmed {
+    #[schema(value_type = i64)]
+    activity_id: ActivityId,
+    /// Always READY.
+    status: &'static str,
+    /// The units Redis holds for the activity now.
+    warmed_stock: i64,
 }
 
 /// `GET /api/v1/activities/{id}`: public view with the Redis remaining count.

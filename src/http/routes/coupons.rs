@@ -2,8 +2,8 @@
 
 use actix_web::{HttpResponse, web};
 use chrono::{DateTime, Utc};
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::coupons::claim::{ClaimRefusal, Claimed};
 use crate::coupons::repo::{self, NewCoupon};
@@ -127,8 +127,8 @@ pub struct ClaimBody {
     request_body = ClaimBody,
     security(("bearer" = [])),
     responses(
-        (status = 202, description = "coupon_id, status CLAIMED"),
-        (status = 200, description = "a replayed request_id"),
+        (status = 202, description = "claimed", body = ClaimAnswer),
+        (status = 200, description = "a replayed request_id", body = ClaimAnswer),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
@@ -159,11 +159,51 @@ pub async fn claim(
         .await
         .map_err(|e| ApiError::unavailable(anyhow::anyhow!("coupon claim task failed: {e}")))?
         .map_err(refused)?;
-    let body = json!({"coupon_id": coupon_id, "status": "CLAIMED"});
+    let body = ClaimAnswer {
+        coupon_id,
+        status: "CLAIMED",
+    };
     Ok(match claimed {
         Claimed::New => HttpResponse::Accepted().json(body),
         Claimed::Replay => HttpResponse::Ok().json(body),
     })
+}
+
+/// A claim's answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ClaimAnswer {
+    #[schema(value_type = i64)]
+    coupon_id: CouponId,
+    /// Always CLAIMED.
+    status: &'static str,
+}
+
+/// `GET /api/v1/coupons/mine`'s answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MyCoupons {
+    coupons: Vec<repo::Mine>,
+}
+
+/// A coupon batch's figures, from Redis and the database.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CouponStats {
+    #[schema(value_type = i64)]
+    coupon_id: CouponId,
+    total: i32,
+    /// What Redis has left to claim; null while Redis has lost the batch.
+    redis_remaining: Option<i64>,
+    /// Claims written to the database.
+    db_claimed: i32,
+    user_coupons: UserCouponCounts,
+}
+
+/// The batch's user coupons by state.
+#[derive(Debug, Default, Serialize, ToSchema)]
+#[serde(rename_all = "UPPERCASE")]
+pub struct UserCouponCounts {
+    unused: i64,
+    locked: i64,
+    used: i64,
 }
 
 /// The one mapping from a refused claim to its answer.
@@ -198,7 +238,7 @@ fn refused(refusal: ClaimRefusal) -> ApiError {
 #[utoipa::path(get, path = "/api/v1/coupons/mine", tag = "coupons",
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "coupons"),
+        (status = 200, description = "the caller's coupons, newest claim first", body = MyCoupons),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
     ))]
@@ -207,7 +247,7 @@ pub async fn mine(user: AuthUser, state: web::Data<AppState>) -> Result<HttpResp
     let coupons = store::run(&state.pg.db, move |conn| Ok(repo::mine(conn, user_id)?))
         .await
         .map_err(ApiError::unavailable)?;
-    Ok(HttpResponse::Ok().json(json!({"coupons": coupons})))
+    Ok(HttpResponse::Ok().json(MyCoupons { coupons }))
 }
 
 /// `GET /api/v1/admin/coupons/{id}/stats`: Redis and database figures.
@@ -215,7 +255,7 @@ pub async fn mine(user: AuthUser, state: web::Data<AppState>) -> Result<HttpResp
     params(("id" = i64, Path, description = "coupon batch id")),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "Redis and database figures"),
+        (status = 200, description = "Redis and database figures", body = CouponStats),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
@@ -240,15 +280,20 @@ pub async fn stats(
         .remaining(id)
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
-    let mut by_status = json!({"UNUSED": 0, "LOCKED": 0, "USED": 0});
+    let mut user_coupons = UserCouponCounts::default();
     for (status, n) in counts {
-        by_status[status] = json!(n);
+        match status.as_str() {
+            "UNUSED" => user_coupons.unused = n,
+            "LOCKED" => user_coupons.locked = n,
+            "USED" => user_coupons.used = n,
+            other => tracing::warn!(status = other, "a user coupon in an unknown state"),
+        }
     }
-    Ok(HttpResponse::Ok().json(json!({
-        "coupon_id": coupon.id,
-        "total": coupon.total,
-        "redis_remaining": remaining,
-        "db_claimed": claimed,
-        "user_coupons": by_status,
-    })))
+    Ok(HttpResponse::Ok().json(CouponStats {
+        coupon_id: coupon.id,
+        total: coupon.total,
+        redis_remaining: remaining,
+        db_claimed: claimed,
+        user_coupons,
+    }))
 }

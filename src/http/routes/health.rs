@@ -3,8 +3,11 @@
 use std::time::Duration;
 
 use actix_web::{HttpResponse, web};
+use serde::Serialize;
 use serde_json::json;
+use utoipa::ToSchema;
 
+use crate::domain::ActivityId;
 use crate::http::error::{ApiError, ErrorCode, Problem, problem_with};
 use crate::state::AppState;
 
@@ -17,12 +20,12 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// restarted by its supervisor.
 #[utoipa::path(get, path = "/health/live", tag = "health",
     responses(
-        (status = 200, description = "the process runs"),
+        (status = 200, description = "the process runs", body = Live),
         (status = 503, description = "NOT_READY: the process gave up healing itself and is exiting", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn live(state: web::Data<AppState>) -> HttpResponse {
     match state.liveness.gave_up() {
-        None => HttpResponse::Ok().json(json!({"status": "live"})),
+        None => HttpResponse::Ok().json(Live { status: "live" }),
         Some(why) => problem_with(
             ErrorCode::NotReady,
             &format!("not live: {why}; exiting to be restarted"),
@@ -44,7 +47,7 @@ pub async fn live(state: web::Data<AppState>) -> HttpResponse {
 /// being loaded back into Redis.
 #[utoipa::path(get, path = "/health/ready", tag = "health",
     responses(
-        (status = 200, description = "every check passes"),
+        (status = 200, description = "every check passes (or Redis is down and this instance sells through the database)", body = Ready),
         (status = 503, description = "NOT_READY, naming the failing checks; `checks` has each one's state", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
@@ -65,32 +68,35 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
         .filter(|(name, _)| !(selling_from_db && *name == "redis"))
         .filter_map(|(name, result)| result.as_ref().err().map(|e| format!("{name}: {e}")))
         .collect();
-    let detail: serde_json::Map<String, serde_json::Value> = checks
-        .iter()
-        .map(|(name, result)| {
-            let status = if result.is_ok() { "up" } else { "down" };
-            (name.to_string(), json!(status))
-        })
-        .collect();
+    let state_of = |i: usize| if checks[i].1.is_ok() { "up" } else { "down" };
+    let detail = Checks {
+        redis: state_of(0),
+        postgres: state_of(1),
+        kafka: state_of(2),
+        consumers: state_of(3),
+    };
     let admission = if selling_from_db { "database" } else { "redis" };
-    let fallback = json!({"database": database, "restoring": restoring});
+    let fallback = FallbackState {
+        database,
+        restoring,
+    };
     if failed.is_empty() {
         let status = if checks.iter().all(|(_, r)| r.is_ok()) {
             "ready"
         } else {
             "degraded"
         };
-        HttpResponse::Ok().json(json!({
-            "status": status,
-            "checks": detail,
-            "admission": admission,
-            "fallback": fallback,
-        }))
+        HttpResponse::Ok().json(Ready {
+            status,
+            checks: detail,
+            admission,
+            fallback,
+        })
     } else {
         let mut extra = serde_json::Map::new();
-        extra.insert("checks".into(), detail.into());
+        extra.insert("checks".into(), json!(detail));
         extra.insert("admission".into(), admission.into());
-        extra.insert("fallback".into(), fallback);
+        extra.insert("fallback".into(), json!(fallback));
         // A dependency that went away is retried by the pool about every
         // few seconds; asking sooner finds the same answer.
         problem_with(
@@ -100,6 +106,44 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
             extra,
         )
     }
+}
+
+/// `GET /health/live`'s answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Live {
+    /// Always live.
+    status: &'static str,
+}
+
+/// `GET /health/ready`'s answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Ready {
+    /// ready, or degraded (Redis down, this instance selling through the
+    /// database).
+    status: &'static str,
+    checks: Checks,
+    /// Where this instance sends purchases: redis or database.
+    admission: &'static str,
+    fallback: FallbackState,
+}
+
+/// Each dependency's check: up or down.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Checks {
+    redis: &'static str,
+    postgres: &'static str,
+    kafka: &'static str,
+    consumers: &'static str,
+}
+
+/// The activities in the database fallback, and those being loaded back
+/// into Redis.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FallbackState {
+    #[schema(value_type = Vec<i64>)]
+    database: Vec<ActivityId>,
+    #[schema(value_type = Vec<i64>)]
+    restoring: Vec<ActivityId>,
 }
 
 /// `GET /metrics`: Prometheus text format.

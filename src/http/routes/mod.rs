@@ -113,11 +113,36 @@ async fn openapi() -> HttpResponse {
 /// operator check a token without side effects).
 #[utoipa::path(get, path = "/api/v1/me", tag = "meta", security(("bearer" = [])),
     responses(
-        (status = 200, description = "user_id and role"),
+        (status = 200, description = "who the token says the caller is", body = Me),
         (status = 401, description = "UNAUTHORIZED", body = Problem, content_type = "application/problem+json"),
     ))]
 async fn me(user: AuthUser) -> HttpResponse {
-    HttpResponse::Ok().json(serde_json::json!({"user_id": user.user_id, "role": user.role}))
+    HttpResponse::Ok().json(Me {
+        user_id: user.user_id,
+        role: user.role,
+    })
+}
+
+/// Who a token says its bearer is.
+#[derive(Debug, serde::Serialize, ToSchema)]
+pub struct Me {
+    #[schema(value_type = i64)]
+    user_id: crate::domain::UserId,
+    /// user or admin.
+    #[schema(value_type = String)]
+    role: Role,
+}
+
+/// A development token's answer.
+#[derive(Debug, serde::Serialize, ToSchema)]
+pub struct DevTokenAnswer {
+    token: String,
+    user_id: i64,
+    /// user or admin.
+    #[schema(value_type = String)]
+    role: Role,
+    /// Seconds the token is valid for.
+    expires_in: i64,
 }
 
 /// `GET /api/v1/admin/me`: the same, but only for admins.
@@ -151,7 +176,7 @@ const DEV_TOKEN_TTL_SECS: i64 = 3600;
 /// development`; elsewhere the route does not exist (404).
 #[utoipa::path(post, path = "/api/v1/dev/token", tag = "dev", request_body = DevToken,
     responses(
-        (status = 200, description = "token, user_id, role, expires_in (development only)"),
+        (status = 200, description = "a token (development only)", body = DevTokenAnswer),
         (status = 400, description = "BAD_REQUEST", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND: not a development server", body = Problem, content_type = "application/problem+json"),
     ))]
@@ -160,7 +185,7 @@ async fn dev_token(
     keys: web::Data<JwtKeys>,
     body: web::Json<DevToken>,
 ) -> Result<HttpResponse, ApiError> {
-    if state.settings.app.env != "development" {
+    if state.settings.app.env != crate::config::Environment::Development {
         return Err(ApiError::not_found("no such route"));
     }
     if body.user_id < 1 {
@@ -170,12 +195,12 @@ async fn dev_token(
     let token = keys
         .mint(body.user_id, role, DEV_TOKEN_TTL_SECS)
         .map_err(ApiError::unexpected)?;
-    Ok(HttpResponse::Ok().json(serde_json::json!({
-        "token": token,
-        "user_id": body.user_id,
-        "role": role,
-        "expires_in": DEV_TOKEN_TTL_SECS,
-    })))
+    Ok(HttpResponse::Ok().json(DevTokenAnswer {
+        token,
+        user_id: body.user_id,
+        role,
+        expires_in: DEV_TOKEN_TTL_SECS,
+    }))
 }
 
 /// Fallback for unknown routes: 404 NOT_FOUND in the error shape.

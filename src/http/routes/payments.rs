@@ -3,8 +3,8 @@
 
 use actix_web::{HttpRequest, HttpResponse, web};
 use secrecy::ExposeSecret;
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode, Problem};
@@ -74,7 +74,7 @@ pub async fn pay(
     params(("X-Pay-Signature" = String, Header, description = "t=<unix seconds>,v1=<hex HMAC-SHA256 of t.body>")),
     request_body = crate::payments::provider::Callback,
     responses(
-        (status = 200, description = "{\"code\": \"SUCCESS\"}"),
+        (status = 200, description = "the callback is applied (or was before)", body = NotifyAnswer),
         (status = 400, description = "BAD_REQUEST or AMOUNT_MISMATCH", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "BAD_SIGNATURE", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
@@ -147,9 +147,9 @@ pub async fn notify(
         CallbackOutcome::Applied
         | CallbackOutcome::Duplicate
         | CallbackOutcome::RefundRequired
-        | CallbackOutcome::MarkedFailed => {
-            Ok(HttpResponse::Ok().json(json!({"code": PaymentStatus::Success.as_str()})))
-        }
+        | CallbackOutcome::MarkedFailed => Ok(HttpResponse::Ok().json(NotifyAnswer {
+            code: PaymentStatus::Success.as_str(),
+        })),
         CallbackOutcome::UnknownPayment => Err(ApiError::not_found("no such payment")),
         CallbackOutcome::OrderMismatch => Err(ApiError::bad_request(
             "order_no is not this payment's order",
@@ -193,7 +193,7 @@ fn one() -> u32 {
     request_body = Simulate,
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "delivered, responses"),
+        (status = 200, description = "the callbacks sent and each one's status", body = Delivered),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
@@ -246,5 +246,24 @@ pub async fn simulate(
             .await;
         statuses.push(sent.map(|r| r.status().as_u16()).unwrap_or(0));
     }
-    Ok(HttpResponse::Ok().json(json!({"delivered": statuses.len(), "responses": statuses})))
+    Ok(HttpResponse::Ok().json(Delivered {
+        delivered: statuses.len(),
+        responses: statuses,
+    }))
+}
+
+/// The answer a provider expects to a callback it sent.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct NotifyAnswer {
+    /// Always SUCCESS: the callback is applied, whatever it said.
+    code: &'static str,
+}
+
+/// What the mock provider delivered.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Delivered {
+    /// Callbacks sent.
+    delivered: usize,
+    /// Each callback's HTTP status (0: not answered).
+    responses: Vec<u16>,
 }

@@ -3,10 +3,12 @@
 use std::time::{Duration, Instant};
 
 use actix_web::{HttpResponse, web};
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::http::auth::AdminUser;
 use crate::http::error::{ApiError, ErrorCode, Problem};
+use crate::reconcile::Report;
 use crate::state::AppState;
 
 /// Reconciles every recent activity now, waiting a little for the lease if
@@ -14,7 +16,7 @@ use crate::state::AppState;
 #[utoipa::path(post, path = "/api/v1/admin/reconcile", tag = "reconcile",
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "activities: [{activity_id, consistent, differences, repaired}]"),
+        (status = 200, description = "what each recent activity's reconciliation found and did", body = Reconciled),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
@@ -24,7 +26,7 @@ pub async fn run(_admin: AdminUser, state: web::Data<AppState>) -> Result<HttpRe
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         match reconciler.run().await.map_err(ApiError::unavailable)? {
-            Some(reports) => return Ok(HttpResponse::Ok().json(json!({"activities": reports}))),
+            Some(activities) => return Ok(HttpResponse::Ok().json(Reconciled { activities })),
             None if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -43,7 +45,7 @@ pub async fn run(_admin: AdminUser, state: web::Data<AppState>) -> Result<HttpRe
 #[utoipa::path(get, path = "/api/v1/admin/reconcile/last", tag = "reconcile",
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "the last run: at, by, activities (null when none is kept)"),
+        (status = 200, description = "the last run: at, by, activities (null when none is kept)", body = LastRun),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
@@ -54,5 +56,19 @@ pub async fn last(_admin: AdminUser, state: web::Data<AppState>) -> Result<HttpR
         .last_report()
         .await
         .map_err(ApiError::unavailable)?;
-    Ok(HttpResponse::Ok().json(json!({ "last": report })))
+    Ok(HttpResponse::Ok().json(LastRun { last: report }))
+}
+
+/// A run's answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Reconciled {
+    activities: Vec<Report>,
+}
+
+/// The last run's report, as the instance that ran it kept it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LastRun {
+    /// `{at, by, activities}`; null when none is kept.
+    #[schema(value_type = Option<Object>)]
+    last: Option<serde_json::Value>,
 }
