@@ -72,6 +72,15 @@ pub struct Supervision {
 }
 
 impl Supervision {
+    /// Registers `group`'s health for readiness, and its counters' series
+    /// from the start (at 0), so a dashboard or an alert on their increase
+    /// sees them before the first rebuild.
+    fn register(&self, group: &str, client: &str) -> Arc<Health> {
+        self.restarts.with_label_values(&[group]);
+        self.rebuilds.with_label_values(&[client]);
+        self.registry.register(group)
+    }
+
     /// A WARN and the counters for one rebuild of `group`'s client.
     fn count_rebuild(&self, group: &str, client: &str, why: &str) {
         tracing::warn!(
@@ -145,11 +154,7 @@ async fn supervise<H: Handler>(
     first: Arc<Client>,
     shutdown: CancellationToken,
 ) {
-    let health = supervision.registry.register(&group);
-    // The group's series exists from the start (at 0), so a dashboard or an
-    // alert on its increase sees it before the first rebuild.
-    supervision.restarts.with_label_values(&[&group]);
-    supervision.rebuilds.with_label_values(&[sub.group]);
+    let health = supervision.register(&group, sub.group);
     let stall = kafka.consumer_stall_secs;
     // How long the group has had messages waiting with nothing committed,
     // sampled from outside the client by a task of its own (a sample can

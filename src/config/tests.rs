@@ -1,0 +1,138 @@
+//! The settings' checks: environments, secrets, durations, the publish
+//! window.
+
+use super::*;
+
+fn settings(env: &str, secret: &str) -> Settings {
+    let mut s = Settings::load_env("test").expect("test settings load");
+    s.app.env = env.into();
+    s.auth.jwt_secret = SecretString::from(secret.to_owned());
+    // As config/production.toml has it.
+    s.payment.mock = env != "production";
+    s
+}
+
+#[test]
+fn only_two_environment_names_are_known_and_every_name_reads_back() {
+    assert_eq!(Environment::from("development"), Environment::Development);
+    assert_eq!(Environment::from("test"), Environment::Test);
+    for name in ["production", "prod", "staging", "Development", ""] {
+        let env = Environment::from(name);
+        assert_eq!(env, Environment::Named(name.to_owned()));
+        assert_eq!(env.to_string(), name);
+    }
+}
+
+#[test]
+fn a_duration_below_its_bound_is_refused_by_its_key() {
+    let mut s = settings("test", DEV_JWT_SECRET);
+    assert!(s.validate().is_ok());
+    s.workers.relay_poll_ms = Duration::from_millis(5);
+    let err = s.validate().expect_err("below 10 ms").to_string();
+    assert!(err.contains("workers.relay_poll_ms"), "{err}");
+    s.workers.relay_poll_ms = Duration::from_millis(10);
+    s.admission.publish_budget_ms = Duration::ZERO;
+    let err = s.validate().expect_err("zero budget").to_string();
+    assert!(err.contains("admission.publish_budget_ms"), "{err}");
+}
+
+#[test]
+fn production_refuses_the_development_secret() {
+    assert!(settings("production", DEV_JWT_SECRET).validate().is_err());
+    assert!(settings("production", "short").validate().is_err());
+    let strong = "x".repeat(40);
+    let mut s = settings("production", &strong);
+    assert!(
+        s.validate().is_err(),
+        "the development notify secret is refused too"
+    );
+    s.payment.notify_secret = SecretString::from("y".repeat(40));
+    assert!(s.validate().is_ok());
+    assert!(settings("development", DEV_JWT_SECRET).validate().is_ok());
+}
+
+#[test]
+fn production_refuses_the_mock_provider_and_names_every_missing_variable_at_once() {
+    let mut s = settings("production", DEV_JWT_SECRET);
+    s.payment.mock = true; // SECKILL__PAYMENT__MOCK=true
+    let err = s.validate().expect_err("refused").to_string();
+    for name in [
+        "SECKILL__AUTH__JWT_SECRET",
+        "SECKILL__PAYMENT__NOTIFY_SECRET",
+        "SECKILL__PAYMENT__MOCK=false",
+    ] {
+        assert!(err.contains(name), "{err}");
+    }
+    s.auth.jwt_secret = SecretString::from("x".repeat(40));
+    s.payment.notify_secret = SecretString::from("y".repeat(40));
+    let err = s.validate().expect_err("the mock alone is refused");
+    assert!(err.to_string().contains("payment.mock"), "{err}");
+    s.payment.mock = false;
+    assert!(s.validate().is_ok());
+}
+
+#[test]
+fn every_environment_but_development_and_test_is_held_to_production_rules() {
+    for env in ["staging", "prod", "Production", "developmnet", ""] {
+        let mut s = settings(env, DEV_JWT_SECRET);
+        s.payment.mock = true;
+        let err = s.validate().expect_err(env).to_string();
+        for name in [
+            "SECKILL__AUTH__JWT_SECRET",
+            "SECKILL__PAYMENT__NOTIFY_SECRET",
+            "SECKILL__PAYMENT__MOCK=false",
+        ] {
+            assert!(err.contains(name), "{env}: {err}");
+        }
+    }
+    for env in ["development", "test"] {
+        assert!(settings(env, DEV_JWT_SECRET).validate().is_ok(), "{env}");
+    }
+}
+
+#[test]
+fn the_environment_is_the_one_named_even_without_a_file_of_its_own() {
+    // No config/staging.toml: default.toml says development, but the
+    // environment is staging, and staging refuses the development secret.
+    let err = Settings::load_env("staging")
+        .expect_err("refused")
+        .to_string();
+    assert!(err.contains("staging (SECKILL_ENV=staging)"), "{err}");
+    assert_eq!(Settings::load_env("test").unwrap().app.env, "test");
+}
+
+#[test]
+fn a_publish_window_shorter_than_a_publish_can_take_is_refused() {
+    let mut s = Settings::load_env("test").expect("test settings load");
+    assert!(s.validate().is_ok());
+    s.kafka.message_timeout_ms = std::time::Duration::from_millis(15_000);
+    s.admission.publish_budget_ms = std::time::Duration::from_millis(5_000);
+    s.reconcile.publish_window_secs = std::time::Duration::from_secs(30);
+    let err = s.validate().expect_err("30 s < 2 × 15 s + 5 s");
+    assert!(err.to_string().contains("publish_window_secs"), "{err}");
+    s.reconcile.publish_window_secs = std::time::Duration::from_secs(35);
+    assert!(s.validate().is_ok());
+}
+
+#[test]
+fn an_unknown_redis_mode_and_a_pooled_gate_on_a_cluster_are_refused() {
+    let mode = |name: &str| {
+        serde_json::from_value::<RedisMode>(serde_json::json!(name)).map_err(|e| e.to_string())
+    };
+    let e = mode("sentinel").unwrap_err();
+    assert!(e.contains("standalone") && e.contains("cluster"), "{e}");
+    let mut s = Settings::load_env("test").expect("test settings load");
+    s.redis.mode = mode("cluster").unwrap();
+    assert!(s.validate().is_ok());
+    s.redis.gate_connection = GateConnection::Pool;
+    let e = s.validate().unwrap_err().to_string();
+    assert!(e.contains("one server only"), "{e}");
+}
+
+#[test]
+fn debug_output_never_shows_secrets() {
+    let s = Settings::load_env("test").expect("test settings load");
+    let printed = format!("{s:?}");
+    assert!(!printed.contains(DEV_JWT_SECRET));
+    assert!(!printed.contains("seckill:seckill@"));
+}
