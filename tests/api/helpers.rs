@@ -86,7 +86,14 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         clock,
         keys: JwtKeys::new(&settings.auth.jwt_secret).expect("jwt keys"),
         settings,
-        client: reqwest::Client::new(),
+        // Idle connections are dropped before the server's keep-alive (5 s)
+        // closes them: a request sent on one just as the server closes it
+        // fails with IncompleteMessage, which is the client's race, not an
+        // answer (the load generator does the same).
+        client: reqwest::Client::builder()
+            .pool_idle_timeout(Duration::from_secs(2))
+            .build()
+            .expect("HTTP client"),
         db_name,
     };
     // A server on the real services is handed over once it is ready (its
