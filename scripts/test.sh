@@ -18,7 +18,8 @@ if [ $# -eq 0 ]; then cargo test --benches; fi
 # Integration tests mostly wait on I/O: run more of them than there are cores.
 cargo test --lib --bins --tests "$@" -- --test-threads="${SECKILL_TEST_THREADS:-8}"
 # The order path, payments, coupons, reconciliation, sharded activities,
-# many instances and the sold-out fast path once more, on the Redis Cluster:
+# many instances, the sold-out fast path and the waiting room once more, on
+# the Redis Cluster:
 # every script and pipeline must keep its keys in one slot, a sharded
 # activity's shards sit on different masters, and a release's message
 # reaches every instance. Then, alone (20,000 buyers), two API instances and a
@@ -27,7 +28,7 @@ if [ $# -eq 0 ]; then
   cluster_url=$(scripts/services.sh cluster-url)
   SECKILL__REDIS__MODE=cluster SECKILL__REDIS__URL=$cluster_url \
     cargo test --test api -- --test-threads="${SECKILL_TEST_THREADS:-8}" \
-    orders:: payments:: coupons:: reconcile:: shards:: instances:: sold_out::
+    orders:: payments:: coupons:: reconcile:: shards:: instances:: sold_out:: waiting_room::
   SECKILL__REDIS__MODE=cluster SECKILL__REDIS__URL=$cluster_url \
     cargo test --test api -- --ignored instances::two_api_instances
 fi

@@ -38,6 +38,7 @@ enum Worker {
     Releaser,
     Claimer,
     ProducerWatch,
+    RoomAdmitter,
     InstanceLease,
 }
 
@@ -45,7 +46,7 @@ impl Worker {
     /// Every worker, in the order they start and stop: the consumers of
     /// work first, each after the batch in hand; the producer's watch and
     /// the instance lease last, since the others publish and number.
-    const ALL: [Worker; 12] = [
+    const ALL: [Worker; 13] = [
         Worker::OrderConsumer,
         Worker::Closer,
         Worker::Relay,
@@ -57,6 +58,7 @@ impl Worker {
         Worker::Releaser,
         Worker::Claimer,
         Worker::ProducerWatch,
+        Worker::RoomAdmitter,
         Worker::InstanceLease,
     ];
 
@@ -127,6 +129,14 @@ impl Worker {
                     .spawn(state.redis.gate.clone(), state.kafka.order_progress.clone()),
             ),
             Worker::ProducerWatch => Some(state.kafka.producer.supervise(state.supervision())),
+            Worker::RoomAdmitter => s.waiting_room.admitter_enabled.then(|| {
+                crate::room::admitter::spawn(
+                    state.sale.rooms.clone(),
+                    state.redis.gate.clone(),
+                    state.clock.clone(),
+                    s.waiting_room.admit_interval_ms,
+                )
+            }),
             Worker::InstanceLease => Some(state.sale.lease.clone().spawn()),
         };
         Ok(handle)

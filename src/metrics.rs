@@ -175,6 +175,50 @@ metrics! {
         "Open Redis reservations of warm activities as reconciliation last read them",
         &["activity_id"],
     );
+    /// Tickets waiting in each waiting room (taken, not yet admitted), by
+    /// activity, as this instance's admitter last read them.
+    room_queue_length: IntGaugeVec = gauges(
+        "waiting_room_queue_length",
+        "Tickets waiting in each waiting room (taken, not yet admitted)",
+        &["activity_id"],
+    );
+    /// Passes given out and not yet used or expired, by activity.
+    room_passes_outstanding: IntGaugeVec = gauges(
+        "waiting_room_passes_outstanding",
+        "Waiting-room passes and offers given out, not yet used or expired",
+        &["activity_id"],
+    );
+    /// Offers of released units open, by activity.
+    room_offers_open: IntGaugeVec = gauges(
+        "waiting_room_offers_open",
+        "Offers of released units held for a ticket",
+        &["activity_id"],
+    );
+    /// Tickets admitted by this instance's admitter, by kind (pass | offer).
+    room_admitted: IntCounterVec = counters(
+        "waiting_room_admitted_total",
+        "Tickets admitted: a pass in turn, or an offer of a released unit",
+        &["kind"],
+    );
+    /// Passes shown to the purchase-token route, by outcome (used,
+    /// missing, forged, foreign, expired, reused, sold_out, lost).
+    room_pass_checks: IntCounterVec = counters(
+        "waiting_room_pass_checks_total",
+        "Queue passes checked by the purchase-token route, by outcome",
+        &["outcome"],
+    );
+    /// Proof-of-work answers, by outcome (accepted, wrong, expired, replayed).
+    room_pow: IntCounterVec = counters(
+        "waiting_room_pow_total",
+        "Proof-of-work answers to join a waiting room, by outcome",
+        &["outcome"],
+    );
+    /// Offers of released units by event (made, taken, expired).
+    room_offers: IntCounterVec = counters(
+        "waiting_room_offers_total",
+        "Offers of released units: made, taken (used to buy), expired unused",
+        &["event"],
+    );
     /// Activities the last reconciliation run found a difference in.
     reconcile_inconsistent: IntGauge = IntGauge::new(
         "reconcile_inconsistent_activities",
@@ -236,6 +280,25 @@ impl Metrics {
         }
         for kind in RECONCILE_DIFFERENCES {
             metrics.reconcile.with_label_values(&["difference", kind]);
+        }
+        for (counter, labels) in [
+            (&metrics.room_admitted, &["pass", "offer"][..]),
+            (
+                &metrics.room_pass_checks,
+                &[
+                    "used", "missing", "forged", "foreign", "expired", "reused", "sold_out",
+                    "lost", "not_held",
+                ][..],
+            ),
+            (
+                &metrics.room_pow,
+                &["accepted", "wrong", "expired", "replayed"][..],
+            ),
+            (&metrics.room_offers, &["made", "taken", "expired"][..]),
+        ] {
+            for label in labels {
+                counter.with_label_values(&[label]);
+            }
         }
         Ok(metrics)
     }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use deadpool_redis::{PoolConfig, Runtime, Timeouts};
+use secrecy::ExposeSecret;
 use tokio::sync::{Notify, Semaphore};
 
 use crate::activities::cache::ActivityCache;
@@ -14,6 +15,7 @@ use crate::admission::RedisGate;
 use crate::admission::acks::Acks;
 use crate::admission::admit::Admitter;
 use crate::admission::fallback::Fallback;
+use crate::admission::gate::room::RoomGate;
 use crate::admission::limits::{KeyedLimiter, Limits};
 use crate::admission::publish::{Breaker, Publisher};
 use crate::admission::soldout::SoldOut;
@@ -34,6 +36,7 @@ use crate::orders::events::{OrderEvents, StreamCounts};
 use crate::outbox::relay::Relay;
 use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
 use crate::reconcile::Reconciler;
+use crate::room::Rooms;
 use crate::store::notes::Notes;
 use crate::store::redis_conn::{RedisClient, RedisConn};
 use crate::store::{self, PgPool};
@@ -185,6 +188,8 @@ pub struct Sale {
     pub lease: InstanceLease,
     /// Open order event streams per user.
     pub order_streams: Arc<StreamCounts>,
+    /// Waiting rooms: queues, passes, the admitter's state.
+    pub rooms: Arc<Rooms>,
 }
 
 /// What the sale is built from.
@@ -263,6 +268,13 @@ impl Sale {
             clock: clock.clone(),
             restore_wanted: restore_wanted.clone(),
         });
+        let rooms = Arc::new(Rooms::new(
+            RoomGate::new(gate),
+            p.pg.db.clone(),
+            settings.auth.jwt_secret.expose_secret().as_bytes(),
+            settings.waiting_room.challenge_ttl_secs,
+            metrics.clone(),
+        ));
         Self {
             publisher,
             restore_wanted,
@@ -273,6 +285,7 @@ impl Sale {
             ids: leased,
             lease,
             order_streams: Arc::default(),
+            rooms,
         }
     }
 }

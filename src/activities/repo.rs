@@ -9,6 +9,7 @@ use crate::admission::Layout;
 use crate::admission::fallback::Mode;
 use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
+use crate::room::repo::RoomRow;
 use crate::store::PgConn;
 use crate::store::schema::{activities, stock};
 
@@ -37,14 +38,24 @@ pub struct StockRow {
     pub sold: i32,
 }
 
-/// Inserts the activity and its stock row in one transaction.
-pub fn create(conn: &mut PgConn, new: &NewActivity, units: i32) -> QueryResult<Activity> {
+/// Inserts the activity, its stock row and its waiting room (`room`, its
+/// activity id set here) in one transaction.
+pub fn create(
+    conn: &mut PgConn,
+    new: &NewActivity,
+    units: i32,
+    room: Option<RoomRow>,
+) -> QueryResult<Activity> {
     conn.transaction(|conn| {
         let activity: Activity = diesel::insert_into(activities::table)
             .values(new)
             .returning(Activity::as_returning())
             .get_result(conn)?;
         crate::stock::open(conn, activity.id, units)?;
+        if let Some(mut room) = room {
+            room.activity_id = activity.id;
+            crate::room::repo::insert(conn, &room)?;
+        }
         Ok(activity)
     })
 }

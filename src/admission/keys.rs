@@ -209,6 +209,51 @@ impl ActivityKeys {
     pub fn restoring(&self) -> String {
         format!("{}restoring", self.base)
     }
+
+    /// Hash of the activity's waiting room: its settings, counters
+    /// (tickets taken, place being served), the draw's seed and
+    /// commitment, the admission bucket (docs/WAITING_ROOM.md).
+    pub fn room(&self) -> String {
+        format!("{}room", self.base)
+    }
+
+    /// Hash user → ticket of the room.
+    pub fn room_users(&self) -> String {
+        format!("{}room:users", self.base)
+    }
+
+    /// Hash ticket → user of the room.
+    pub fn room_tickets(&self) -> String {
+        format!("{}room:tickets", self.base)
+    }
+
+    /// Hash ticket → state, for tickets past their turn or gone:
+    /// `A:<ms>`/`O:<ms>` a pass or offer until then, `U:`/`V:` the same
+    /// used, `E` expired, `L` left.
+    pub fn room_states(&self) -> String {
+        format!("{}room:st", self.base)
+    }
+
+    /// Zset of unused passes and offers by expiry.
+    pub fn room_active(&self) -> String {
+        format!("{}room:active", self.base)
+    }
+
+    /// Zset of the offers of released units by expiry (used or not).
+    pub fn room_offers(&self) -> String {
+        format!("{}room:offers", self.base)
+    }
+
+    /// Marker that a proof-of-work answer was accepted (until its
+    /// challenge expires).
+    pub fn room_pow(&self, challenge: &str) -> String {
+        format!("{}room:pow:{challenge}", self.base)
+    }
+
+    /// Joins in one second (unix seconds), for the difficulty.
+    pub fn room_joins(&self, second: i64) -> String {
+        format!("{}room:joins:{second}", self.base)
+    }
 }
 
 #[cfg(test)]
@@ -227,6 +272,14 @@ mod tests {
             k.reservation(9),
             k.open(),
             k.restoring(),
+            k.room(),
+            k.room_users(),
+            k.room_tickets(),
+            k.room_states(),
+            k.room_active(),
+            k.room_offers(),
+            k.room_pow("c"),
+            k.room_joins(1),
         ] {
             assert!(key.starts_with("sk:{a:42}:"), "{key}");
         }

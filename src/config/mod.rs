@@ -10,6 +10,10 @@ use anyhow::{Context, bail};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 
+mod waiting_room;
+
+pub use waiting_room::WaitingRoomSettings;
+
 /// Durations as the files write them: whole milliseconds or seconds, the
 /// key's suffix (`_ms`, `_secs`) naming the unit. Their lower bounds are
 /// checked once, in [`Settings::validate`].
@@ -63,6 +67,8 @@ pub struct Settings {
     pub reconcile: ReconcileSettings,
     /// Log output.
     pub log: LogSettings,
+    /// Waiting rooms: the admitter and the proof of work.
+    pub waiting_room: WaitingRoomSettings,
 }
 
 /// Reconciliation (SPEC step 4 and "Reconciliation and degradation").
@@ -665,7 +671,7 @@ impl Settings {
         if self.reconcile.lease_secs.is_some_and(|l| l < s(1)) {
             bail!("reconcile.lease_secs must be at least 1 s when set");
         }
-        Ok(())
+        self.waiting_room.check()
     }
 }
 

@@ -86,6 +86,10 @@ error_codes! {
     CouponExhausted => "COUPON_EXHAUSTED", "Coupons all claimed";
     AlreadyClaimed => "ALREADY_CLAIMED", "Coupon already claimed";
     CouponExpired => "COUPON_EXPIRED", "Coupon expired";
+    PowInvalid => "POW_INVALID", "Proof of work not accepted";
+    NotInQueue => "NOT_IN_QUEUE", "No ticket in the queue";
+    QueuePassRequired => "QUEUE_PASS_REQUIRED", "Queue pass required";
+    QueuePassInvalid => "QUEUE_PASS_INVALID", "Queue pass not valid";
     Internal => "INTERNAL", "Internal error";
 }
 
@@ -108,7 +112,11 @@ impl ErrorCode {
             | Self::CouponExhausted
             | Self::AlreadyClaimed
             | Self::CouponExpired => StatusCode::CONFLICT,
-            Self::InvalidToken => StatusCode::FORBIDDEN,
+            Self::InvalidToken | Self::QueuePassRequired | Self::QueuePassInvalid => {
+                StatusCode::FORBIDDEN
+            }
+            Self::PowInvalid => StatusCode::BAD_REQUEST,
+            Self::NotInQueue => StatusCode::NOT_FOUND,
             Self::CouponInvalid | Self::AmountMismatch => StatusCode::BAD_REQUEST,
             Self::BadSignature => StatusCode::UNAUTHORIZED,
             Self::RateLimited => StatusCode::TOO_MANY_REQUESTS,

@@ -32,6 +32,13 @@ use super::routes;
         routes::activities::list,
         routes::activities::show,
         routes::activities::token,
+        routes::queue::challenge,
+        routes::queue::join,
+        routes::queue::me,
+        routes::queue::leave,
+        routes::queue::events,
+        routes::queue::draw,
+        routes::queue::set_rate,
         routes::orders::list,
         routes::orders::show,
         routes::streams::order_events,
@@ -149,8 +156,14 @@ mod tests {
 
     #[test]
     fn no_two_routes_share_a_path() {
-        let paths: BTreeSet<_> = routes::ROUTES.iter().map(|(_, p)| *p).collect();
-        assert_eq!(paths.len(), routes::ROUTES.len(), "a path registered twice");
+        let paths: BTreeSet<_> = routes::RESOURCES.iter().collect();
+        assert_eq!(
+            paths.len(),
+            routes::RESOURCES.len(),
+            "a path registered twice"
+        );
+        let methods: BTreeSet<_> = routes::ROUTES.iter().collect();
+        assert_eq!(methods.len(), routes::ROUTES.len(), "a route listed twice");
     }
 
     #[test]

@@ -127,7 +127,25 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    waiting_rooms (activity_id) {
+        activity_id -> Int8,
+        prequeue_secs -> Int4,
+        admit_per_sec -> Int4,
+        max_active -> Nullable<Int4>,
+        pass_ttl_secs -> Int4,
+        offer_secs -> Int4,
+        pow_difficulty -> Int8,
+        seed -> Text,
+        epoch -> Int4,
+        opened_at -> Nullable<Timestamptz>,
+        created_at -> Timestamptz,
+        updated_at -> Timestamptz,
+    }
+}
+
 diesel::joinable!(stock -> activities (activity_id));
+diesel::joinable!(waiting_rooms -> activities (activity_id));
 diesel::joinable!(orders -> activities (activity_id));
 diesel::joinable!(orders -> coupons (coupon_id));
 diesel::joinable!(payments -> orders (order_no));
@@ -143,4 +161,5 @@ diesel::allow_tables_to_appear_in_same_query!(
     outbox,
     payments,
     user_coupons,
+    waiting_rooms,
 );

@@ -26,5 +26,6 @@ mod redis_loading;
 mod shards;
 mod sold_out;
 mod streams;
+mod waiting_room;
 #[path = "../common/wire.rs"]
 mod wire;

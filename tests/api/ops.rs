@@ -142,6 +142,21 @@ async fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
     let (status, _) = app.buy(1, id).await;
     assert_eq!(status, 202);
     crate::reconcile::reconcile(&app).await;
+    // And a waiting room with a ticket admitted (its per-room gauges).
+    let (room, _) = app
+        .room_activity(3, -60, crate::waiting_room::room(0, 10))
+        .await;
+    assert_eq!(app.join(1, room).await.0, 201);
+    let gauge = format!("seckill_waiting_room_passes_outstanding{{activity_id=\"{room}\"}}");
+    crate::helpers::eventually(
+        "the room's gauges",
+        std::time::Duration::from_secs(30),
+        || {
+            let (app, gauge) = (&app, &gauge);
+            async move { (app.metric(gauge).await? == 1).then_some(()) }
+        },
+    )
+    .await;
     let metrics = app.get("/metrics", None).await.text().await.unwrap();
     let series = exported(&metrics);
 
@@ -201,6 +216,13 @@ async fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
         "seckill_reconcile_total",
         "seckill_order_consumer_stalled_seconds",
         "seckill_event_conflicts_total",
+        "seckill_waiting_room_queue_length",
+        "seckill_waiting_room_admitted_total",
+        "seckill_waiting_room_passes_outstanding",
+        "seckill_waiting_room_offers_open",
+        "seckill_waiting_room_pass_checks_total",
+        "seckill_waiting_room_pow_total",
+        "seckill_waiting_room_offers_total",
     ] {
         assert!(
             named.contains(needed),

@@ -8,7 +8,8 @@
 //!   sending, void, commit) and its record;
 //! - [`warmup`]: loading an activity, ending its sale, its stock figure;
 //! - [`counts`]: what the sold-out path and the stats read of the shards;
-//! - [`tokens`]: purchase tokens.
+//! - [`tokens`]: purchase tokens;
+//! - [`room`]: the waiting room's queue, admission and passes.
 //!
 //! What reconciliation changes in Redis (repair, restore, removal) is in
 //! `reconcile::redis`, over this gate's connection and keys.
@@ -31,6 +32,7 @@ mod counts;
 mod lending;
 pub mod reservations;
 pub mod reserve;
+pub mod room;
 mod tokens;
 pub mod warmup;
 

@@ -12,8 +12,12 @@ use crate::admission::Layout;
 use crate::domain::ActivityId;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode, Problem};
+use crate::room::{RoomOptions, RoomSettingsView};
 use crate::state::AppState;
 use crate::store;
+
+/// The header a waiting room's pass comes in.
+const QUEUE_PASS: &str = "X-Queue-Pass";
 
 /// More buckets than this only adds keys to every admission call.
 const MAX_BUCKETS: i32 = 64;
@@ -57,6 +61,10 @@ pub struct CreateActivity {
     #[serde(default = "one")]
     #[schema(minimum = 1, maximum = 16, default = 1)]
     shards: i32,
+    /// A waiting room in front of the sale (docs/WAITING_ROOM.md): fixed
+    /// at creation; its rate can change during the sale.
+    #[serde(default)]
+    waiting_room: Option<RoomOptions>,
 }
 
 fn one() -> i32 {
@@ -68,7 +76,7 @@ fn default_pay_timeout() -> i32 {
 }
 
 impl CreateActivity {
-    fn validate(self) -> Result<(NewActivity, i32), ApiError> {
+    fn validate(self) -> Result<(NewActivity, i32, Option<RoomOptions>), ApiError> {
         let bad = |m: &'static str| Err(ApiError::bad_request(m));
         let name = self.name.trim().to_owned();
         if name.is_empty() || name.chars().count() > 200 {
@@ -105,6 +113,9 @@ impl CreateActivity {
         {
             return bad("price_cents × per_user_limit overflows");
         }
+        if let Some(room) = &self.waiting_room {
+            room.validate().map_err(ApiError::bad_request)?;
+        }
         let new = NewActivity {
             sku_id: self.sku_id,
             name,
@@ -116,7 +127,7 @@ impl CreateActivity {
             buckets: self.buckets,
             shards: self.shards,
         };
-        Ok((new, self.stock))
+        Ok((new, self.stock, self.waiting_room))
     }
 }
 
@@ -142,6 +153,9 @@ pub struct ActivityView {
     /// views only.
     #[serde(skip_serializing_if = "Option::is_none")]
     remaining: Option<i64>,
+    /// Its waiting room, when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    waiting_room: Option<RoomSettingsView>,
 }
 
 fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> ActivityView {
@@ -159,7 +173,24 @@ fn view(a: &Activity, stock_total: i32, now: DateTime<Utc>) -> ActivityView {
         shards: a.shards,
         status: a.lifecycle(now),
         remaining: None,
+        waiting_room: None,
     }
+}
+
+/// The activity's view with its waiting room's settings, if it has one.
+async fn with_room(
+    state: &AppState,
+    a: &Activity,
+    mut body: ActivityView,
+) -> Result<ActivityView, ApiError> {
+    let room = state
+        .sale
+        .rooms
+        .room(a.id)
+        .await
+        .map_err(ApiError::unavailable)?;
+    body.waiting_room = room.map(|r| RoomSettingsView::of(&r.room, a.start_at));
+    Ok(body)
 }
 
 /// Units Redis can still sell of `activity` (0 before its warm-up).
@@ -207,13 +238,24 @@ pub async fn create(
     state: web::Data<AppState>,
     body: web::Json<CreateActivity>,
 ) -> Result<HttpResponse, ApiError> {
-    let (new, units) = body.into_inner().validate()?;
+    let (new, units, room) = body.into_inner().validate()?;
+    let room = room
+        .map(|r| r.into_row(ActivityId::new(0)))
+        .transpose()
+        .map_err(ApiError::unexpected)?;
     let activity = store::run(&state.pg.db, move |conn| {
-        Ok(repo::create(conn, &new, units)?)
+        Ok(repo::create(conn, &new, units, room)?)
     })
     .await
     .map_err(ApiError::unavailable)?;
-    Ok(HttpResponse::Created().json(view(&activity, units, state.clock.now())))
+    let rooms = &state.sale.rooms;
+    rooms.forget(activity.id);
+    if let Err(e) = rooms.open_first(activity.id).await {
+        // The admitter opens it on its next round.
+        tracing::warn!(activity_id = %activity.id, error = %e, "opening the waiting room");
+    }
+    let body = view(&activity, units, state.clock.now());
+    Ok(HttpResponse::Created().json(with_room(&state, &activity, body).await?))
 }
 
 async fn load(state: &AppState, id: ActivityId) -> Result<(Activity, repo::StockRow), ApiError> {
@@ -321,7 +363,7 @@ pub async fn show(
     .ok_or_else(|| ApiError::not_found("no such activity"))?;
     let mut body = view(&activity, stock.total, state.clock.now());
     body.remaining = Some(remaining(&state, &activity).await?);
-    Ok(HttpResponse::Ok().json(body))
+    Ok(HttpResponse::Ok().json(with_room(&state, &activity, body).await?))
 }
 
 /// `POST /api/v1/admin/activities/{id}/end`: ends the sale now. The window
@@ -358,8 +400,16 @@ pub async fn end(
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
     state.sale.activities.forget(id);
+    state
+        .sale
+        .rooms
+        .end(id, activity.end_at)
+        .await
+        .map_err(super::queue::room_error)?;
+    state.sale.rooms.forget(id);
     let (activity, stock) = load(&state, id).await?;
-    Ok(HttpResponse::Ok().json(view(&activity, stock.total, state.clock.now())))
+    let body = view(&activity, stock.total, state.clock.now());
+    Ok(HttpResponse::Ok().json(with_room(&state, &activity, body).await?))
 }
 
 /// How long after its end an activity still shows in the list.
@@ -386,7 +436,7 @@ pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> 
     for (activity, stock) in rows {
         let mut body = view(&activity, stock.total, now);
         body.remaining = Some(remaining(&state, &activity).await?);
-        activities.push(body);
+        activities.push(with_room(&state, &activity, body).await?);
     }
     Ok(HttpResponse::Ok().json(ActivityList {
         server_time: now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
@@ -421,7 +471,9 @@ pub async fn stats(
 }
 
 /// `GET /api/v1/activities/{id}/token`: a one-time purchase token bound to
-/// the caller and the activity. Redis only.
+/// the caller and the activity. Redis only. An activity with a waiting
+/// room asks for the pass of the caller's admitted ticket (`X-Queue-Pass`),
+/// and uses it up.
 #[utoipa::path(get, path = "/api/v1/activities/{id}/token", tag = "activities",
     params(("id" = i64, Path, description = "activity id")),
     security(("bearer" = [])),
@@ -429,15 +481,33 @@ pub async fn stats(
         (status = 200, description = "token, expires_in", body = PurchaseToken),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "NOT_ACTIVE", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "QUEUE_PASS_REQUIRED: the sale has a waiting room and no X-Queue-Pass was sent; QUEUE_PASS_INVALID: a forged, expired, reused, or another user's or activity's pass", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "NOT_ACTIVE; SOLD_OUT: an admitted pass after the sell-out (the ticket is waitlisted)", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn token(
     user: AuthUser,
     state: web::Data<AppState>,
     path: web::Path<ActivityId>,
+    req: actix_web::HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
+    let rooms = &state.sale.rooms;
+    if rooms
+        .room(id)
+        .await
+        .map_err(ApiError::unavailable)?
+        .is_some()
+    {
+        let pass = req
+            .headers()
+            .get(QUEUE_PASS)
+            .map(|v| v.to_str().unwrap_or(""));
+        rooms
+            .redeem(id, user.user_id, pass, state.clock.now())
+            .await
+            .map_err(super::queue::room_error)?;
+    }
     let ttl = state.settings.admission.token_ttl_secs.as_secs();
     // Redis is down and this activity's purchases go to the database: a
     // signed token instead of one kept in Redis.

@@ -8,6 +8,7 @@ pub(super) mod coupons;
 pub(super) mod health;
 pub(super) mod orders;
 pub(super) mod payments;
+pub(super) mod queue;
 pub(super) mod reconcile;
 pub(super) mod streams;
 
@@ -22,18 +23,23 @@ use crate::state::AppState;
 
 /// The one list of routes: `configure` registers them and [`ROUTES`] names
 /// them, so the OpenAPI test (`http::openapi`) checks the router itself,
-/// not a copy of it. One method per path: a second resource with the same
-/// path would never be reached.
+/// not a copy of it. One line per path, its methods joined by `|`: a second
+/// resource with the same path would never be reached.
 macro_rules! routes {
-    ($($method:ident $path:literal => $handler:path;)*) => {
+    ($($method:ident $(| $more:ident)* $path:literal => $handler:path $(| $more_handler:path)*;)*) => {
         /// Every route the router serves, as `(method, path pattern)`.
-        pub const ROUTES: &[(&str, &str)] = &[$((stringify!($method), $path)),*];
+        pub const ROUTES: &[(&str, &str)] = &[
+            $((stringify!($method), $path), $((stringify!($more), $path),)*)*
+        ];
+
+        /// Every resource (path pattern) of the router, once each.
+        pub const RESOURCES: &[&str] = &[$($path),*];
 
         /// Registers every route. Shared by the server and the tests.
         pub fn configure(cfg: &mut web::ServiceConfig) {
             // `web::resource` (not `cfg.route`) so a known path with the
             // wrong method answers 405, not 404.
-            $(cfg.service(resource($path).$method($handler));)*
+            $(cfg.service(resource($path).$method($handler)$(.$more($more_handler))*);)*
         }
     };
 }
@@ -56,6 +62,12 @@ routes! {
     get "/api/v1/activities" => activities::list;
     get "/api/v1/activities/{id}" => activities::show;
     get "/api/v1/activities/{id}/token" => activities::token;
+    get "/api/v1/activities/{id}/queue/challenge" => queue::challenge;
+    post "/api/v1/activities/{id}/queue" => queue::join;
+    get | delete "/api/v1/activities/{id}/queue/me" => queue::me | queue::leave;
+    get "/api/v1/activities/{id}/queue/events" => queue::events;
+    get "/api/v1/activities/{id}/queue/draw" => queue::draw;
+    patch "/api/v1/admin/activities/{id}/waiting-room" => queue::set_rate;
     get "/api/v1/orders" => orders::list;
     get "/api/v1/orders/{order_no}" => orders::show;
     get "/api/v1/orders/{order_no}/events" => streams::order_events;

@@ -1,0 +1,1 @@
+DROP TABLE waiting_rooms;

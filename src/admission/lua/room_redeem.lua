@@ -1,0 +1,26 @@
+-- room_redeem.lua — use a pass, once (its signature was checked before).
+--
+-- KEYS[1] room   KEYS[2] tickets   KEYS[3] states   KEYS[4] active
+-- ARGV[1] ticket   ARGV[2] user   ARGV[3] epoch   ARGV[4] kind (A or O)
+-- ARGV[5] the pass's expiry (ms)   ARGV[6] now (ms, sale clock)
+--
+-- Returns 1 used now; -1 no room; -2 a pass of an earlier queue; -3 not
+-- this user's ticket; -4 expired; -5 sold out (an admitted pass no longer
+-- buys: its ticket is on the waitlist); -6 used before; -7 not the
+-- ticket's pass (it left, or its pass expired).
+local r = redis.call('HMGET', KEYS[1], 'epoch', 'sold')
+if not r[1] then return -1 end
+if r[1] ~= ARGV[3] then return -2 end
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -3 end
+local st = redis.call('HGET', KEYS[3], ARGV[1])
+if st == ARGV[4] .. ':' .. ARGV[5] then
+  if tonumber(ARGV[6]) >= tonumber(ARGV[5]) then return -4 end
+  if ARGV[4] == 'A' and r[2] == '1' then return -5 end
+  local used = 'U:'
+  if ARGV[4] == 'O' then used = 'V:' end
+  redis.call('HSET', KEYS[3], ARGV[1], used .. ARGV[5])
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  return 1
+end
+if st == 'U:' .. ARGV[5] or st == 'V:' .. ARGV[5] then return -6 end
+return -7

@@ -1,0 +1,35 @@
+//! `[waiting_room]`: the process-wide side of activities' waiting rooms
+//! (each room's own rate, pass time and difficulty are set at creation).
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::duration;
+
+/// The admitter and the proof-of-work challenges.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WaitingRoomSettings {
+    /// Pause between admission rounds of the admitter (every instance
+    /// runs one), in milliseconds.
+    #[serde(deserialize_with = "duration::millis")]
+    pub admit_interval_ms: Duration,
+    /// How long a proof-of-work challenge can be answered, in seconds.
+    #[serde(deserialize_with = "duration::secs")]
+    pub challenge_ttl_secs: Duration,
+    /// Run the admitter inside `serve`.
+    pub admitter_enabled: bool,
+}
+
+impl WaitingRoomSettings {
+    /// The bounds of its durations, naming the key that is out of them.
+    pub(super) fn check(&self) -> anyhow::Result<()> {
+        if self.admit_interval_ms < Duration::from_millis(10) {
+            anyhow::bail!("waiting_room.admit_interval_ms must be at least 10 ms");
+        }
+        if self.challenge_ttl_secs < Duration::from_secs(5) {
+            anyhow::bail!("waiting_room.challenge_ttl_secs must be at least 5 s");
+        }
+        Ok(())
+    }
+}

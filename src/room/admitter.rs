@@ -1,0 +1,223 @@
+//! The admitter: on every instance, every `waiting_room.admit_interval_ms`,
+//! one admission round per live room (`room_admit.lua`). The round's
+//! bucket and the place being served are in Redis, so any number of
+//! instances admit together at the room's rate and never admit a ticket
+//! twice; an instance that read a stale place is told so and tries again
+//! next round.
+//!
+//! It also opens each room's queue in Redis, and starts a new one (the
+//! next epoch) when Redis has lost it: an instance that finds the queue
+//! gone for longer than [`LOSS_GRACE`] after it was first opened.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::Rooms;
+use super::draw;
+use super::repo::{self, LiveRoom};
+use crate::activities::layout;
+use crate::admission::RedisGate;
+use crate::admission::gate::room::{Admitted, RoomView, Round};
+use crate::clock::SharedClock;
+use crate::domain::ActivityId;
+use crate::store;
+use crate::worker::WorkerHandle;
+
+/// How often the list of live rooms is read from the database.
+const LIST_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a room's queue must be missing from Redis before it is taken
+/// for lost (rather than not yet opened by another instance).
+pub const LOSS_GRACE: Duration = Duration::from_secs(1);
+
+/// The most tickets one round looks at.
+const MAX_CANDIDATES: u64 = 2_000;
+
+/// Starts the admitter.
+pub fn spawn(
+    rooms: Arc<Rooms>,
+    gate: Arc<RedisGate>,
+    clock: SharedClock,
+    interval: Duration,
+) -> WorkerHandle {
+    WorkerHandle::spawn(move |shutdown| run(rooms, gate, clock, interval, shutdown))
+}
+
+struct Admitter {
+    rooms: Arc<Rooms>,
+    gate: Arc<RedisGate>,
+    clock: SharedClock,
+    interval: Duration,
+    /// When each room was first found missing from Redis.
+    missing_since: HashMap<ActivityId, Instant>,
+}
+
+async fn run(
+    rooms: Arc<Rooms>,
+    gate: Arc<RedisGate>,
+    clock: SharedClock,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut admitter = Admitter {
+        rooms,
+        gate,
+        clock,
+        interval,
+        missing_since: HashMap::new(),
+    };
+    let mut live: Vec<LiveRoom> = Vec::new();
+    let mut listed: Option<Instant> = None;
+    let mut last_warning: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        if listed.is_none_or(|at| at.elapsed() >= LIST_EVERY) {
+            let now = admitter.clock.now();
+            match store::run(admitter.rooms.db(), move |conn| Ok(repo::live(conn, now)?)).await {
+                Ok(rooms) => {
+                    live = rooms;
+                    listed = Some(Instant::now());
+                }
+                Err(e) => warn_now_and_then(&mut last_warning, &e),
+            }
+        }
+        for room in &live {
+            if let Err(e) = admitter.round(room).await {
+                warn_now_and_then(&mut last_warning, &e);
+            }
+        }
+    }
+}
+
+/// Logs `e` at most every ten seconds (Redis down fails every round).
+fn warn_now_and_then(last: &mut Option<Instant>, e: &anyhow::Error) {
+    if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+        tracing::warn!(error = %e, "waiting room admission round failed");
+        *last = Some(Instant::now());
+    }
+}
+
+impl Admitter {
+    /// One round for one room.
+    async fn round(&mut self, live: &LiveRoom) -> anyhow::Result<()> {
+        let id = live.room.activity_id;
+        let Some(view) = self.rooms.gate().head(id).await? else {
+            return self.reopen(id).await;
+        };
+        self.missing_since.remove(&id);
+        let now_ms = self.clock.now_ms();
+        let queue_len = view.seq.saturating_sub(view.serving);
+        let label = id.to_string();
+        let metrics = self.rooms.metrics();
+        metrics
+            .room_queue_length
+            .with_label_values(&[&label])
+            .set(i64::try_from(queue_len).unwrap_or(i64::MAX));
+        if !live.warmed || now_ms < live.start_at.timestamp_millis() {
+            return Ok(());
+        }
+        // Redis lost the activity's stock with the queue: no units to count
+        // (zero would read as sold out) until reconciliation restores them.
+        if !self.gate.is_warm(id).await? {
+            return Ok(());
+        }
+        let layout = layout(live.buckets, live.shards);
+        let available = self.gate.available(id, layout).await?;
+        // Until the draw is fixed its order is unknown: the first round
+        // after the start only closes the pre-queue.
+        let candidates = if view.closed {
+            self.candidates(id, &view)
+        } else {
+            Vec::new()
+        };
+        let round = self
+            .rooms
+            .gate()
+            .admit(id, now_ms, view.next_place(), available, &candidates)
+            .await?;
+        if let Round::Admitted(a) = round {
+            self.record(&label, &a);
+        }
+        Ok(())
+    }
+
+    /// The tickets at the places from the next one on, as many as about
+    /// two rounds admit.
+    fn candidates(&self, id: ActivityId, view: &RoomView) -> Vec<u64> {
+        let draw = self.rooms.draw_of(id, view);
+        let per_round = (view.admit_per_sec.max(1) as u64)
+            .saturating_mul(self.interval.as_millis() as u64)
+            / 1000;
+        let want = (per_round * 2 + 8).min(MAX_CANDIDATES);
+        let from = view.next_place();
+        let end = view.seq.min(from + want);
+        (from..end)
+            .map(|place| draw::ticket_at(draw.as_deref(), place))
+            .collect()
+    }
+
+    fn record(&self, label: &str, a: &Admitted) {
+        let m = self.rooms.metrics();
+        let n = a.tickets.len() as u64;
+        let kind = if a.sold_out { "offer" } else { "pass" };
+        m.room_admitted.with_label_values(&[kind]).inc_by(n);
+        if a.sold_out {
+            m.room_offers.with_label_values(&["made"]).inc_by(n);
+        }
+        m.room_offers
+            .with_label_values(&["expired"])
+            .inc_by(a.offers_lapsed);
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        m.room_queue_length
+            .with_label_values(&[label])
+            .set(gauge(a.seq.saturating_sub(a.place)));
+        m.room_passes_outstanding
+            .with_label_values(&[label])
+            .set(gauge(a.passes_outstanding));
+        m.room_offers_open
+            .with_label_values(&[label])
+            .set(gauge(a.offers_open));
+    }
+
+    /// The room's queue is not in Redis: open its first one, or, once it
+    /// has been missing for [`LOSS_GRACE`] after that, start the next
+    /// epoch (every ticket and pass of the lost one is void).
+    async fn reopen(&mut self, id: ActivityId) -> anyhow::Result<()> {
+        let db = self.rooms.db();
+        let Some(fresh) = store::run(db, move |conn| Ok(repo::find_live(conn, id)?)).await? else {
+            return Ok(());
+        };
+        if !fresh.opened {
+            return self.rooms.open_first(id).await;
+        }
+        let since = *self.missing_since.entry(id).or_insert_with(Instant::now);
+        if since.elapsed() < LOSS_GRACE {
+            return Ok(());
+        }
+        let seen = fresh.room.epoch;
+        let epoch = match store::run(db, move |conn| Ok(repo::next_epoch(conn, id, seen)?)).await? {
+            Some(next) => {
+                tracing::warn!(
+                    activity_id = %id,
+                    epoch = next,
+                    "Redis lost the waiting room's queue: a new one starts; its tickets and passes are void"
+                );
+                next
+            }
+            // Another instance started it; open it in case it did not.
+            None => store::run(db, move |conn| Ok(repo::find(conn, id)?))
+                .await?
+                .map_or(seen, |row| row.epoch),
+        };
+        self.rooms.open(&fresh, epoch).await?;
+        self.rooms.forget(id);
+        self.missing_since.remove(&id);
+        Ok(())
+    }
+}

@@ -1,0 +1,806 @@
+//! The waiting room (docs/WAITING_ROOM.md) against the real services: the
+//! draw's fairness and audit, FIFO after the start, one ticket per user,
+//! passes, the rate with two instances, released units going to the queue,
+//! and the proof of work.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use futures_util::stream::{self, StreamExt};
+use serde_json::{Value, json};
+
+use crate::helpers::{KillOnDrop, TestApp, eventually, json, spawn_app};
+
+/// A room's settings with `rate` admitted per second and an easy puzzle.
+pub(crate) fn room(prequeue_secs: i64, rate: i64) -> Value {
+    json!({"prequeue_secs": prequeue_secs, "admit_per_sec": rate,
+           "pass_ttl_secs": 600, "offer_secs": 30, "pow_difficulty": 50})
+}
+
+impl TestApp {
+    /// A warmed activity with a waiting room, its sale `start` seconds from
+    /// now; `(id, its public view)`.
+    pub(crate) async fn room_activity(&self, stock: i32, start: i64, room: Value) -> (i64, Value) {
+        let now = chrono::Utc::now();
+        let body = json!({
+            "sku_id": 1001, "name": "Console", "price_cents": 49900, "stock": stock,
+            "start_at": now + chrono::Duration::seconds(start),
+            "end_at": now + chrono::Duration::seconds(start + 7200),
+            "per_user_limit": 1, "pay_timeout_secs": 900, "waiting_room": room,
+        });
+        let res = self
+            .post_json("/api/v1/admin/activities", &body, Some(&self.admin_token()))
+            .await;
+        assert_eq!(res.status(), 201);
+        let created = json(res).await;
+        let id = created["activity_id"].as_i64().unwrap();
+        assert!(
+            created["waiting_room"]["seed_sha256"].is_string(),
+            "{created}"
+        );
+        self.warmup(id).await;
+        (id, created)
+    }
+
+    /// Solves a fresh challenge for `user` and joins: (status, body).
+    pub(crate) async fn join(&self, user: i64, activity: i64) -> (u16, Value) {
+        let answer = self.solved(user, activity).await;
+        self.join_with(user, activity, &answer).await
+    }
+
+    /// A solved challenge of `user` for `activity`, as the join body's `pow`.
+    async fn solved(&self, user: i64, activity: i64) -> Value {
+        let token = self.user_token(user);
+        let res = self
+            .get(
+                &format!("/api/v1/activities/{activity}/queue/challenge"),
+                Some(&token),
+            )
+            .await;
+        assert_eq!(res.status(), 200);
+        let c = json(res).await;
+        let number = seckill::room::pow::solve_parts(
+            c["salt"].as_str().unwrap(),
+            c["challenge"].as_str().unwrap(),
+            c["maxnumber"].as_u64().unwrap(),
+        )
+        .expect("the challenge has a solution");
+        json!({"algorithm": c["algorithm"], "challenge": c["challenge"], "salt": c["salt"],
+               "number": number, "signature": c["signature"]})
+    }
+
+    async fn join_with(&self, user: i64, activity: i64, pow: &Value) -> (u16, Value) {
+        let res = self
+            .post_json(
+                &format!("/api/v1/activities/{activity}/queue"),
+                &json!({ "pow": pow }),
+                Some(&self.user_token(user)),
+            )
+            .await;
+        let status = res.status().as_u16();
+        (status, json(res).await)
+    }
+
+    /// `user`'s ticket (asserting 200).
+    async fn ticket(&self, user: i64, activity: i64) -> Value {
+        let res = self
+            .get(
+                &format!("/api/v1/activities/{activity}/queue/me"),
+                Some(&self.user_token(user)),
+            )
+            .await;
+        assert_eq!(res.status(), 200);
+        json(res).await
+    }
+
+    /// Waits until `user`'s ticket is in `state`; the ticket then.
+    async fn ticket_in(&self, user: i64, activity: i64, state: &str) -> Value {
+        eventually(
+            &format!("user {user}'s ticket {state}"),
+            Duration::from_secs(60),
+            || async move {
+                let t = self.ticket(user, activity).await;
+                (t["state"] == state).then_some(t)
+            },
+        )
+        .await
+    }
+
+    /// `GET …/token` with `pass` as X-Queue-Pass (none: no header).
+    async fn token_with(&self, user: i64, activity: i64, pass: Option<&str>) -> (u16, Value) {
+        let mut req = self
+            .client
+            .get(format!(
+                "{}/api/v1/activities/{activity}/token",
+                self.address
+            ))
+            .bearer_auth(self.user_token(user));
+        if let Some(p) = pass {
+            req = req.header("X-Queue-Pass", p);
+        }
+        let res = req.send().await.unwrap();
+        let status = res.status().as_u16();
+        (status, json(res).await)
+    }
+
+    /// Buys one unit with `pass`: the order's answer.
+    async fn buy_with(&self, user: i64, activity: i64, pass: &str) -> (u16, Value) {
+        let (status, body) = self.token_with(user, activity, Some(pass)).await;
+        assert_eq!(status, 200, "token for user {user}: {body}");
+        let order = json!({"request_id": uuid::Uuid::new_v4().to_string(),
+                           "token": body["token"]});
+        let res = self.order(user, activity, &order).await;
+        let status = res.status().as_u16();
+        (status, json(res).await)
+    }
+
+    /// The room's Redis hash field.
+    async fn room_field(&self, activity: i64, field: &str) -> Option<String> {
+        let key = format!("{}{{a:{activity}}}:room", self.settings.redis.key_prefix);
+        redis::cmd("HGET")
+            .arg(key)
+            .arg(field)
+            .query_async(&mut self.redis())
+            .await
+            .unwrap()
+    }
+
+    /// Every key of the activity in Redis with its value, as text: what a
+    /// refused request must leave as it was. The admitter's bucket (its
+    /// refill time and level) moves every round by design and is left out.
+    async fn redis_snapshot(&self, activity: i64) -> BTreeMap<String, String> {
+        let mut conn = self.redis();
+        let pattern = format!("{}{{a:{activity}}}:*", self.settings.redis.key_prefix);
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(&pattern)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let mut out = BTreeMap::new();
+        for key in keys {
+            let kind: String = redis::cmd("TYPE")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let value = match kind.as_str() {
+                "string" => {
+                    let v: Option<String> = redis::cmd("GET")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    format!("{v:?}")
+                }
+                "hash" => {
+                    let mut v: BTreeMap<String, String> = redis::cmd("HGETALL")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    if key.ends_with(":room") {
+                        v.remove("tokens_m");
+                        v.remove("tokens_at");
+                    }
+                    format!("{v:?}")
+                }
+                "zset" => {
+                    let v: Vec<(String, f64)> = redis::cmd("ZRANGE")
+                        .arg(&key)
+                        .arg(0)
+                        .arg(-1)
+                        .arg("WITHSCORES")
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    format!("{v:?}")
+                }
+                other => other.to_owned(),
+            };
+            out.insert(key, value);
+        }
+        out
+    }
+
+    /// What the database holds of the activity's sale.
+    async fn db_snapshot(&self, activity: i64) -> Vec<i64> {
+        vec![
+            self.count(&format!("SELECT count(*) AS n FROM orders WHERE activity_id = {activity}"))
+                .await,
+            self.count(&format!(
+                "SELECT (available * 1000000 + locked * 1000 + sold)::bigint AS n FROM stock WHERE activity_id = {activity}"
+            ))
+            .await,
+            self.count(&format!("SELECT count(*) AS n FROM stock_flow WHERE activity_id = {activity}"))
+                .await,
+        ]
+    }
+}
+
+/// Spearman's rank correlation of two permutations of 1..=n.
+fn spearman(a: &[u64], b: &[u64]) -> f64 {
+    let n = a.len() as f64;
+    let d2: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+        .sum();
+    1.0 - 6.0 * d2 / (n * (n * n - 1.0))
+}
+
+/// The pre-queue tickets in the order `scripts/verify_draw.py` recomputes
+/// from the published draw (and the seed's SHA-256 published before).
+fn recomputed_order(draw: &Value, seed_sha256: &str) -> Vec<u64> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/verify_draw.py"
+        ))
+        .arg(format!("--seed-sha256={seed_sha256}"))
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs the verifier");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(draw.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the verifier refused the draw: {out:?}"
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect()
+}
+
+/// 2,000 buyers join at known times spread over the pre-queue. Their order
+/// of admission is independent of when they joined, it is the order the
+/// published seed and commitment give, and admission follows it.
+#[tokio::test]
+async fn the_pre_queue_draw_is_fair_and_recomputable_from_what_is_published() {
+    const N: i64 = 2_000;
+    let app = spawn_app().await;
+    let (id, created) = app.room_activity(10, 600, room(3600, 500)).await;
+    let seed_sha256 = created["waiting_room"]["seed_sha256"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // Ten waves of 200, 55 s apart on the sale clock: the last joins 495 s
+    // after the first, all before the start.
+    let mut joined_at = HashMap::new();
+    for wave in 0..10 {
+        let users: Vec<i64> = (wave * 200 + 1..=wave * 200 + 200).collect();
+        let tickets: Vec<(i64, u16, Value)> = stream::iter(users)
+            .map(|u| {
+                let app = &app;
+                async move {
+                    let (status, t) = app.join(u, id).await;
+                    (u, status, t)
+                }
+            })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        for (u, status, t) in tickets {
+            assert_eq!(status, 201, "{t}");
+            assert_eq!(t["state"], "PREQUEUE", "{t}");
+            assert!(t["position"].is_null(), "{t}");
+            joined_at.insert(u, t["ticket"].as_u64().unwrap());
+        }
+        app.clock.advance(Duration::from_secs(55));
+    }
+    let res = app
+        .get(&format!("/api/v1/activities/{id}/queue/draw"), None)
+        .await;
+    assert_eq!(
+        res.status(),
+        409,
+        "the draw is not published before the start"
+    );
+
+    app.clock.advance(Duration::from_secs(600 - 550 + 1));
+    let mut place_of = HashMap::new();
+    let mut expiry_at_place = BTreeMap::new();
+    for u in 1..=N {
+        let t = app.ticket_in(u, id, "ADMITTED").await;
+        let place = t["position"].as_u64().unwrap();
+        place_of.insert(joined_at[&u], place);
+        expiry_at_place.insert(place, t["pass_expires_at"].as_str().unwrap().to_owned());
+    }
+    let mut places: Vec<u64> = place_of.values().copied().collect();
+    places.sort_unstable();
+    assert_eq!(
+        places,
+        (1..=N as u64).collect::<Vec<_>>(),
+        "one ticket per place"
+    );
+
+    let res = app
+        .get(&format!("/api/v1/activities/{id}/queue/draw"), None)
+        .await;
+    assert_eq!(res.status(), 200);
+    let draw = json(res).await;
+    assert_eq!(draw["entrants"], N, "{draw}");
+    let order = recomputed_order(&draw, &seed_sha256);
+    for (k, ticket) in order.iter().enumerate() {
+        assert_eq!(place_of[ticket], k as u64 + 1, "ticket {ticket}");
+    }
+    // Admission followed the drawn order: a later place never got its pass
+    // in an earlier round.
+    let expiries: Vec<&String> = expiry_at_place.values().collect();
+    assert!(
+        expiries.windows(2).all(|w| w[0] <= w[1]),
+        "passes out of the drawn order"
+    );
+    // Independence of join order: for a uniform permutation of 2,000 the
+    // rank correlation has standard deviation 1/sqrt(1999) ≈ 0.022; 0.15 is
+    // 6.7 of them (a fair draw fails this about once in 10^10).
+    let (tickets, placed): (Vec<u64>, Vec<u64>) = place_of.iter().map(|(t, p)| (*t, *p)).unzip();
+    let rho = spearman(&tickets, &placed);
+    println!("Spearman's rho of join order and admission order: {rho:.4}");
+    assert!(rho.abs() < 0.15, "rho {rho}: the order follows the joins");
+}
+
+/// Tickets taken after the start are admitted after every pre-queue
+/// ticket, in the order they were taken.
+#[tokio::test]
+async fn tickets_after_the_start_follow_every_pre_queue_ticket_in_join_order() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(10, 600, room(3600, 10)).await;
+    for u in 1..=20 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    app.clock.advance(Duration::from_secs(601));
+    let mut later = Vec::new();
+    for u in 21..=40 {
+        let (status, t) = app.join(u, id).await;
+        assert_eq!(status, 201, "{t}");
+        assert_ne!(t["state"], "PREQUEUE", "{t}");
+        later.push(t["ticket"].as_u64().unwrap());
+    }
+    assert_eq!(later, (21..=40).collect::<Vec<u64>>());
+    let mut expiry = HashMap::new();
+    for u in 1..=40 {
+        let t = app.ticket_in(u, id, "ADMITTED").await;
+        if u > 20 {
+            assert_eq!(t["position"], t["ticket"], "{t}");
+        }
+        expiry.insert(u, t["pass_expires_at"].as_str().unwrap().to_owned());
+    }
+    let last_prequeue = (1..=20).map(|u| &expiry[&u]).max().unwrap();
+    assert!(
+        expiry[&21] >= *last_prequeue,
+        "a later ticket admitted before a pre-queue one"
+    );
+    for u in 22..=40 {
+        assert!(
+            expiry[&u] >= expiry[&(u - 1)],
+            "user {u} admitted out of turn"
+        );
+    }
+}
+
+/// The same user joining 100 times over 10 connections holds one ticket.
+#[tokio::test]
+async fn a_user_who_joins_a_hundred_times_from_ten_connections_holds_one_ticket() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(10, -60, room(0, 1)).await;
+    let mut answers = Vec::new();
+    for _ in 0..100 {
+        answers.push(app.solved(7, id).await);
+    }
+    let token = app.user_token(7);
+    let url = format!("{}/api/v1/activities/{id}/queue", app.address);
+    let results: Vec<(u16, Value)> = stream::iter(answers.chunks(10).map(|c| c.to_vec()))
+        .map(|chunk| {
+            let (token, url) = (token.clone(), url.clone());
+            async move {
+                let client = reqwest::Client::new();
+                let mut out = Vec::new();
+                for pow in chunk {
+                    let res = client
+                        .post(&url)
+                        .bearer_auth(&token)
+                        .json(&json!({ "pow": pow }))
+                        .send()
+                        .await
+                        .unwrap();
+                    out.push((res.status().as_u16(), res.json::<Value>().await.unwrap()));
+                }
+                out
+            }
+        })
+        .buffer_unordered(10)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    let created = results.iter().filter(|(s, _)| *s == 201).count();
+    let again = results.iter().filter(|(s, _)| *s == 200).count();
+    assert_eq!((created, again), (1, 99), "{results:?}");
+    assert!(results.iter().all(|(_, t)| t["ticket"] == 1), "{results:?}");
+    let (_, other) = app.join(8, id).await;
+    assert_eq!(other["ticket"], 2, "the queue holds one ticket for user 7");
+}
+
+/// A token without a pass, or with a forged, expired, reused or foreign
+/// one, is refused, and nothing changes in Redis or PostgreSQL.
+#[tokio::test]
+async fn a_purchase_token_without_a_good_pass_is_refused_and_changes_nothing() {
+    let app = spawn_app().await;
+    let short = json!({"prequeue_secs": 0, "admit_per_sec": 100, "pass_ttl_secs": 30,
+                       "offer_secs": 30, "pow_difficulty": 50});
+    let (id, _) = app.room_activity(5, -60, short.clone()).await;
+    let (other, _) = app.room_activity(5, -60, short).await;
+    for u in [1, 2, 3] {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    assert_eq!(app.join(1, other).await.0, 201);
+    let pass = |t: &Value| t["pass"].as_str().unwrap().to_owned();
+    let a = pass(&app.ticket_in(1, id, "ADMITTED").await);
+    app.ticket_in(2, id, "ADMITTED").await;
+    let c = pass(&app.ticket_in(3, id, "ADMITTED").await);
+    let a_elsewhere = pass(&app.ticket_in(1, other, "ADMITTED").await);
+
+    let refused = |expect: &'static str, user: i64, pass: Option<String>| {
+        let app = &app;
+        async move {
+            let (redis, db) = (app.redis_snapshot(id).await, app.db_snapshot(id).await);
+            let (status, body) = app.token_with(user, id, pass.as_deref()).await;
+            assert_eq!(
+                (status, body["code"].as_str()),
+                (403, Some(expect)),
+                "{body}"
+            );
+            assert_eq!(
+                app.redis_snapshot(id).await,
+                redis,
+                "{expect}: Redis changed"
+            );
+            assert_eq!(
+                app.db_snapshot(id).await,
+                db,
+                "{expect}: the database changed"
+            );
+        }
+    };
+    refused("QUEUE_PASS_REQUIRED", 1, None).await;
+    let mut forged = a.clone();
+    let last = if forged.ends_with('0') { '1' } else { '0' };
+    forged.pop();
+    forged.push(last);
+    refused("QUEUE_PASS_INVALID", 1, Some(forged)).await;
+    refused("QUEUE_PASS_INVALID", 1, Some("not-a-pass".into())).await;
+    refused("QUEUE_PASS_INVALID", 2, Some(a.clone())).await;
+    refused("QUEUE_PASS_INVALID", 1, Some(a_elsewhere)).await;
+
+    let (status, body) = app.token_with(1, id, Some(&a)).await;
+    assert_eq!(status, 200, "its own pass buys a token once: {body}");
+    refused("QUEUE_PASS_INVALID", 1, Some(a)).await;
+
+    // Past its time on the sale clock, once the admitter has marked the
+    // unused passes expired (its own change, not the request's).
+    app.clock.advance(Duration::from_secs(31));
+    eventually(
+        "the unused passes expired",
+        Duration::from_secs(30),
+        || async {
+            let st = format!("{}{{a:{id}}}:room:st", app.settings.redis.key_prefix);
+            let states: HashMap<String, String> = redis::cmd("HGETALL")
+                .arg(st)
+                .query_async(&mut app.redis())
+                .await
+                .unwrap();
+            (states.get("2").map(String::as_str) == Some("E")
+                && states.get("3").map(String::as_str) == Some("E"))
+            .then_some(())
+        },
+    )
+    .await;
+    refused("QUEUE_PASS_INVALID", 3, Some(c)).await;
+    assert_eq!(app.ticket(3, id).await["state"], "EXPIRED");
+}
+
+/// Two instances admitting at once never admit a ticket twice and
+/// together hold the room's rate.
+#[tokio::test]
+async fn two_instances_admitting_together_hold_the_rate() {
+    const RATE: i64 = 20;
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(1000, -60, room(0, RATE)).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let second = format!("http://127.0.0.1:{port}");
+    let _second = KillOnDrop(
+        app.seckill_command(&["serve", "--no-consumer"])
+            .env("SECKILL__APP__PORT", port.to_string())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("a second seckill serve starts"),
+    );
+    eventually(
+        "the second instance ready",
+        Duration::from_secs(120),
+        || {
+            let url = format!("{second}/health/ready");
+            async move { (reqwest::get(url).await.ok()?.status() == 200).then_some(()) }
+        },
+    )
+    .await;
+    let users: Vec<i64> = (1..=400).collect();
+    let joined: Vec<u16> = stream::iter(users)
+        .map(|u| {
+            let app = &app;
+            async move { app.join(u, id).await.0 }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    assert!(joined.iter().all(|&s| s == 201));
+
+    let admitted = || async {
+        app.room_field(id, "admitted")
+            .await
+            .and_then(|v| v.parse::<i64>().ok())
+            .unwrap_or(0)
+    };
+    let (from, t0) = (admitted().await, std::time::Instant::now());
+    let (to, t1) = eventually("100 more admitted", Duration::from_secs(120), || async {
+        let n = admitted().await;
+        (n >= from + 100).then(|| (n, std::time::Instant::now()))
+    })
+    .await;
+    let secs = (t1 - t0).as_secs_f64();
+    let rate = (to - from) as f64 / secs;
+    println!(
+        "admitted {} in {secs:.2} s: {rate:.1}/s against admit_per_sec {RATE}",
+        to - from
+    );
+    // The bucket holds at most one second of tokens: never more than
+    // RATE × elapsed + RATE, whatever the host's speed.
+    assert!(
+        (to - from) as f64 <= RATE as f64 * (secs + 0.2) + RATE as f64,
+        "{rate}/s over {RATE}/s"
+    );
+
+    let sum_at = |base: String| async move {
+        let text = reqwest::get(format!("{base}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with("seckill_waiting_room_admitted_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as i64
+    };
+    let (here, there) = (
+        sum_at(app.address.clone()).await,
+        sum_at(second.clone()).await,
+    );
+    // The count and the tickets, read in one transaction: admission goes on.
+    let prefix = &app.settings.redis.key_prefix;
+    let (total, tickets): (i64, i64) = redis::pipe()
+        .atomic()
+        .cmd("HGET")
+        .arg(format!("{prefix}{{a:{id}}}:room"))
+        .arg("admitted")
+        .cmd("HLEN")
+        .arg(format!("{prefix}{{a:{id}}}:room:st"))
+        .query_async(&mut app.redis())
+        .await
+        .unwrap();
+    println!("admitted here {here}, there {there}, in Redis {total}");
+    assert!(
+        here > 0 && there > 0,
+        "both instances admit: {here}, {there}"
+    );
+    assert!(
+        here + there >= total - 2 * RATE && here + there <= total,
+        "{here} + {there} vs {total}"
+    );
+    assert_eq!(tickets, total, "each admission is one ticket");
+}
+
+/// After the sell-out, units that come back are offered to the next
+/// tickets in queue order, never to the open purchase path; an offer not
+/// used passes to the next ticket after offer_secs on the sale clock.
+#[tokio::test]
+async fn released_units_are_offered_to_the_queue_in_order() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(10, -60, room(0, 200)).await;
+    for u in 1..=40 {
+        let (status, t) = app.join(u, id).await;
+        assert_eq!((status, t["ticket"].as_i64()), (201, Some(u)), "{t}");
+    }
+    let mut passes = HashMap::new();
+    for u in 1..=40 {
+        let t = app.ticket_in(u, id, "ADMITTED").await;
+        passes.insert(u, t["pass"].as_str().unwrap().to_owned());
+    }
+    let mut orders = Vec::new();
+    for u in 1..=10 {
+        let (status, body) = app.buy_with(u, id, &passes[&u]).await;
+        assert_eq!(status, 202, "{body}");
+        orders.push((u, body["order_no"].as_str().unwrap().to_owned()));
+    }
+    app.drained(id, 10).await;
+    for u in 11..=40 {
+        app.ticket_in(u, id, "SOLD_OUT").await;
+    }
+    let (status, body) = app.token_with(11, id, Some(&passes[&11])).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("SOLD_OUT")),
+        "{body}"
+    );
+
+    for (u, order_no) in &orders {
+        assert_eq!(app.cancel(*u, order_no).await.status(), 200);
+    }
+    // Meanwhile a buyer outside the queue, and one whose pass is spent,
+    // hammer the token route.
+    let hammer = async {
+        let mut refused = 0;
+        for round in 0..50 {
+            let (status, _) = app.token_with(99, id, None).await;
+            let (again, _) = app.token_with(1, id, Some(&passes[&1])).await;
+            assert_eq!((status, again), (403, 403), "round {round}");
+            refused += 2;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        refused
+    };
+    let offered = async {
+        let mut offers = HashMap::new();
+        for u in 11..=20 {
+            let t = app.ticket_in(u, id, "OFFERED").await;
+            offers.insert(u, t["pass"].as_str().unwrap().to_owned());
+        }
+        offers
+    };
+    let (refused, offers) = tokio::join!(hammer, offered);
+    assert_eq!(refused, 100);
+    for u in 21..=40 {
+        assert_eq!(app.ticket(u, id).await["state"], "SOLD_OUT", "user {u}");
+    }
+    for u in 11..=19 {
+        let (status, body) = app.buy_with(u, id, &offers[&u]).await;
+        assert_eq!(status, 202, "the offer buys for user {u}: {body}");
+    }
+    // User 20 lets the offer lapse: it passes to user 21.
+    app.clock.advance(Duration::from_secs(31));
+    app.ticket_in(20, id, "EXPIRED").await;
+    let t = app.ticket_in(21, id, "OFFERED").await;
+    let (status, body) = app.buy_with(21, id, t["pass"].as_str().unwrap()).await;
+    assert_eq!(status, 202, "{body}");
+    for u in 22..=40 {
+        assert_eq!(app.ticket(u, id).await["state"], "SOLD_OUT", "user {u}");
+    }
+    let stats = app.drained(id, 10).await;
+    assert_eq!(stats["orders"]["CANCELLED"], 10, "{stats}");
+    assert_eq!(stats["orders"]["WAITING_PAY"], 10, "{stats}");
+    assert_eq!(stats["redis_available"], 0, "{stats}");
+}
+
+/// A wrong, forged, foreign, replayed or expired answer is refused; the
+/// difficulty rises while many join and falls back when they stop.
+#[tokio::test]
+async fn the_proof_of_work_is_checked_once_and_its_difficulty_follows_the_join_rate() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(10, -60, room(0, 1)).await;
+    let answer = app.solved(1, id).await;
+    let refused = |body: &Value| body["code"] == "POW_INVALID";
+
+    let mut wrong = answer.clone();
+    wrong["number"] = json!(answer["number"].as_u64().unwrap() + 1);
+    let (status, body) = app.join_with(1, id, &wrong).await;
+    assert!(status == 400 && refused(&body), "{body}");
+    let mut forged = answer.clone();
+    forged["signature"] = json!("00".repeat(32));
+    let (status, body) = app.join_with(1, id, &forged).await;
+    assert!(status == 400 && refused(&body), "{body}");
+    let (status, body) = app.join_with(2, id, &answer).await;
+    assert!(
+        status == 400 && refused(&body),
+        "another user's answer: {body}"
+    );
+
+    assert_eq!(app.join_with(1, id, &answer).await.0, 201);
+    let (status, body) = app.join_with(1, id, &answer).await;
+    assert!(status == 400 && refused(&body), "replayed: {body}");
+
+    let stale = app.solved(3, id).await;
+    app.clock.advance(Duration::from_secs(121));
+    let (status, body) = app.join_with(3, id, &stale).await;
+    assert!(status == 400 && refused(&body), "expired: {body}");
+    assert_eq!(
+        app.metric("seckill_waiting_room_pow_total{outcome=\"wrong\"}")
+            .await,
+        Some(3)
+    );
+
+    let difficulty = || async {
+        let res = app
+            .get(
+                &format!("/api/v1/activities/{id}/queue/challenge"),
+                Some(&app.user_token(1)),
+            )
+            .await;
+        json(res).await["maxnumber"].as_u64().unwrap()
+    };
+    assert_eq!(difficulty().await, 50);
+    let mut next = 100;
+    let raised = eventually("the difficulty rises", Duration::from_secs(180), || {
+        let from = next;
+        next += 100;
+        let app = &app;
+        async move {
+            stream::iter(from..from + 100)
+                .map(|u| async move { app.join(u, id).await.0 })
+                .buffer_unordered(16)
+                .collect::<Vec<_>>()
+                .await;
+            let d = difficulty().await;
+            (d > 50).then_some(d)
+        }
+    })
+    .await;
+    println!("difficulty under load: {raised}");
+    eventually(
+        "the difficulty falls back",
+        Duration::from_secs(30),
+        || async { (difficulty().await == 50).then_some(()) },
+    )
+    .await;
+}
+
+/// The ticket stream pushes the turn: QUEUED first, then ADMITTED.
+#[tokio::test]
+async fn the_ticket_stream_pushes_the_turn_as_it_comes() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(10, -60, room(0, 1)).await;
+    for u in 1..=3 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    let res = app
+        .get(
+            &format!("/api/v1/activities/{id}/queue/events"),
+            Some(&app.user_token(3)),
+        )
+        .await;
+    assert_eq!(res.status(), 200);
+    let mut res = res;
+    let mut seen = String::new();
+    let read = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(chunk) = res.chunk().await.unwrap() {
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+            if seen.contains("\"state\":\"ADMITTED\"") {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no ADMITTED event: {seen}");
+    let states = seen;
+    let first = states.find("\"state\":").unwrap();
+    assert!(
+        states[first..].starts_with("\"state\":\"QUEUED\""),
+        "{states}"
+    );
+    assert!(states.contains("\"pass\":"), "{states}");
+}
