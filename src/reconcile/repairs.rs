@@ -160,8 +160,8 @@ impl<'a> Repairs<'a> {
     }
 
     /// Removes an ended activity's keys (meta, buckets, request and holding
-    /// hashes, open index, transfer records). Reservation records expire on
-    /// their own.
+    /// hashes, open index, transfer records, its waiting room's queue).
+    /// Reservation records expire on their own.
     pub async fn remove_activity(
         &self,
         activity_id: ActivityId,
@@ -203,6 +203,20 @@ impl<'a> Repairs<'a> {
                 .await?;
         }
         let base = self.gate.keys(activity_id);
+        // A waiting room's queue, unlinked: its hashes can hold a million
+        // tickets, freed off Redis's main thread. (Answers and join counts
+        // expire on their own.)
+        let _: () = redis::cmd("UNLINK")
+            .arg(&[
+                base.room(),
+                base.room_users(),
+                base.room_tickets(),
+                base.room_states(),
+                base.room_active(),
+                base.room_offers(),
+            ])
+            .query_async(&mut self.gate.conn())
+            .await?;
         redis::cmd("DEL")
             .arg(&[base.meta(), base.restoring()])
             .query_async(&mut self.gate.conn())
