@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::{Lifecycle, repo};
 use crate::admission::RedisGate;
+use crate::admission::gate::room::RoomFigures;
 use crate::clock::Clock;
 use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
@@ -37,6 +38,9 @@ pub struct ActivityStats {
     /// Orders by status, every status present (PROCESSING: the open
     /// reservations).
     pub orders: BTreeMap<String, i64>,
+    /// Its waiting room's queue in Redis, when it has one there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waiting_room: Option<RoomFigures>,
 }
 
 /// The activity's figures; `None` when there is no such activity.
@@ -73,6 +77,7 @@ pub async fn read(
     // read a stock it then never saw again.
     let open = gate.open_reservations(id, activity.layout()).await?;
     let redis_available = gate.available(id, activity.layout()).await?;
+    let waiting_room = gate.room_figures(id).await?;
     // Every state, the ones with no order too.
     let mut orders = BTreeMap::new();
     orders.insert(OrderStatus::Processing.to_string(), open);
@@ -92,5 +97,6 @@ pub async fn read(
         db_sold: stock.sold,
         reservations_open: open,
         orders,
+        waiting_room,
     }))
 }

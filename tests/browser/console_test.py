@@ -13,6 +13,7 @@ fails with what the page showed.
 """
 
 import datetime as dt
+import hashlib
 import json
 import pathlib
 import sys
@@ -83,6 +84,49 @@ def buy_via_api(user_id, aid, request_id):
     assert status == 200, (status, body)
     return call("POST", f"/api/v1/activities/{aid}/orders",
                 {"request_id": request_id, "token": body["token"]}, token)
+
+
+def room_activity(name, stock, start_in, rate):
+    """A warmed activity with a waiting room whose sale starts `start_in`
+    seconds from now (its pre-queue is open already)."""
+    start = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=start_in)
+    status, body = call("POST", "/api/v1/admin/activities", {
+        "sku_id": 1, "name": name, "price_cents": 2999, "stock": stock,
+        "start_at": start.isoformat(), "end_at": (start + dt.timedelta(hours=1)).isoformat(),
+        "per_user_limit": 1, "pay_timeout_secs": 900,
+        "waiting_room": {"prequeue_secs": 600, "admit_per_sec": rate, "pass_ttl_secs": 120,
+                         "offer_secs": 60, "pow_difficulty": 2000},
+    }, ADMIN)
+    assert status == 201, (status, body)
+    aid = body["activity_id"]
+    status, body = call("POST", f"/api/v1/admin/activities/{aid}/warmup", {}, ADMIN)
+    assert status == 200, (status, body)
+    return aid
+
+
+def join_via_api(user_id, aid):
+    """Solves a challenge and joins as `user_id`: the user's token."""
+    token = dev_token(user_id)
+    status, c = call("GET", f"/api/v1/activities/{aid}/queue/challenge", token=token)
+    assert status == 200, (status, c)
+    number = next(n for n in range(c["maxnumber"] + 1)
+                  if hashlib.sha256((c["salt"] + str(n)).encode()).hexdigest() == c["challenge"])
+    pow_answer = {k: c[k] for k in ("algorithm", "challenge", "salt", "signature")}
+    pow_answer["number"] = number
+    status, ticket = call("POST", f"/api/v1/activities/{aid}/queue", {"pow": pow_answer}, token)
+    assert status in (200, 201), (status, ticket)
+    return token
+
+
+def until(what, check):
+    """Polls `check` (an API read) every 200 ms for WAIT seconds."""
+    deadline = dt.datetime.now() + dt.timedelta(seconds=WAIT)
+    while dt.datetime.now() < deadline:
+        found = check()
+        if found:
+            return found
+        threading.Event().wait(0.2)
+    raise AssertionError(f"waited {WAIT}s for {what}")
 
 
 # ---- the browser -------------------------------------------------------------
@@ -237,7 +281,98 @@ def buyer_page(driver, main, sold_out, hot):
     return order_no
 
 
-def operator_page(driver, main):
+def card_ticket(driver, aid):
+    try:
+        return driver.find_element(
+            By.CSS_SELECTOR, f'.activity[data-id="{aid}"]').get_attribute("data-ticket")
+    except (NoSuchElementException, StaleElementReferenceException):
+        return None
+
+
+def waiting_room_page(driver):
+    """The buyer page of a sale with a waiting room: joining the pre-queue
+    with the proof of work solved in the page, the live position, the turn
+    and the purchase with the pass; then the waitlist, and a unit that comes
+    back offered to the buyer."""
+    queued = room_activity("Console (waiting room)", 2, 20, 1)
+    driver.get(BASE + "/console/")
+    card = f'.activity[data-id="{queued}"]'
+    wait_for(driver, "the room's card", lambda d: d.find_elements(By.CSS_SELECTOR, card + " .join"))
+    click_when_enabled(driver, "Join the queue", card + " .join")
+    wait_for(driver, "a pre-queue ticket", lambda d: card_ticket(d, queued) == "PREQUEUE")
+    assert "pre-queue" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+    assert not driver.find_element(By.CSS_SELECTOR, card + " .buy").is_enabled()
+    shot(driver, "buyer-queue-prequeue.png")
+    for other in (601, 602, 603):
+        join_via_api(other, queued)
+    # The start draws the order; one is admitted a second.
+    seen = wait_for(driver, "the position, then the turn", lambda d: (
+        card_ticket(d, queued) in ("QUEUED", "ADMITTED") and card_ticket(d, queued)))
+    if seen == "QUEUED":
+        assert "ahead of you" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+        shot(driver, "buyer-queue-position.png")
+    wait_for(driver, "the buyer's turn", lambda d: card_ticket(d, queued) == "ADMITTED")
+    assert "Your turn" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+    shot(driver, "buyer-queue-turn.png")
+    code = click_buy(driver, queued)
+    assert code == "ACCEPTED", code
+    wait_for(driver, "WAITING_PAY", lambda d: text(d, "#order-status") == "WAITING_PAY")
+
+    # One unit; buyer 611 joins first and buys it; ours is waitlisted.
+    last = room_activity("Last console (waiting room)", 1, -30, 5)
+    first = join_via_api(611, last)
+    ticket = until("buyer 611 admitted", lambda: (lambda r: r[1] if r[1] and r[1].get("state") == "ADMITTED"
+                                                  else None)(call("GET", f"/api/v1/activities/{last}/queue/me", token=first)))
+    req = urllib.request.Request(BASE + f"/api/v1/activities/{last}/token",
+                                 headers={"authorization": "Bearer " + first, "x-queue-pass": ticket["pass"]})
+    with urllib.request.urlopen(req, timeout=30) as res:
+        purchase_token = json.loads(res.read())["token"]
+    status, order = call("POST", f"/api/v1/activities/{last}/orders",
+                         {"request_id": "first-in-line", "token": purchase_token}, first)
+    assert status == 202, (status, order)
+    until("buyer 611's order WAITING_PAY", lambda: call(
+        "GET", f"/api/v1/orders/{order['order_no']}", token=first)[1].get("status") == "WAITING_PAY")
+    card = f'.activity[data-id="{last}"]'
+    wait_for(driver, "the second room's card", lambda d: d.find_elements(By.CSS_SELECTOR, card + " .join"))
+    click_when_enabled(driver, "Join the second queue", card + " .join")
+    wait_for(driver, "the waitlist", lambda d: card_ticket(d, last) == "SOLD_OUT")
+    assert "waitlist" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+    shot(driver, "buyer-queue-waitlist.png")
+    # Buyer 611 cancels: the unit goes to the next ticket, ours.
+    status, body = call("POST", f"/api/v1/orders/{order['order_no']}/cancel", {}, first)
+    assert status == 200, (status, body)
+    wait_for(driver, "the offer", lambda d: card_ticket(d, last) == "OFFERED")
+    assert "came back for you" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+    shot(driver, "buyer-queue-offer.png")
+    code = click_buy(driver, last)
+    assert code == "ACCEPTED", code
+    return queued
+
+
+def pow_solve_times(driver, n=5):
+    """The page's own solver (Web Crypto) on challenges of the default
+    difficulty (docs/WAITING_ROOM.md quotes these): seconds per solve."""
+    now = dt.datetime.now(dt.timezone.utc)
+    status, body = call("POST", "/api/v1/admin/activities", {
+        "sku_id": 1, "name": "Default difficulty", "price_cents": 1, "stock": 1,
+        "start_at": now.isoformat(), "end_at": (now + dt.timedelta(hours=1)).isoformat(),
+        "waiting_room": {"prequeue_secs": 0, "admit_per_sec": 1},
+    }, ADMIN)
+    assert status == 201 and body["waiting_room"]["pow_difficulty"] == 50000, (status, body)
+    aid = body["activity_id"]
+    times = []
+    for user in range(701, 701 + n):
+        status, c = call("GET", f"/api/v1/activities/{aid}/queue/challenge", token=dev_token(user))
+        assert status == 200, (status, c)
+        number, ms = driver.execute_async_script(
+            "const done = arguments[arguments.length - 1]; const t0 = performance.now();"
+            "solvePow(arguments[0], () => {}).then((n) => done([n, performance.now() - t0]));", c)
+        assert hashlib.sha256((c["salt"] + str(number)).encode()).hexdigest() == c["challenge"]
+        times.append(ms / 1000)
+    return times
+
+
+def operator_page(driver, main, room):
     driver.get(BASE + "/console/operator.html")
     driver.find_element(By.ID, "sign-in").click()
     wait_for(driver, "signed in as admin", lambda d: "(admin)" in d.find_element(By.ID, "whoami").text)
@@ -249,6 +384,16 @@ def operator_page(driver, main):
     # Live figures from /metrics: the accepted purchases were counted.
     wait_for(driver, "the live rates", lambda d: text(d, "#rate-accepted") not in ("", "–"))
     assert text(driver, "#outbox").count("/") == 2, text(driver, "#outbox")
+    # The waiting room: its queue's figures, and its rate changed live.
+    room_row = f'#room-table tr[data-id="{room}"]'
+    wait_for(driver, "the room's figures", lambda d: text(d, room_row + " .tickets") == "4")
+    rate = driver.find_element(By.CSS_SELECTOR, room_row + " .rate")
+    rate.clear()
+    rate.send_keys("7")
+    driver.find_element(By.CSS_SELECTOR, room_row + " .set-rate").click()
+    wait_for(driver, "the new rate", lambda d: "7 admitted a second" in d.find_element(By.ID, "message").text)
+    status, body = call("GET", f"/api/v1/admin/activities/{room}/stats", token=ADMIN)
+    assert status == 200 and body["waiting_room"]["admit_per_sec"] == 7, (status, body)
 
     # Create, warm up and end an activity from the forms.
     name = driver.find_element(By.CSS_SELECTOR, '#create-form [name="name"]')
@@ -291,7 +436,13 @@ def main():
     driver = browser()
     try:
         order_no = buyer_page(driver, main_sale, sold_out, hot)
-        operator_page(driver, main_sale)
+        room = waiting_room_page(driver)
+        driver.set_script_timeout(WAIT)
+        solves = pow_solve_times(driver)
+        print("browser: proof of work at the default difficulty (maxnumber 50,000) solved by the "
+              f"page in {', '.join(f'{t:.2f}' for t in solves)} s "
+              f"(mean {sum(solves) / len(solves):.2f} s)")
+        operator_page(driver, main_sale, room)
         logs = driver.get_log("browser") if hasattr(driver, "get_log") else []
         errors = [e for e in logs if e.get("level") == "SEVERE"
                   and "Failed to load resource" not in e.get("message", "")]
@@ -299,7 +450,9 @@ def main():
     finally:
         driver.quit()
     print(f"browser: the console sold order {order_no}, paid it, and showed "
-          f"LIMIT_EXCEEDED, SOLD_OUT and RATE_LIMITED; the operator page created, "
+          f"LIMIT_EXCEEDED, SOLD_OUT and RATE_LIMITED; through a waiting room it joined "
+          f"with the proof of work, was admitted and bought, then was waitlisted and bought "
+          f"the unit offered back; the operator page created, "
           f"warmed, ended and reconciled; screenshots in {SHOTS}")
 
 

@@ -805,7 +805,33 @@ impl Outcome {
     }
 }
 
+impl Bought {
+    /// The end of a buyer a test drove itself: accepted under `order_no`,
+    /// or not (`last` says how it ended).
+    pub fn ended(user: i64, request_id: String, order_no: Option<String>, last: String) -> Self {
+        Self {
+            user,
+            request_id,
+            accepted: order_no.is_some(),
+            order_no,
+            last,
+            attempts: 1,
+            through_database: false,
+        }
+    }
+}
+
 impl<'a> Sale<'a> {
+    /// A sale of an activity the test created itself.
+    pub fn of(chaos: &'a Chaos, activity: i64, buyers: i64, stock: i32) -> Self {
+        Self {
+            chaos,
+            activity,
+            buyers,
+            stock,
+        }
+    }
+
     /// Creates and warms the activity.
     pub async fn new(chaos: &'a Chaos, buyers: i64, stock: i32) -> Self {
         Self::with_pay_timeout(chaos, buyers, stock, 3600).await

@@ -10,6 +10,7 @@
 mod db;
 mod harness;
 mod nemesis;
+mod room;
 
 use std::time::{Duration, Instant};
 

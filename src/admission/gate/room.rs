@@ -206,6 +206,73 @@ impl From<i64> for Redeemed {
     }
 }
 
+/// A room's figures for the operator (`GET …/stats`).
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct RoomFigures {
+    /// The queue (a new one starts when Redis loses it).
+    pub epoch: i64,
+    /// Tickets taken.
+    pub tickets: u64,
+    /// Tickets not yet reached (admitted, or offered once sold out).
+    pub waiting: u64,
+    /// Passes and offers given out so far, in this queue.
+    pub admitted: u64,
+    /// Passes and offers given out and not yet used or expired.
+    pub passes_outstanding: u64,
+    /// Offers of released units held now.
+    pub offers_open: u64,
+    /// Sold out: released units go to the waitlist.
+    pub sold_out: bool,
+    /// The admission rate and cap in force (0: no cap).
+    pub admit_per_sec: i64,
+    pub max_active: i64,
+}
+
+impl RedisGate {
+    /// The room's figures, `None` without a room in Redis.
+    pub async fn room_figures(&self, activity: ActivityId) -> RedisResult<Option<RoomFigures>> {
+        let k = self.keys(activity);
+        type Fields = (Vec<Option<i64>>, u64, u64);
+        let (f, active, offers): Fields = redis::pipe()
+            .cmd("HMGET")
+            .arg(k.room())
+            .arg(&[
+                "epoch",
+                "seq",
+                "serving",
+                "offering",
+                "admitted",
+                "sold",
+                "rate",
+                "max_active",
+            ])
+            .cmd("ZCARD")
+            .arg(k.room_active())
+            .cmd("ZCARD")
+            .arg(k.room_offers())
+            .query_async(&mut self.conn())
+            .await?;
+        let at = |i: usize| f.get(i).copied().flatten();
+        let Some(epoch) = at(0) else {
+            return Ok(None);
+        };
+        let count = |i: usize| at(i).unwrap_or(0).max(0) as u64;
+        let sold_out = at(5) == Some(1);
+        let next = if sold_out { count(3) } else { count(2) };
+        Ok(Some(RoomFigures {
+            epoch,
+            tickets: count(1),
+            waiting: count(1).saturating_sub(next),
+            admitted: count(4),
+            passes_outstanding: active,
+            offers_open: offers,
+            sold_out,
+            admit_per_sec: at(6).unwrap_or(0),
+            max_active: at(7).unwrap_or(0),
+        }))
+    }
+}
+
 /// The room's scripts over the gate's connection.
 #[derive(Clone)]
 pub struct RoomGate {

@@ -6,8 +6,8 @@
 // ---- the API -------------------------------------------------------------
 
 /** One call: `{status, ok, data}`; errors are RFC 9457 problems with a `code`. */
-async function api(method, path, body, token) {
-  const headers = {};
+async function api(method, path, body, token, extra) {
+  const headers = Object.assign({}, extra);
   if (body !== undefined) headers["content-type"] = "application/json";
   if (token) headers.authorization = "Bearer " + token;
   let res;
@@ -38,6 +38,10 @@ const FRIENDLY = {
   BUSY: "Orders are backed up: try again in a few seconds.",
   RETRY_LATER: "The shop is briefly unavailable: try again in a few seconds.",
   INVALID_TOKEN: "Your purchase token expired: try again.",
+  QUEUE_PASS_REQUIRED: "This sale has a waiting room: join the queue and buy when your turn comes.",
+  QUEUE_PASS_INVALID: "Your turn in the queue is no longer valid.",
+  POW_INVALID: "The puzzle's answer was not accepted: join again.",
+  NOT_IN_QUEUE: "You are not in this queue.",
   UNAUTHORIZED: "Sign in first.",
   FORBIDDEN: "This needs an operator's (admin) token.",
   NETWORK: "The server did not answer.",
@@ -208,11 +212,60 @@ function wireSession(admin, onChange) {
   });
 }
 
+// ---- the waiting room --------------------------------------------------------
+
+const hexOf = (buf) => Array.from(new Uint8Array(buf), (b) => b.toString(16).padStart(2, "0")).join("");
+
+/** Solves an ALTCHA challenge with Web Crypto: the number whose SHA-256
+ *  after the salt is the challenge, tried 256 at a time; `progress` gets the
+ *  share of the range tried. */
+async function solvePow(c, progress) {
+  if (!window.crypto || !crypto.subtle) return null;
+  const enc = new TextEncoder();
+  for (let from = 0; from <= c.maxnumber; from += 256) {
+    const tries = [];
+    for (let n = from; n < from + 256 && n <= c.maxnumber; n++) {
+      tries.push(crypto.subtle.digest("SHA-256", enc.encode(c.salt + n)).then((h) => [n, hexOf(h)]));
+    }
+    for (const [n, h] of await Promise.all(tries)) if (h === c.challenge) return n;
+    progress(Math.min(1, (from + 256) / (c.maxnumber + 1)));
+  }
+  return null;
+}
+
+/** What a ticket says to its holder at `now` (the server's clock). */
+function ticketText(t, now) {
+  if (!t) return "Join the queue to buy.";
+  if (t.gone) return "The queue restarted after a failure: join again.";
+  const left = t.pass_expires_at ? countdown(Date.parse(t.pass_expires_at) - now) : "";
+  switch (t.state) {
+    case "PREQUEUE":
+      return "Ticket " + t.ticket + " in the pre-queue: your place is drawn when the sale starts.";
+    case "QUEUED":
+      return "Position " + t.position + ": " + t.ahead + " ahead of you, about " + countdown(t.estimated_wait_secs * 1000) + ".";
+    case "ADMITTED":
+      return t.pass_used ? "Your turn came: your pass is used." : "Your turn! Buy within " + left + ".";
+    case "OFFERED":
+      return t.pass_used ? "A unit came back for you: your pass is used." : "A unit came back for you: buy within " + left + ".";
+    case "SOLD_OUT":
+      return "Sold out. You are on the waitlist: " + (t.ahead == null ? "?" : t.ahead) + " ahead of you.";
+    case "EXPIRED":
+      return "Your turn passed unused.";
+    case "LEFT":
+      return "You left the queue.";
+    default:
+      return t.state;
+  }
+}
+
 // ---- the buyer page ----------------------------------------------------------
 
 const buyer = {
   activities: [],
   order: null, // {order_no, activity_id, status}
+  tickets: {}, // activity id -> the caller's ticket in its waiting room
+  watching: {},
+  solving: false,
 
   async start() {
     wireSession(false, () => this.refreshOrders());
@@ -242,17 +295,22 @@ const buyer = {
       for (const a of this.activities) {
         const buy = el("button", { type: "button", class: "buy" }, "Buy");
         buy.addEventListener("click", () => this.buy(a.activity_id));
-        box.append(
-          el(
-            "article",
-            { class: "activity", "data-id": a.activity_id },
-            el("h3", {}, a.name),
-            el("p", { class: "price" }, money(a.price_cents)),
-            el("p", { class: "left" }, a.remaining > 0 ? a.remaining + " of " + a.stock + " left" : "sold out for now"),
-            el("p", { class: "phase" }, ""),
-            buy,
-          ),
-        );
+        const parts = [
+          el("h3", {}, a.name),
+          el("p", { class: "price" }, money(a.price_cents)),
+          el("p", { class: "left" }, a.remaining > 0 ? a.remaining + " of " + a.stock + " left" : "sold out for now"),
+          el("p", { class: "phase" }, ""),
+        ];
+        if (a.waiting_room) {
+          const join = el("button", { type: "button", class: "join" }, "Join the queue");
+          join.addEventListener("click", () => this.joinQueue(a.activity_id));
+          const bar = el("progress", { class: "pow", max: "1", value: "0" });
+          bar.hidden = true;
+          parts.push(el("div", { class: "queue" }, join, bar, el("p", { class: "ticket" }, "")));
+          if (session.token && !this.tickets[a.activity_id]) this.watchTicket(a.activity_id);
+        }
+        parts.push(buy);
+        box.append(el("article", { class: "activity", "data-id": a.activity_id }, ...parts));
       }
     }
     for (const a of this.activities) {
@@ -264,13 +322,129 @@ const buyer = {
       // Still a button at 0 left: units come back (cancels, unpaid orders),
       // and only the server knows; it answers SOLD_OUT otherwise.
       card.querySelector(".buy").disabled = !p.open || !session.token;
+      if (a.waiting_room) this.renderQueue(a, card);
+    }
+  },
+
+  /** A waiting room's part of the card: join while the pre-queue or the
+   *  sale is open, the ticket's words, Buy only with an unused pass. */
+  renderQueue(a, card) {
+    const now = serverNow();
+    const t = this.tickets[a.activity_id];
+    const open = now >= Date.parse(a.waiting_room.prequeue_opens_at) && now < Date.parse(a.end_at);
+    const canJoin = session.token && open && !this.solving && (!t || t.gone || t.state === "LEFT");
+    card.querySelector(".join").disabled = !canJoin;
+    card.querySelector(".ticket").textContent = session.token ? ticketText(t, now) : "Sign in to join the queue.";
+    const holds = t && !t.gone && (t.state === "ADMITTED" || t.state === "OFFERED") && !t.pass_used &&
+      Date.parse(t.pass_expires_at) > now;
+    card.querySelector(".buy").disabled = !holds;
+    card.dataset.ticket = t ? (t.gone ? "GONE" : t.state) : "";
+    if (!holds && now < Date.parse(a.start_at) && open) {
+      card.querySelector(".phase").textContent = "pre-queue open; the sale starts in " + countdown(Date.parse(a.start_at) - now);
+    }
+  },
+
+  async joinQueue(aid) {
+    clearMessage();
+    const base = "/api/v1/activities/" + aid + "/queue";
+    const c = await api("GET", base + "/challenge", undefined, session.token);
+    if (!c.ok) return showProblem(c);
+    const card = $('#activities [data-id="' + aid + '"]');
+    const bar = card.querySelector(".pow");
+    bar.hidden = false;
+    bar.value = 0;
+    this.solving = true;
+    let number;
+    try {
+      number = await solvePow(c.data, (done) => (bar.value = done));
+    } finally {
+      this.solving = false;
+      bar.hidden = true;
+    }
+    if (number == null) return showMessage("This browser cannot solve the puzzle (Web Crypto needs HTTPS).", "POW_INVALID");
+    const d = c.data;
+    const pow = { algorithm: d.algorithm, challenge: d.challenge, salt: d.salt, number, signature: d.signature };
+    const res = await api("POST", base, { pow }, session.token);
+    if (!res.ok) return showProblem(res);
+    this.tickets[aid] = res.data;
+    this.renderActivities();
+    this.watchTicket(aid);
+  },
+
+  /** Follows the caller's ticket: pushed over the room's event stream,
+   *  read again when the stream breaks off. */
+  async watchTicket(aid) {
+    if (this.watching[aid]) return;
+    this.watching[aid] = true;
+    try {
+      while (session.token) {
+        const res = await api("GET", "/api/v1/activities/" + aid + "/queue/me", undefined, session.token);
+        if (res.status === 404) {
+          const t = this.tickets[aid];
+          if (t && !t.gone && res.data && /restarted/.test(res.data.message || "")) t.gone = true;
+          else if (!t || t.gone) break;
+          this.renderActivities();
+          break;
+        }
+        if (res.ok) this.tickets[aid] = res.data;
+        this.renderActivities();
+        const t = this.tickets[aid];
+        if (!t || t.state === "LEFT") break;
+        if (!(await this.ticketStream(aid))) await sleep((t && t.refresh_after_ms) || 2000);
+      }
+    } finally {
+      this.watching[aid] = false;
+    }
+  },
+
+  /** Reads `…/queue/events` until it ends; false if it could not be read. */
+  async ticketStream(aid) {
+    let res;
+    try {
+      res = await fetch("/api/v1/activities/" + aid + "/queue/events", {
+        headers: { authorization: "Bearer " + session.token },
+      });
+    } catch (e) {
+      return false;
+    }
+    if (!res.ok || !res.body) return false;
+    const reader = res.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) return true;
+        buffer += decoder.decode(value, { stream: true });
+        let end;
+        while ((end = buffer.indexOf("\n\n")) >= 0) {
+          const block = buffer.slice(0, end);
+          buffer = buffer.slice(end + 2);
+          const name = /^event: (.*)$/m.exec(block);
+          const data = /^data: (.*)$/m.exec(block);
+          if (!name) continue;
+          if (name[1] === "gone") {
+            reader.cancel();
+            return true;
+          }
+          if (name[1] !== "ticket" || !data) continue;
+          this.tickets[aid] = JSON.parse(data[1]);
+          this.tickets[aid].pushed = true;
+          this.renderActivities();
+        }
+      }
+    } catch (e) {
+      return false;
     }
   },
 
   async buy(activityId) {
     clearMessage();
     if (!session.token) return showMessage(FRIENDLY.UNAUTHORIZED, "UNAUTHORIZED");
-    const tok = await api("GET", "/api/v1/activities/" + activityId + "/token", undefined, session.token);
+    const ticket = this.tickets[activityId];
+    const pass = ticket && ticket.pass ? { "x-queue-pass": ticket.pass } : undefined;
+    const tok = await api("GET", "/api/v1/activities/" + activityId + "/token", undefined, session.token, pass);
+    if (ticket && pass) ticket.pass_used = tok.ok;
     if (!tok.ok) return showProblem(tok);
     const res = await api(
       "POST",
@@ -532,6 +706,10 @@ const operator = {
     $("#outbox").parentElement.classList.toggle("alarm", outbox[2] > 0);
     show("#dead-letters", sumOf(m, "seckill_dead_letters_total"));
     show("#orders-closed", sumOf(m, "seckill_orders_closed_total"));
+    const refused = ["wrong", "expired", "replayed"].map(
+      (o) => o + " " + (sumOf(m, "seckill_waiting_room_pow_total", ['outcome="' + o + '"']) ?? 0),
+    );
+    show("#pow-refused", refused.join(" · "));
   },
 
   async table() {
@@ -586,6 +764,54 @@ const operator = {
       return row;
     });
     $("#activity-table tbody").replaceChildren(...rows);
+    this.rooms(activities, stats);
+  },
+
+  /** One row per waiting room: its queue from the stats, admitted per
+   *  second from the last two reads, and the rate form. */
+  rooms(activities, stats) {
+    this.roomSeen = this.roomSeen || {};
+    const rows = [];
+    activities.forEach((a, i) => {
+      const r = stats[i] && stats[i].ok ? stats[i].data.waiting_room : null;
+      if (!r) return;
+      const before = this.roomSeen[a.activity_id];
+      const now = Date.now();
+      const perSec = before && now > before.at ? ((r.admitted - before.admitted) * 1000) / (now - before.at) : null;
+      this.roomSeen[a.activity_id] = { admitted: r.admitted, at: now };
+      const cell = (v, cls) => el("td", { class: cls || "num" }, v == null ? "–" : v);
+      const rate = el("input", { type: "number", min: "1", value: String(r.admit_per_sec), className: "rate" });
+      const cap = el("input", { type: "number", min: "1", value: r.max_active ? String(r.max_active) : "", placeholder: "no cap", className: "cap" });
+      const set = el("button", { type: "button", class: "set-rate" }, "Set");
+      set.addEventListener("click", () => this.setRate(a.activity_id, rate.value, cap.value));
+      rows.push(
+        el(
+          "tr",
+          { "data-id": a.activity_id },
+          cell(a.activity_id),
+          cell(r.waiting, "num waiting"),
+          cell(r.tickets, "num tickets"),
+          cell(r.admitted, "num admitted"),
+          cell(perSec == null ? null : perSec.toFixed(1), "num per-sec"),
+          cell(r.passes_outstanding, "num passes"),
+          cell(r.offers_open, "num offers"),
+          cell(r.sold_out ? "yes" : "no", "text sold-out"),
+          el("td", { class: "actions" }, rate, " ", cap, " ", set),
+        ),
+      );
+    });
+    // Not rebuilt while the operator is typing a rate.
+    const typing = document.activeElement && document.activeElement.closest("#room-table");
+    if (!typing) $("#room-table tbody").replaceChildren(...rows);
+  },
+
+  async setRate(id, rate, cap) {
+    clearMessage();
+    const body = { admit_per_sec: Number(rate), max_active: cap ? Number(cap) : null };
+    const res = await api("PATCH", "/api/v1/admin/activities/" + id + "/waiting-room", body, session.token);
+    if (!res.ok) return showProblem(res);
+    showMessage("Activity " + id + ": " + res.data.admit_per_sec + " admitted a second.", "OK", "ok");
+    this.table();
   },
 
   async act(id, what) {
@@ -611,6 +837,15 @@ const operator = {
       pay_timeout_secs: n("pay_timeout_secs"),
       buckets: n("buckets"),
     };
+    if (form.get("room")) {
+      body.waiting_room = {
+        prequeue_secs: n("prequeue_secs"),
+        admit_per_sec: n("admit_per_sec"),
+        pass_ttl_secs: 120,
+        offer_secs: 60,
+        pow_difficulty: 50000,
+      };
+    }
     const res = await api("POST", "/api/v1/admin/activities", body, session.token);
     if (!res.ok) return showProblem(res);
     showMessage("Created activity " + res.data.activity_id + ": warm it up before it starts.", "CREATED", "ok");

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The waiting room's benchmark (BENCHMARKS.md, "Waiting room"), in ONE run,
+# each figure beside the ceiling it is measured against:
+#
+#   scripts/bench-room.sh [--users N] [--concurrency C] [--tickets T]
+#
+#   1 ceiling: redis-benchmark running room_join.lua and room_status.lua
+#     (EVALSHA) on a room of their own
+#   2 ours over HTTP: joins (challenge, solve at difficulty 1, join) and
+#     status reads (GET …/queue/me), examples/room_load.rs
+#   3 T tickets (1,000,000 by default) in one room, filled by
+#     redis-benchmark through room_join.lua: Redis memory per ticket
+#     (MEMORY USAGE of its hashes), and the p99 of a status read from
+#     redis-benchmark and over HTTP
+#
+# On the services of scripts/services.sh (SECKILL__* moves them), in a
+# database, key prefix and topic prefix of its own.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+USERS=20000 CONC=64 TICKETS=1000000
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --users) USERS=$2; shift 2 ;;
+    --concurrency) CONC=$2; shift 2 ;;
+    --tickets) TICKETS=$2; shift 2 ;;
+    *) echo "unknown flag $1" >&2; exit 2 ;;
+  esac
+done
+
+# shellcheck source=scripts/bench-common.sh
+. scripts/bench-common.sh
+bench_setup room --bin seckill --example room_load
+trap 'cleanup; scripts/services.sh forget "$RUN:" >/dev/null 2>&1 || true' EXIT
+LOAD=target/release/examples/room_load
+R="redis-cli -h $REDIS_HOST -p $REDIS_PORT"
+URL=http://127.0.0.1:18090
+
+# rps OUTPUT: the requests per second redis-benchmark printed.
+rps() { tr '\r' '\n' <<<"$1" | grep -o '[0-9.]* requests per second' | tail -n 1 | cut -d' ' -f1; }
+# p99 OUTPUT: its p99 latency in ms (the latency summary's p99 column).
+p99() { tr '\r' '\n' <<<"$1" | awk '/latency summary/ {getline; getline; print $5; exit}'; }
+
+start serve 18090 env SECKILL__APP__PORT=18090 $BIN serve
+NOW=$(date -u +%s)
+ACT=$(curl -s "$URL/api/v1/admin/activities" -H "Authorization: Bearer $ADMIN" -H 'Content-Type: application/json' -d "{
+  \"sku_id\": 1, \"name\": \"room bench\", \"price_cents\": 100, \"stock\": 1000,
+  \"start_at\": \"$(date -u -d @$((NOW - 60)) +%FT%TZ)\", \"end_at\": \"$(date -u -d @$((NOW + 7200)) +%FT%TZ)\",
+  \"waiting_room\": {\"prequeue_secs\": 0, \"admit_per_sec\": 1, \"pass_ttl_secs\": 600,
+                     \"offer_secs\": 60, \"pow_difficulty\": 1}}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["activity_id"])')
+curl -s -o /dev/null "$URL/api/v1/admin/activities/$ACT/warmup" -H "Authorization: Bearer $ADMIN" -X POST
+
+say "1/3 redis-benchmark: room_join.lua and room_status.lua at -c $CONC"
+JOIN_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_close.lua src/admission/lua/room_join.lua)")
+STATUS_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_status.lua)")
+OPEN_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_open.lua)")
+room_keys() { local k="$RUN:{a:$1}:"; echo "${k}room ${k}room:users ${k}room:tickets ${k}room:st"; }
+open_room() {
+  local k="$RUN:{a:$1}:"
+  # shellcheck disable=SC2046
+  $R EVALSHA "$OPEN_SHA" 6 $(room_keys "$1") "${k}room:active" "${k}room:offers" \
+    1 0 0 99999999999999 1 0 600000 60000 00 >/dev/null
+}
+join_bench() { # ACTIVITY N RANGE: joins of random users in 0..RANGE
+  local k="$RUN:{a:$1}:"
+  # shellcheck disable=SC2046
+  redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" -c "$CONC" -n "$2" -r "$3" --threads 1 $4 \
+    EVALSHA "$JOIN_SHA" 6 $(room_keys "$1") "${k}room:pow:__rand_int__" "${k}room:joins:1" \
+    __rand_int__ 1700000000000 1000
+}
+status_bench() { # ACTIVITY N RANGE
+  local k="$RUN:{a:$1}:"
+  redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" -c "$CONC" -n "$2" -r "$3" --threads 1 \
+    EVALSHA "$STATUS_SHA" 3 "${k}room" "${k}room:users" "${k}room:st" __rand_int__
+}
+open_room 900000001
+JOIN_CEIL=$(rps "$(join_bench 900000001 300000 1000000000 -q)")
+STATUS_CEIL=$(rps "$(status_bench 900000001 300000 300000)")
+
+say "2/3 ours over HTTP: $USERS joins, then status reads for 15 s, at $CONC"
+JOIN=$($LOAD join "$URL" "$ACT" 1 "$USERS" "$CONC")
+STATUS=$($LOAD status "$URL" "$ACT" 1 "$USERS" "$CONC" 15)
+
+say "3/3 $TICKETS tickets in one room: memory and status p99"
+open_room 900000002
+join_bench 900000002 $((TICKETS * 3)) "$TICKETS" -q >/dev/null
+K="$RUN:{a:900000002}:"
+HELD=$($R HLEN "${K}room:users")
+MEM=$(( $($R MEMORY USAGE "${K}room:users" SAMPLES 0) + $($R MEMORY USAGE "${K}room:tickets" SAMPLES 0) ))
+BIG_STATUS=$(status_bench 900000002 200000 "$TICKETS")
+BIG_P99=$(p99 "$BIG_STATUS")
+BIG_RPS=$(rps "$BIG_STATUS")
+# The server's own room filled the same way, then read over HTTP.
+join_bench "$ACT" $((TICKETS * 3)) "$TICKETS" -q >/dev/null
+BIG_HTTP=$($LOAD status "$URL" "$ACT" 1 "$((TICKETS - 1))" "$CONC" 15)
+
+python3 - "$JOIN_CEIL" "$STATUS_CEIL" "$JOIN" "$STATUS" "$HELD" "$MEM" "$BIG_P99" "$BIG_RPS" "$BIG_HTTP" "$CONC" <<'EOF'
+import json, sys
+jc, sc = float(sys.argv[1]), float(sys.argv[2])
+join, status = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+held, mem = int(sys.argv[5]), int(sys.argv[6])
+big_p99, big_rps = sys.argv[7], float(sys.argv[8])
+big = json.loads(sys.argv[9])
+conc = sys.argv[10]
+# A join over HTTP is two requests (the challenge, then the join).
+joins = join["per_sec"] / 2
+print(f"\n| row | measured | ceiling (same run) | share |")
+print(f"|---|---|---|---|")
+print(f"| joins over HTTP (challenge + join, c={conc}) | {joins:,.0f} joins/s (p99 {join['p99_ms']:.1f} ms, {join['failed']} failed) | redis-benchmark room_join.lua {jc:,.0f}/s | {joins/jc:.0%} |")
+print(f"| status reads over HTTP | {status['per_sec']:,.0f}/s (p99 {status['p99_ms']:.1f} ms) | redis-benchmark room_status.lua {sc:,.0f}/s | {status['per_sec']/sc:.0%} |")
+print(f"| {held:,} tickets in one room: memory | {mem/held:.0f} bytes per ticket (users + tickets hashes, {mem/2**20:.0f} MiB) | - | - |")
+print(f"| {held:,} tickets: status read p99 | redis-benchmark {big_p99} ms at {big_rps:,.0f}/s; over HTTP {big['p99_ms']:.1f} ms at {big['per_sec']:,.0f}/s | the same script on an empty room: {sc:,.0f}/s | - |")
+EOF
