@@ -599,6 +599,33 @@ impl TestApp {
             .expect("the seckill binary runs")
     }
 
+    /// A second `seckill serve --no-consumer` on this test's database and
+    /// prefixes, ready: the process (killed when dropped) and its URL.
+    pub async fn second_instance(&self) -> (KillOnDrop, String) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let url = format!("http://127.0.0.1:{port}");
+        let process = KillOnDrop(
+            self.seckill_command(&["serve", "--no-consumer"])
+                .env("SECKILL__APP__PORT", port.to_string())
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("a second seckill serve starts"),
+        );
+        eventually(
+            "the second instance ready",
+            Duration::from_secs(120),
+            || {
+                let ready = format!("{url}/health/ready");
+                async move { (reqwest::get(ready).await.ok()?.status() == 200).then_some(()) }
+            },
+        )
+        .await;
+        (process, url)
+    }
+
     /// One SQL count on this test's database.
     pub async fn count(&self, sql: &str) -> i64 {
         crate::db::count(&self.settings.postgres.url, sql).await

@@ -284,31 +284,7 @@ async fn two_api_instances_and_a_worker_sell_a_thousand_units_to_twenty_thousand
         s.workers.claimer_enabled = false;
     })
     .await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let second = format!("http://127.0.0.1:{port}");
-    let _second = Worker(
-        app.seckill_command(&["serve", "--no-consumer"])
-            .env("SECKILL__APP__PORT", port.to_string())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("a second seckill serve starts"),
-    );
-    eventually(
-        "the second instance ready",
-        Duration::from_secs(120),
-        || {
-            let url = format!("{second}/health/ready");
-            async move {
-                let ready = reqwest::get(url).await.ok()?.status() == 200;
-                ready.then_some(())
-            }
-        },
-    )
-    .await;
+    let (_second, second) = app.second_instance().await;
     let _worker = Worker::start(&app, &[]);
 
     let loadgen = app.seckill_command(&[

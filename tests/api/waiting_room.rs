@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::stream::{self, StreamExt};
 use serde_json::{Value, json};
 
-use crate::helpers::{KillOnDrop, TestApp, eventually, json, spawn_app};
+use crate::helpers::{TestApp, eventually, json, spawn_app};
 
 /// A room's settings with `rate` admitted per second and an easy puzzle.
 pub(crate) fn room(prequeue_secs: i64, rate: i64) -> Value {
@@ -518,28 +518,7 @@ async fn two_instances_admitting_together_hold_the_rate() {
     const RATE: i64 = 20;
     let app = spawn_app().await;
     let (id, _) = app.room_activity(1000, -60, room(0, RATE)).await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let second = format!("http://127.0.0.1:{port}");
-    let _second = KillOnDrop(
-        app.seckill_command(&["serve", "--no-consumer"])
-            .env("SECKILL__APP__PORT", port.to_string())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("a second seckill serve starts"),
-    );
-    eventually(
-        "the second instance ready",
-        Duration::from_secs(120),
-        || {
-            let url = format!("{second}/health/ready");
-            async move { (reqwest::get(url).await.ok()?.status() == 200).then_some(()) }
-        },
-    )
-    .await;
+    let (_second, second) = app.second_instance().await;
     let users: Vec<i64> = (1..=400).collect();
     let joined: Vec<u16> = stream::iter(users)
         .map(|u| {

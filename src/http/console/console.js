@@ -212,6 +212,43 @@ function wireSession(admin, onChange) {
   });
 }
 
+/** Reads a Server-Sent Events stream through fetch (so the token goes in a
+ *  header), calling `onEvent(name, data)` for each event until it returns
+ *  true; true when the stream was read to its end or to there, false when
+ *  it could not be read. */
+async function readEvents(path, onEvent) {
+  let res;
+  try {
+    res = await fetch(path, { headers: { authorization: "Bearer " + session.token } });
+  } catch (e) {
+    return false;
+  }
+  if (!res.ok || !res.body) return false;
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return true;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const name = /^event: (.*)$/m.exec(block);
+        const data = /^data: (.*)$/m.exec(block);
+        if (name && (await onEvent(name[1], data && data[1]))) {
+          reader.cancel();
+          return true;
+        }
+      }
+    }
+  } catch (e) {
+    return false;
+  }
+}
+
 // ---- the waiting room --------------------------------------------------------
 
 const hexOf = (buf) => Array.from(new Uint8Array(buf), (b) => b.toString(16).padStart(2, "0")).join("");
@@ -399,43 +436,13 @@ const buyer = {
 
   /** Reads `…/queue/events` until it ends; false if it could not be read. */
   async ticketStream(aid) {
-    let res;
-    try {
-      res = await fetch("/api/v1/activities/" + aid + "/queue/events", {
-        headers: { authorization: "Bearer " + session.token },
-      });
-    } catch (e) {
+    return readEvents("/api/v1/activities/" + aid + "/queue/events", (name, data) => {
+      if (name === "gone") return true;
+      if (name !== "ticket" || !data) return false;
+      this.tickets[aid] = Object.assign(JSON.parse(data), { pushed: true });
+      this.renderActivities();
       return false;
-    }
-    if (!res.ok || !res.body) return false;
-    const reader = res.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    try {
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) return true;
-        buffer += decoder.decode(value, { stream: true });
-        let end;
-        while ((end = buffer.indexOf("\n\n")) >= 0) {
-          const block = buffer.slice(0, end);
-          buffer = buffer.slice(end + 2);
-          const name = /^event: (.*)$/m.exec(block);
-          const data = /^data: (.*)$/m.exec(block);
-          if (!name) continue;
-          if (name[1] === "gone") {
-            reader.cancel();
-            return true;
-          }
-          if (name[1] !== "ticket" || !data) continue;
-          this.tickets[aid] = JSON.parse(data[1]);
-          this.tickets[aid].pushed = true;
-          this.renderActivities();
-        }
-      }
-    } catch (e) {
-      return false;
-    }
+    });
   },
 
   async buy(activityId) {
@@ -488,50 +495,23 @@ const buyer = {
   /** Reads the order's event stream until a status in `until`; false if
    *  the stream could not be read to there. */
   async stream(no, until) {
-    let res;
-    try {
-      res = await fetch("/api/v1/orders/" + no + "/events", {
-        headers: { authorization: "Bearer " + session.token },
-      });
-    } catch (e) {
-      return false;
-    }
-    if (!res.ok || !res.body) return false;
-    const reader = res.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    try {
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) return false;
-        buffer += decoder.decode(value, { stream: true });
-        let end;
-        while ((end = buffer.indexOf("\n\n")) >= 0) {
-          const block = buffer.slice(0, end);
-          buffer = buffer.slice(end + 2);
-          const name = /^event: (.*)$/m.exec(block);
-          const data = /^data: (.*)$/m.exec(block);
-          if (!name || name[1] !== "status" || !data) continue;
-          const status = JSON.parse(data[1]).status;
-          if (!this.order || this.order.order_no !== no) return true;
-          this.order = Object.assign({}, this.order, { status });
-          this.order.pushed = true;
-          this.renderOrder();
-          if (until.includes(status)) {
-            reader.cancel();
-            // The rest of the order (amount, deadline) from its row.
-            const full = await api("GET", "/api/v1/orders/" + no, undefined, session.token);
-            if (full.ok) {
-              this.order = Object.assign({}, this.order, full.data, { pushed: true });
-              this.renderOrder();
-            }
-            return true;
-          }
-        }
+    let reached = false;
+    await readEvents("/api/v1/orders/" + no + "/events", async (name, data) => {
+      if (name !== "status" || !data) return false;
+      if (!this.order || this.order.order_no !== no) return (reached = true);
+      const status = JSON.parse(data).status;
+      this.order = Object.assign({}, this.order, { status, pushed: true });
+      this.renderOrder();
+      if (!until.includes(status)) return false;
+      // The rest of the order (amount, deadline) from its row.
+      const full = await api("GET", "/api/v1/orders/" + no, undefined, session.token);
+      if (full.ok) {
+        this.order = Object.assign({}, this.order, full.data, { pushed: true });
+        this.renderOrder();
       }
-    } catch (e) {
-      return false;
-    }
+      return (reached = true);
+    });
+    return reached;
   },
 
   renderOrder() {

@@ -290,17 +290,7 @@ pub async fn events(
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let user_id = user.user_id;
-    let Some(slot) = state
-        .sale
-        .order_streams
-        .take(user_id.get(), state.settings.orders.streams_per_user.max(1))
-    else {
-        return Err(ApiError::new(
-            ErrorCode::RateLimited,
-            "too many open streams for this user; close one first",
-        )
-        .with_retry_after(5));
-    };
+    let slot = super::streams::stream_slot(&state, user_id)?;
     let first = state
         .sale
         .rooms
@@ -308,7 +298,7 @@ pub async fn events(
         .await
         .map_err(room_error)?;
     let timeout = state.settings.orders.events_timeout_secs;
-    let (tx, mut rx) = mpsc::channel::<Bytes>(8);
+    let (tx, rx) = mpsc::channel::<Bytes>(8);
     let state = state.into_inner();
     tokio::spawn(async move {
         let _slot = slot;
@@ -369,15 +359,7 @@ pub async fn events(
             }
         }
     });
-    let body = futures_util::stream::poll_fn(move |cx| {
-        rx.poll_recv(cx)
-            .map(|chunk| chunk.map(Ok::<_, actix_web::Error>))
-    });
-    Ok(HttpResponse::Ok()
-        .content_type("text/event-stream")
-        .insert_header((header::CACHE_CONTROL, "no-cache"))
-        .insert_header(("X-Accel-Buffering", "no"))
-        .streaming(body))
+    Ok(super::streams::event_stream(rx))
 }
 
 /// Whether the holder would see a difference.

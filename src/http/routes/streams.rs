@@ -66,17 +66,7 @@ pub async fn order_events(
 ) -> Result<HttpResponse, ApiError> {
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
-    let Some(slot) = state
-        .sale
-        .order_streams
-        .take(user_id.get(), state.settings.orders.streams_per_user.max(1))
-    else {
-        return Err(ApiError::new(
-            ErrorCode::RateLimited,
-            "too many open order streams for this user; close one first",
-        )
-        .with_retry_after(5));
-    };
+    let slot = stream_slot(&state, user_id)?;
     // Listening before the first read: a change committed in between is
     // heard, not lost.
     let mut notes = state.redis.order_events.subscribe();
@@ -94,7 +84,7 @@ pub async fn order_events(
         } => Some((activity_id, layout)),
     };
     let timeout = state.settings.orders.events_timeout_secs;
-    let (tx, mut rx) = mpsc::channel::<Bytes>(8);
+    let (tx, rx) = mpsc::channel::<Bytes>(8);
     let state = state.into_inner();
     tokio::spawn(async move {
         let _slot = slot;
@@ -143,13 +133,37 @@ pub async fn order_events(
             }
         }
     });
+    Ok(event_stream(rx))
+}
+
+/// One of the user's `orders.streams_per_user` open streams (order and
+/// queue streams alike), given back when dropped; 429 when all are open.
+pub(super) fn stream_slot(
+    state: &AppState,
+    user_id: crate::domain::UserId,
+) -> Result<crate::orders::events::StreamSlot, ApiError> {
+    state
+        .sale
+        .order_streams
+        .take(user_id.get(), state.settings.orders.streams_per_user.max(1))
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::RateLimited,
+                "too many open streams for this user; close one first",
+            )
+            .with_retry_after(5)
+        })
+}
+
+/// A Server-Sent Events answer of what `rx` is sent, unbuffered by proxies.
+pub(super) fn event_stream(mut rx: mpsc::Receiver<Bytes>) -> HttpResponse {
     let body = futures_util::stream::poll_fn(move |cx| {
         rx.poll_recv(cx)
             .map(|chunk| chunk.map(Ok::<_, actix_web::Error>))
     });
-    Ok(HttpResponse::Ok()
+    HttpResponse::Ok()
         .content_type("text/event-stream")
         .insert_header((header::CACHE_CONTROL, "no-cache"))
         .insert_header(("X-Accel-Buffering", "no"))
-        .streaming(body))
+        .streaming(body)
 }
