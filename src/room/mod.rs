@@ -224,8 +224,17 @@ impl From<anyhow::Error> for RoomError {
     }
 }
 
-/// What is known of an activity's room, and since when.
-type Known = (Instant, Option<Arc<repo::LiveRoom>>);
+/// What is known of an activity's room.
+#[derive(Clone)]
+enum Known {
+    /// The activity exists and has no room: true for good (a room is
+    /// chosen at creation only).
+    NoRoom,
+    /// Its room, as read then.
+    Room(Instant, Arc<repo::LiveRoom>),
+    /// No such activity, then: it may be created since, with a room.
+    Unknown(Instant),
+}
 
 /// The waiting rooms of every activity: what the routes and the admitter
 /// share.
@@ -272,28 +281,61 @@ impl Rooms {
         }
     }
 
-    /// The room of `activity` with its window, `None` without one.
-    /// Whether an activity has a room never changes: "none" is read once
-    /// per process, so an activity without one costs a map lookup on its
-    /// token route. A room's row is read again after [`ROW_TTL`] (its end
-    /// and whether its queue was opened can move).
+    /// The room of `activity` with its window, `None` without one (or
+    /// without such an activity). Whether an existing activity has a room
+    /// never changes: "none" is read once per process, so an activity
+    /// without one costs a map lookup on its token route. A room's row is
+    /// read again after [`ROW_TTL`] (its end and whether its queue was
+    /// opened can move), an unknown activity after [`ROW_TTL`] too.
     pub async fn room(&self, activity: ActivityId) -> anyhow::Result<Option<Arc<repo::LiveRoom>>> {
-        if let Some((at, known)) = self
+        self.lookup(activity, false).await
+    }
+
+    /// The room of an activity known to exist (the token route, once Redis
+    /// holds it warm): an earlier "no such activity" is not believed, or a
+    /// lookup made before its creation would let its tokens go without a
+    /// pass.
+    pub async fn room_of_existing(
+        &self,
+        activity: ActivityId,
+    ) -> anyhow::Result<Option<Arc<repo::LiveRoom>>> {
+        self.lookup(activity, true).await
+    }
+
+    async fn lookup(
+        &self,
+        activity: ActivityId,
+        exists: bool,
+    ) -> anyhow::Result<Option<Arc<repo::LiveRoom>>> {
+        let cached = self
             .known
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(&activity)
-            && (known.is_none() || at.elapsed() < ROW_TTL)
-        {
-            return Ok(known.clone());
+            .cloned();
+        match cached {
+            Some(Known::NoRoom) => return Ok(None),
+            Some(Known::Room(at, room)) if at.elapsed() < ROW_TTL => return Ok(Some(room)),
+            Some(Known::Unknown(at)) if !exists && at.elapsed() < ROW_TTL => return Ok(None),
+            _ => {}
         }
-        let found = store::run(&self.db, move |conn| Ok(repo::find_live(conn, activity)?))
-            .await?
-            .map(Arc::new);
+        let (found, exists) = store::run(&self.db, move |conn| {
+            let found = repo::find_live(conn, activity)?;
+            let exists =
+                found.is_some() || crate::activities::repo::find(conn, activity)?.is_some();
+            Ok((found, exists))
+        })
+        .await?;
+        let found = found.map(Arc::new);
+        let known = match (&found, exists) {
+            (Some(room), _) => Known::Room(Instant::now(), room.clone()),
+            (None, true) => Known::NoRoom,
+            (None, false) => Known::Unknown(Instant::now()),
+        };
         self.known
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(activity, (Instant::now(), found.clone()));
+            .insert(activity, known);
         Ok(found)
     }
 

@@ -783,3 +783,52 @@ async fn the_ticket_stream_pushes_the_turn_as_it_comes() {
     );
     assert!(states.contains("\"pass\":"), "{states}");
 }
+
+/// An instance asked about an activity before it existed (a challenge, a
+/// token) still asks for a pass once it is created with a room: "no such
+/// activity" is never taken for "no room".
+#[tokio::test]
+async fn an_activity_asked_about_before_its_creation_still_needs_a_pass() {
+    let app = spawn_app().await;
+    let (_second, second) = app.second_instance().await;
+    // This test's database is new: its first activity will be number 1.
+    let token = app.user_token(5);
+    let ask = |path: String| {
+        let token = token.clone();
+        async move {
+            reqwest::Client::new()
+                .get(path)
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(
+        ask(format!("{second}/api/v1/activities/1/queue/challenge")).await,
+        404
+    );
+    assert_eq!(
+        ask(format!("{second}/api/v1/activities/1/token")).await,
+        409
+    );
+    let (id, _) = app.room_activity(5, -60, room(0, 10)).await;
+    assert_eq!(id, 1);
+    // Once the second instance sees it warm, its token needs a pass.
+    let status = eventually(
+        "the second instance sees the sale open",
+        Duration::from_secs(30),
+        || {
+            let ask = &ask;
+            let url = format!("{second}/api/v1/activities/1/token");
+            async move {
+                let status = ask(url).await;
+                (status != 409).then_some(status)
+            }
+        },
+    )
+    .await;
+    assert_eq!(status, 403, "a token without a pass");
+}

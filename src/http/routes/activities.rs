@@ -493,26 +493,24 @@ pub async fn token(
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
     let rooms = &state.sale.rooms;
-    if rooms
-        .room(id)
-        .await
-        .map_err(ApiError::unavailable)?
-        .is_some()
-    {
-        let pass = req
-            .headers()
-            .get(QUEUE_PASS)
-            .map(|v| v.to_str().unwrap_or(""));
-        rooms
-            .redeem(id, user.user_id, pass, state.clock.now())
-            .await
-            .map_err(super::queue::room_error)?;
-    }
     let ttl = state.settings.admission.token_ttl_secs.as_secs();
     // Redis is down and this activity's purchases go to the database: a
     // signed token instead of one kept in Redis.
     match state.sale.admission.fallback.token(id, user.user_id.get()) {
         Ok(Some(token)) => {
+            // A waiting room's passes are one-time in Redis: none can be
+            // checked while it is down.
+            if rooms
+                .room_of_existing(id)
+                .await
+                .map_err(ApiError::unavailable)?
+                .is_some()
+            {
+                return Err(ApiError::new(
+                    ErrorCode::RetryLater,
+                    "the waiting room needs Redis, which is unavailable; retry shortly",
+                ));
+            }
             return Ok(HttpResponse::Ok().json(PurchaseToken {
                 token,
                 expires_in: ttl,
@@ -541,6 +539,23 @@ pub async fn token(
     let Some(meta) = meta.filter(|m| m.is_open(state.clock.now_ms())) else {
         return Err(ApiError::new(ErrorCode::NotActive, "the sale is not open"));
     };
+    // Warm in Redis, so the activity exists: whether it has a room is read
+    // for it, not for an id someone asked about before its creation.
+    if rooms
+        .room_of_existing(id)
+        .await
+        .map_err(ApiError::unavailable)?
+        .is_some()
+    {
+        let pass = req
+            .headers()
+            .get(QUEUE_PASS)
+            .map(|v| v.to_str().unwrap_or(""));
+        rooms
+            .redeem(id, user.user_id, pass, state.clock.now())
+            .await
+            .map_err(super::queue::room_error)?;
+    }
     let token = uuid::Uuid::new_v4().simple().to_string();
     state
         .redis
