@@ -225,6 +225,22 @@ impl Drop for TestApp {
     }
 }
 
+/// The sum of every sample of the counter family `name` in the
+/// `/metrics` of the instance at `base` (all label sets).
+pub async fn metric_sum_at(base: &str, name: &str) -> i64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let family = format!("{name}{{");
+    text.lines()
+        .filter(|l| l.starts_with(&family))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as i64
+}
+
 /// Waits until `check` yields a value, polling every 100 ms; panics after
 /// `within` naming `what`. The one way tests wait for a condition: a
 /// deadline sized for a slow host, never a fixed sleep.

@@ -257,16 +257,7 @@ async fn an_api_only_server_and_a_consume_worker_cover_orders_stock_releases_and
 /// Admissions an instance at `base` answered, of every outcome (its
 /// `/metrics`).
 async fn admissions_at(base: &str) -> i64 {
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("seckill_admission_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as i64
+    crate::helpers::metric_sum_at(base, "seckill_admission_total").await
 }
 
 /// The multi-instance deployment of docs/OPERATIONS.md on loopback: two

@@ -556,16 +556,7 @@ async fn two_instances_admitting_together_hold_the_rate() {
     );
 
     let sum_at = |base: String| async move {
-        let text = reqwest::get(format!("{base}/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .filter(|l| l.starts_with("seckill_waiting_room_admitted_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as i64
+        crate::helpers::metric_sum_at(&base, "seckill_waiting_room_admitted_total").await
     };
     let (here, there) = (
         sum_at(app.address.clone()).await,
