@@ -24,6 +24,8 @@ local r = redis.call('HMGET', KEYS[1], 'end_ms', 'seq', 'serving', 'sold', 'rate
   'max_active', 'pass_ms', 'offer_ms', 'tokens_m', 'tokens_at', 'offering')
 if not r[1] then return {-1} end
 if not close_prequeue(KEYS[1], now) then return {0, tonumber(r[3])} end
+-- Closing the pre-queue just now emptied the bucket.
+r[9], r[10] = unpack(redis.call('HMGET', KEYS[1], 'tokens_m', 'tokens_at'))
 if now >= tonumber(r[1]) then return {-2} end
 local sold = r[4] == '1'
 local field = 'serving'
