@@ -3,6 +3,7 @@
 # each figure beside the ceiling it is measured against:
 #
 #   scripts/bench-room.sh [--users N] [--concurrency C] [--tickets T]
+#                         [--sale-buyers B] [--sale-only]
 #
 #   1 ceiling: redis-benchmark running room_join.lua and room_status.lua
 #     (EVALSHA) on a room of their own
@@ -12,6 +13,12 @@
 #     redis-benchmark through room_join.lua: Redis memory per ticket
 #     (MEMORY USAGE of its hashes), and the p99 of a status read from
 #     redis-benchmark and over HTTP
+#   4 a whole sale (`seckill loadgen --bots`): B buyers (100,000), 1,000 of
+#     them bots, for 1,000 units: first as a race without a room (the
+#     baseline), then through a room admitting 2,000/s, then the same with
+#     max_active 1,000. The bots' share of the units, the admitted rate
+#     against the configured one, the p99 of the purchases. --sale-only
+#     runs this step alone.
 #
 # On the services of scripts/services.sh (SECKILL__* moves them), in a
 # database, key prefix and topic prefix of its own.
@@ -19,9 +26,11 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-USERS=20000 CONC=64 TICKETS=1000000
+USERS=20000 CONC=64 TICKETS=1000000 SALE_BUYERS=100000 SALE_ONLY=
 while [ $# -gt 0 ]; do
   case "$1" in
+    --sale-buyers) SALE_BUYERS=$2; shift 2 ;;
+    --sale-only) SALE_ONLY=1; shift ;;
     --users) USERS=$2; shift 2 ;;
     --concurrency) CONC=$2; shift 2 ;;
     --tickets) TICKETS=$2; shift 2 ;;
@@ -51,7 +60,30 @@ ACT=$(curl -s "$URL/api/v1/admin/activities" -H "Authorization: Bearer $ADMIN" -
                      \"offer_secs\": 60, \"pow_difficulty\": 1}}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["activity_id"])')
 curl -s -o /dev/null "$URL/api/v1/admin/activities/$ACT/warmup" -H "Authorization: Bearer $ADMIN" -X POST
 
-say "1/3 redis-benchmark: room_join.lua and room_status.lua at -c $CONC"
+# The whole sale: each side on its own activity, on the same server.
+sale() { $BIN loadgen --json --url "$URL" --users "$SALE_BUYERS" --stock 1000 --bots 1000 "$@" 2>>"$OUT/sale.err" | tail -n 1; }
+whole_sale() {
+  say "4/4 a whole sale: $SALE_BUYERS buyers (1,000 bots), 1,000 units"
+  local race room capped
+  race=$(sale)
+  room=$(sale --room --admit-per-sec 2000 --prequeue-secs 60)
+  capped=$(sale --room --admit-per-sec 2000 --max-active 1000 --prequeue-secs 60)
+  python3 - "$race" "$room" "$capped" <<'PY'
+import json, sys
+rows = [json.loads(a) for a in sys.argv[1:]]
+print("\n| sale | bots' share of the units | admitted by the sell-out | admitted rate (configured 2,000/s) | purchases p99 (max) | invariants |")
+print("|---|---|---|---|---|---|")
+for name, r in zip(["race, no room (baseline)", "room, 2,000/s", "room, 2,000/s, max_active 1,000"], rows):
+    s = r["sale"]
+    adm = f"{s['admitted_at_sell_out']:,} in {s['sell_out_secs']:.2f} s" if s["waiting_room"] else "-"
+    rate = f"{s['admitted_per_sec']:,.0f}/s (fastest second {s['admitted_max_per_sec']:,.0f}/s)" if s["waiting_room"] else "-"
+    ok = "OK" if r.get("invariants_ok") else "FAILED"
+    print(f"| {name} | {s['bot_share']:.1%} ({s['bot_units']} of {s['bot_units'] + s['people_units']}) | {adm} | {rate} | {s['purchase_p99_ms']:.0f} ms ({s['purchase_max_ms']:.0f} ms) | {ok} |")
+PY
+}
+if [ -n "$SALE_ONLY" ]; then whole_sale; exit 0; fi
+
+say "1/4 redis-benchmark: room_join.lua and room_status.lua at -c $CONC"
 JOIN_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_close.lua src/admission/lua/room_join.lua)")
 STATUS_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_status.lua)")
 OPEN_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_open.lua)")
@@ -78,11 +110,11 @@ open_room 900000001
 JOIN_CEIL=$(rps "$(join_bench 900000001 300000 1000000000 -q)")
 STATUS_CEIL=$(rps "$(status_bench 900000001 300000 300000)")
 
-say "2/3 ours over HTTP: $USERS joins, then status reads for 15 s, at $CONC"
+say "2/4 ours over HTTP: $USERS joins, then status reads for 15 s, at $CONC"
 JOIN=$($LOAD join "$URL" "$ACT" 1 "$USERS" "$CONC")
 STATUS=$($LOAD status "$URL" "$ACT" 1 "$USERS" "$CONC" 15)
 
-say "3/3 $TICKETS tickets in one room: memory and status p99"
+say "3/4 $TICKETS tickets in one room: memory and status p99"
 open_room 900000002
 join_bench 900000002 $((TICKETS * 3)) "$TICKETS" -q >/dev/null
 K="$RUN:{a:900000002}:"
@@ -112,3 +144,4 @@ print(f"| status reads over HTTP | {status['per_sec']:,.0f}/s (p99 {status['p99_
 print(f"| {held:,} tickets in one room: memory | {mem/held:.0f} bytes per ticket (users + tickets hashes, {mem/2**20:.0f} MiB) | - | - |")
 print(f"| {held:,} tickets: status read p99 | redis-benchmark {big_p99} ms at {big_rps:,.0f}/s; over HTTP {big['p99_ms']:.1f} ms at {big['per_sec']:,.0f}/s | the same script on an empty room: {sc:,.0f}/s | - |")
 EOF
+whole_sale

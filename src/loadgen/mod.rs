@@ -19,8 +19,10 @@ use crate::config::Settings;
 use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 
+mod sale;
 mod verify;
 
+pub use self::sale::SaleFigures;
 use self::verify::{print_report, summarize, verify};
 
 /// What to run.
@@ -72,6 +74,25 @@ pub struct LoadgenArgs {
     /// (an HTTP ceiling: `examples/plain.rs`).
     #[arg(long)]
     pub ceiling_url: Option<String>,
+    /// A whole sale, bought by people and by this many bot accounts (the
+    /// first user ids), reporting the units each side took (see
+    /// `loadgen/sale.rs` for how each behaves).
+    #[arg(long, default_value_t = 0)]
+    pub bots: i64,
+    /// Run the sale through a waiting room: everyone joins the pre-queue,
+    /// then buys with the pass of their turn.
+    #[arg(long)]
+    pub room: bool,
+    /// With --room: tickets admitted per second.
+    #[arg(long, default_value_t = 2_000)]
+    pub admit_per_sec: i32,
+    /// With --room: at most this many passes outstanding at once.
+    #[arg(long)]
+    pub max_active: Option<i32>,
+    /// With --room: seconds from the activity's creation to its start, in
+    /// which every buyer joins the pre-queue.
+    #[arg(long, default_value_t = 60)]
+    pub prequeue_secs: u64,
 }
 
 /// One purchase: HTTP status (0 when the transport failed), error code,
@@ -101,8 +122,15 @@ pub struct Report {
     pub p99_refused_ms: f64,
     /// The arrival rate asked for (open loop), purchases per second.
     pub rate: Option<f64>,
+    /// Purchase tokens fetched per second before the burst (the token
+    /// route, at `--concurrency`).
+    pub tokens_per_sec: Option<f64>,
     pub drain_seconds: Option<f64>,
     pub invariants_ok: Option<bool>,
+    /// A whole sale (`--bots`, `--room`): who took the units, and the room's
+    /// admission.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sale: Option<SaleFigures>,
 }
 
 struct Client {
@@ -181,20 +209,34 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
         return ceiling(&client, url, &args).await;
     }
     let admin = client.token(1, Role::Admin)?;
-    let activity_id = match args.activity {
-        Some(id) => id,
-        None => create_activity(&client, &admin, &args).await?,
+    let mut tokens_per_sec = None;
+    let (activity_id, outcomes, seconds, sale) = if args.room || args.bots > 0 {
+        let (id, outcomes, seconds, sale) = sale::run(&client, &admin, &args).await?;
+        (id, outcomes, seconds, Some(sale))
+    } else {
+        let activity_id = match args.activity {
+            Some(id) => id,
+            None => create_activity(&client, &admin, &args).await?,
+        };
+        let fetching = Instant::now();
+        let tokens = fetch_tokens(&client, activity_id, &args).await?;
+        tokens_per_sec = Some(tokens.len() as f64 / fetching.elapsed().as_secs_f64().max(1e-9));
+        let (outcomes, seconds) = fire(&client, activity_id, tokens, &args).await?;
+        (activity_id, outcomes, seconds, None)
     };
-    let tokens = fetch_tokens(&client, activity_id, &args).await?;
-    let (outcomes, seconds) = fire(&client, activity_id, tokens, &args).await?;
 
     let mut report = summarize(activity_id, &outcomes, seconds);
     report.rate = args.rate;
+    report.tokens_per_sec = tokens_per_sec;
     let mut codes: BTreeMap<String, u64> = BTreeMap::new();
     for (status, code, _, _) in &outcomes {
         *codes.entry(format!("{status} {code}")).or_default() += 1;
     }
     print_report(&report, &codes);
+    if let Some(sale) = &sale {
+        sale::print(sale);
+    }
+    report.sale = sale;
     if !args.no_check {
         verify(&client, &admin, &outcomes, &mut report, &args).await?;
     }

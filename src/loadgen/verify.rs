@@ -95,8 +95,10 @@ pub(super) fn summarize(activity_id: ActivityId, outcomes: &[Outcome], seconds: 
         p99_accepted_ms: at(&accepted_ms, 0.99),
         p99_refused_ms: at(&refused_ms, 0.99),
         rate: None,
+        tokens_per_sec: None,
         drain_seconds: None,
         invariants_ok: None,
+        sale: None,
     }
 }
 
@@ -110,6 +112,9 @@ pub(super) fn print_report(r: &Report, codes: &BTreeMap<String, u64>) {
     println!("by status/code  {codes:?}");
     println!("elapsed         {:.3} s", r.seconds);
     println!("throughput      {:.0} purchases/s", r.per_sec);
+    if let Some(t) = r.tokens_per_sec {
+        println!("tokens          {t:.0}/s before the burst");
+    }
     println!(
         "latency ms      p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
         r.p50_ms, r.p90_ms, r.p99_ms, r.p999_ms, r.max_ms
