@@ -257,24 +257,42 @@ async fn fetch_tokens(
         args.users
     );
     let users: Vec<i64> = (args.first_user..args.first_user + args.users).collect();
-    let progress = Progress::start("tokens", users.len() as u64);
-    let tokens = stream::iter(users.iter().copied())
+    for_each_user("tokens", &users, args.concurrency, |user| {
+        purchase_token(client, activity_id, user)
+    })
+    .await
+}
+
+/// `call` for every user, `concurrency` at once, with a progress line;
+/// the first error ends it.
+async fn for_each_user<T, F, Fut>(
+    label: &'static str,
+    users: &[i64],
+    concurrency: usize,
+    call: F,
+) -> anyhow::Result<Vec<T>>
+where
+    F: Fn(i64) -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
+    let progress = Progress::start(label, users.len() as u64);
+    let done = stream::iter(users.iter().copied())
         .map(|user| {
-            let client = client.clone();
             let progress = progress.clone();
+            let answer = call(user);
             async move {
-                let token = purchase_token(&client, activity_id, user).await;
+                let answer = answer.await;
                 progress.tick();
-                token
+                answer
             }
         })
-        .buffer_unordered(args.concurrency)
-        .collect::<Vec<anyhow::Result<_>>>()
+        .buffer_unordered(concurrency)
+        .collect::<Vec<anyhow::Result<T>>>()
         .await
         .into_iter()
-        .collect::<anyhow::Result<_>>()?;
+        .collect::<anyhow::Result<_>>();
     progress.finish();
-    Ok(tokens)
+    done
 }
 
 /// One user's purchase token. A token is harmless to ask for twice: a

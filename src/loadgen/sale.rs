@@ -25,7 +25,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
@@ -261,23 +260,11 @@ async fn join_all(
     figures: &mut SaleFigures,
 ) -> anyhow::Result<()> {
     eprintln!("activity {activity}: {} joins…", users.len());
-    let progress = Progress::start("joins", users.len() as u64);
     let started = Instant::now();
-    let states: Vec<String> = stream::iter(users.iter().copied())
-        .map(|user| {
-            let (client, progress) = (client.clone(), progress.clone());
-            async move {
-                let state = join(&client, activity, user).await;
-                progress.tick();
-                state
-            }
-        })
-        .buffer_unordered(args.concurrency)
-        .collect::<Vec<anyhow::Result<String>>>()
-        .await
-        .into_iter()
-        .collect::<anyhow::Result<_>>()?;
-    progress.finish();
+    let states = super::for_each_user("joins", users, args.concurrency, |user| {
+        join(client, activity, user)
+    })
+    .await?;
     figures.join_seconds = started.elapsed().as_secs_f64();
     figures.prequeue_joined = states.iter().filter(|s| *s == "PREQUEUE").count() as u64;
     Ok(())
@@ -332,19 +319,30 @@ async fn race(
     bot: bool,
     (jwt, token): (String, String),
 ) -> Option<Outcome> {
-    tokio::time::sleep(reaction(bot)).await;
-    let clicked = Instant::now();
     let body = json!({"request_id": format!("sale-{user}"), "token": token});
     let path = format!("/api/v1/activities/{activity}/orders");
+    let (path, body, jwt) = (&path, &body, &jwt);
+    click(bot, move || async move {
+        let _slot = gate.buys.acquire().await.ok()?;
+        Some(purchase(client, client.url_of(user), path, jwt, body).await)
+    })
+    .await
+}
+
+/// The buyer's reaction, then their click: `attempt` (`None` to stop),
+/// tried again on a busy answer as the buyer would; timed from the click.
+async fn click<F, Fut>(bot: bool, attempt: F) -> Option<Outcome>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Option<anyhow::Result<(u16, Value)>>>,
+{
+    tokio::time::sleep(reaction(bot)).await;
+    let clicked = Instant::now();
     let mut tries = 0;
     loop {
         tries += 1;
-        let answer = {
-            let _slot = gate.buys.acquire().await.ok()?;
-            purchase(client, client.url_of(user), &path, &jwt, &body).await
-        };
-        let (status, body) = match answer {
-            Ok(a) => a,
+        let (status, body) = match attempt().await? {
+            Ok(answer) => answer,
             Err(e) => return Some((0, format!("transport: {e}"), None, clicked.elapsed())),
         };
         if busy(status) && again(bot, tries, clicked).await {
@@ -398,28 +396,18 @@ async fn queue_and_buy(
             _ => return None,
         }
     };
-    tokio::time::sleep(reaction(bot)).await;
-    let clicked = Instant::now();
-    let mut tries = 0;
-    loop {
-        tries += 1;
-        let answer = {
-            let _slot = gate.buys.acquire().await.ok()?;
-            buy_with_pass(client, url, activity, user, &jwt, &pass).await
-        };
-        let (status, body) = match answer {
-            Ok(a) => a,
-            Err(e) => return Some((0, format!("transport: {e}"), None, clicked.elapsed())),
-        };
-        if busy(status) && again(bot, tries, clicked).await {
-            continue;
-        }
-        return Some(outcome(status, &body, clicked));
-    }
+    let (url, jwt, pass) = (url, &jwt, &pass);
+    let token = std::sync::Mutex::new(None);
+    let token = &token;
+    click(bot, move || async move {
+        let _slot = gate.buys.acquire().await.ok()?;
+        Some(buy_with_pass(client, url, activity, user, jwt, pass, token).await)
+    })
+    .await
 }
 
-/// The token for the pass, then the order. A pass is spent by its token:
-/// the token is kept for a second try of the order.
+/// The token for the pass (once: the pass is spent by it), then the order
+/// with it. A busy order is tried again with the same token.
 async fn buy_with_pass(
     client: &Client,
     url: &str,
@@ -427,20 +415,31 @@ async fn buy_with_pass(
     user: i64,
     jwt: &str,
     pass: &str,
+    token: &std::sync::Mutex<Option<String>>,
 ) -> anyhow::Result<(u16, Value)> {
-    let res = client
-        .http
-        .get(format!("{url}/api/v1/activities/{activity}/token"))
-        .bearer_auth(jwt)
-        .header("X-Queue-Pass", pass)
-        .send()
-        .await?;
-    let status = res.status().as_u16();
-    let body: Value = res.json().await.unwrap_or(Value::Null);
-    if status != 200 {
-        return Ok((status, body));
-    }
-    let token = body["token"].as_str().context("token missing")?;
+    let held = token.lock().ok().and_then(|t| t.clone());
+    let token = match held {
+        Some(t) => t,
+        None => {
+            let res = client
+                .http
+                .get(format!("{url}/api/v1/activities/{activity}/token"))
+                .bearer_auth(jwt)
+                .header("X-Queue-Pass", pass)
+                .send()
+                .await?;
+            let status = res.status().as_u16();
+            let body: Value = res.json().await.unwrap_or(Value::Null);
+            if status != 200 {
+                return Ok((status, body));
+            }
+            let t = body["token"].as_str().context("token missing")?.to_owned();
+            if let Ok(mut held) = token.lock() {
+                *held = Some(t.clone());
+            }
+            t
+        }
+    };
     let order = json!({"request_id": format!("sale-{user}"), "token": token});
     let path = format!("/api/v1/activities/{activity}/orders");
     purchase(client, url, &path, jwt, &order).await
