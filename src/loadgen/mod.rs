@@ -488,12 +488,17 @@ async fn create_activity(
         "per_user_limit": 1, "pay_timeout_secs": 3600, "buckets": args.buckets,
         "shards": args.shards,
     });
+    create_and_warm(client, admin, &body).await
+}
+
+/// Creates the activity `body` describes, and warms it up.
+async fn create_and_warm(client: &Client, admin: &str, body: &Value) -> anyhow::Result<ActivityId> {
     let (status, created) = client
         .send(
             reqwest::Method::POST,
             "/api/v1/admin/activities",
             admin,
-            Some(&body),
+            Some(body),
         )
         .await?;
     if status != 201 {

@@ -229,26 +229,7 @@ async fn create(
             body["waiting_room"]["max_active"] = json!(cap);
         }
     }
-    let (status, created) = client
-        .send(
-            reqwest::Method::POST,
-            "/api/v1/admin/activities",
-            admin,
-            Some(&body),
-        )
-        .await?;
-    if status != 201 {
-        bail!("creating the activity: {status} {created}");
-    }
-    let id = created["activity_id"].as_i64().context("activity_id")?;
-    let path = format!("/api/v1/admin/activities/{id}/warmup");
-    let (status, warmed) = client
-        .send(reqwest::Method::POST, &path, admin, Some(&json!({})))
-        .await?;
-    if status != 200 {
-        bail!("warming up: {status} {warmed}");
-    }
-    Ok(ActivityId::new(id))
+    super::create_and_warm(client, admin, &body).await
 }
 
 /// Every user joins the pre-queue, the bots first.
