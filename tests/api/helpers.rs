@@ -26,6 +26,9 @@ pub struct TestApp {
     /// through a sale window.
     pub clock: Arc<ShiftedClock>,
     keys: JwtKeys,
+    /// Ends the test process, naming the test, if this app outlives any
+    /// test's time by far (a hang fails instead of holding the run).
+    _hang: crate::hang::HangWatch,
 }
 
 /// The server with the test settings and a fresh namespace.
@@ -78,6 +81,7 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         .await
         .expect("application builds");
     let address = format!("http://127.0.0.1:{}", app.port());
+    let hang = crate::hang::HangWatch::start(&address);
     let server = app.server_handle();
     tokio::spawn(app.run_until_stopped());
     let app = TestApp {
@@ -90,11 +94,15 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         // closes them: a request sent on one just as the server closes it
         // fails with IncompleteMessage, which is the client's race, not an
         // answer (the load generator does the same).
+        // No answer within two minutes fails the request (and the test)
+        // instead of waiting for ever; streams send a keep-alive every 15 s.
         client: reqwest::Client::builder()
             .pool_idle_timeout(Duration::from_secs(2))
+            .read_timeout(Duration::from_secs(120))
             .build()
             .expect("HTTP client"),
         db_name,
+        _hang: hang,
     };
     // A server on the real services is handed over once it is ready (its
     // topics exist: on a slow broker their creation can outlast startup).

@@ -12,6 +12,7 @@ mod delivery;
 mod errors_and_auth;
 mod fallback;
 mod forensics;
+mod hang;
 mod health;
 mod helpers;
 mod instances;

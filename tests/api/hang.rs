@@ -1,0 +1,161 @@
+//! A test that hangs fails, naming itself, instead of holding the whole run
+//! until CI's limit. Each `TestApp` starts a watch on a plain thread; if the
+//! app is still alive after [`limit`], the watch reports what it can see
+//! from outside (whether the server still answers, and every thread's
+//! stack in this process' own code, through gdb where there is one) and
+//! ends the test process with a failure.
+//!
+//! Tests wait with [`crate::helpers::eventually`] and its deadlines; this
+//! is the backstop for a wait that has none, or for a runtime thread that
+//! something blocked (which stops the test's own timers too).
+
+use std::io::{Read, Write};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long one `TestApp` may live: many times the slowest test on a slow
+/// host (`SECKILL_TEST_HANG_SECS` changes it).
+fn limit() -> Duration {
+    let secs = std::env::var("SECKILL_TEST_HANG_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(900);
+    Duration::from_secs(secs)
+}
+
+/// Ends the process if not dropped within [`limit`].
+pub struct HangWatch {
+    done: Arc<(Mutex<bool>, Condvar)>,
+}
+
+impl HangWatch {
+    /// Watches the test running on this thread, whose server is at
+    /// `address` (`http://127.0.0.1:<port>`).
+    pub fn start(address: &str) -> Self {
+        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("an unnamed test")
+            .to_owned();
+        let (watched, address) = (done.clone(), address.to_owned());
+        let deadline = Instant::now() + limit();
+        std::thread::spawn(move || {
+            let (lock, ended) = &*watched;
+            let mut finished = lock.lock().unwrap_or_else(|e| e.into_inner());
+            while !*finished {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    drop(finished);
+                    report(&test, &address);
+                    std::process::exit(101);
+                }
+                finished = ended
+                    .wait_timeout(finished, left)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        });
+        Self { done }
+    }
+}
+
+impl Drop for HangWatch {
+    fn drop(&mut self) {
+        let (lock, ended) = &*self.done;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        ended.notify_all();
+    }
+}
+
+fn report(test: &str, address: &str) {
+    // Straight to the stderr handle: libtest captures `eprintln!` of the
+    // test's threads, and drops what it captured when the process exits.
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(
+        err,
+        "\nHUNG: {test} has run for {}s (SECKILL_TEST_HANG_SECS); ending the test process",
+        limit().as_secs()
+    );
+    let _ = writeln!(
+        err,
+        "HUNG: GET /health/ready from outside: {}",
+        ready(address)
+    );
+    let _ = writeln!(
+        err,
+        "HUNG: this process' threads, in its own code:\n{}",
+        stacks()
+    );
+}
+
+/// One plain HTTP request with its own timeouts: whether the server's
+/// workers answer while the test's runtime may be stuck.
+fn ready(address: &str) -> String {
+    let host = address.trim_start_matches("http://");
+    let attempt = || -> std::io::Result<String> {
+        let addr = host
+            .parse()
+            .map_err(|e| std::io::Error::other(format!("{host}: {e}")))?;
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(
+            s,
+            "GET /health/ready HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer)?;
+        Ok(answer.replace("\r\n", " | "))
+    };
+    attempt().unwrap_or_else(|e| format!("no answer: {e}"))
+}
+
+/// Every thread's frames in the project's code (`seckill`, the test
+/// crate), from gdb attached to this process; empty without gdb.
+fn stacks() -> String {
+    // gdb stops this process while it writes: into a file, never into a
+    // pipe this process would have to drain.
+    let path = std::env::temp_dir().join(format!("seckill-hang-{}.txt", std::process::id()));
+    let Ok(file) = std::fs::File::create(&path) else {
+        return "(no file for gdb's output)".into();
+    };
+    let ran = std::process::Command::new("gdb")
+        .args(["-p", &std::process::id().to_string(), "-batch", "-nx"])
+        .args(["-ex", "thread apply all bt"])
+        .stdin(std::process::Stdio::null())
+        .stdout(file)
+        .stderr(std::process::Stdio::null())
+        .status();
+    if ran.is_err() {
+        return "(no gdb here)".into();
+    }
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let _ = std::fs::remove_file(&path);
+    own_frames(&text)
+}
+
+/// Per thread of a gdb `thread apply all bt`: its name and its innermost
+/// frames in the project's code or in librdkafka (whose calls block).
+/// librdkafka's own threads (`rdk:`) always wait in a poll: left out.
+fn own_frames(backtraces: &str) -> String {
+    let mut out = Vec::new();
+    for thread in backtraces.split("\nThread ").skip(1) {
+        let mut lines = thread.lines();
+        let name = lines.next().unwrap_or_default();
+        if name.contains("\"rdk:") {
+            continue;
+        }
+        let frames: Vec<String> = lines
+            .filter(|l| {
+                [" seckill::", " api::", " rd_kafka_"]
+                    .iter()
+                    .any(|k| l.contains(k))
+            })
+            .take(4)
+            .map(|l| l.chars().take(200).collect())
+            .collect();
+        if !frames.is_empty() {
+            out.push(format!("Thread {name}\n  {}", frames.join("\n  ")));
+        }
+    }
+    out.join("\n")
+}
