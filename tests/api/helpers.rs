@@ -371,6 +371,26 @@ impl TestApp {
         .await
     }
 
+    /// [`TestApp::order`], sent again while it answers 503 (for a minute),
+    /// as any client does: a purchase that meets a passing 503 (Redis
+    /// answered one probe late, the modes are re-read) gets the answer
+    /// the test is about on its retry.
+    pub async fn order_past_503(
+        &self,
+        user_id: i64,
+        activity_id: i64,
+        body: &serde_json::Value,
+    ) -> reqwest::Response {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let res = self.order(user_id, activity_id, body).await;
+            if res.status() != 503 || std::time::Instant::now() >= deadline {
+                return res;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+
     /// `POST /activities/{id}/orders` as a client that retries what the
     /// API says to retry with the same request: 503 BUSY (refused before
     /// anything was reserved) and 503 RETRY_LATER naming an order_no (its

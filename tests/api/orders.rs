@@ -58,15 +58,16 @@ async fn the_same_request_id_fifty_times_at_once_makes_one_order() {
         .collect()
         .await;
 
-    // One attempt is accepted; every other one is a replay of it. (A
-    // retry that confirms a delivery its first attempt could not wait for
-    // is accepted too: it is the same order, and the helper reports it as
-    // 202, so allow one such on a broker too slow for the budget.)
+    // One attempt is accepted; every other one is a replay of it. A
+    // replay that met the first attempt's delivery still unconfirmed (503
+    // naming the order_no) and was confirmed on its retry is reported as
+    // 202 by the helper: the same order, seen as a buyer sees it. On a
+    // broker slower than the publish budget that is every one of them, so
+    // the count of 202s says nothing; the one order_no and the one row do.
     let accepted = results.iter().filter(|(s, _)| *s == 202).count();
-    assert!((1..=2).contains(&accepted), "{results:?}");
-    assert_eq!(
-        results.iter().filter(|(s, _)| *s == 200).count(),
-        50 - accepted,
+    assert!(accepted >= 1, "{results:?}");
+    assert!(
+        results.iter().all(|(s, _)| *s == 200 || *s == 202),
         "{results:?}"
     );
     let numbers: HashSet<_> = results.iter().map(|(_, b)| b["order_no"].clone()).collect();
@@ -222,7 +223,7 @@ async fn outside_the_sale_window_or_before_warm_up_is_not_active() {
     let cold = app.create_activity(10, 1, 1, OPEN).await;
     assert_not_active(app.get(&token_path(cold), Some(&user)).await).await;
     assert_not_active(
-        app.order(1, cold, &json!({"request_id": "a", "token": "x"}))
+        app.order_past_503(1, cold, &json!({"request_id": "a", "token": "x"}))
             .await,
     )
     .await;
@@ -244,7 +245,7 @@ async fn outside_the_sale_window_or_before_warm_up_is_not_active() {
     app.warmup(future).await;
     assert_not_active(app.get(&token_path(future), Some(&user)).await).await;
     assert_not_active(
-        app.order(1, future, &json!({"request_id": "a", "token": "x"}))
+        app.order_past_503(1, future, &json!({"request_id": "a", "token": "x"}))
             .await,
     )
     .await;
@@ -259,7 +260,7 @@ async fn outside_the_sale_window_or_before_warm_up_is_not_active() {
     let token = app.purchase_token(1, ending).await;
     app.clock.advance(std::time::Duration::from_millis(2500));
     assert_not_active(
-        app.order(1, ending, &json!({"request_id": "a", "token": token}))
+        app.order_past_503(1, ending, &json!({"request_id": "a", "token": token}))
             .await,
     )
     .await;
