@@ -316,7 +316,7 @@ async fn the_pre_queue_draw_is_fair_and_recomputable_from_what_is_published() {
         let t = app.ticket_in(u, id, "ADMITTED").await;
         let place = t["position"].as_u64().unwrap();
         place_of.insert(joined_at[&u], place);
-        expiry_at_place.insert(place, t["pass_expires_at"].as_str().unwrap().to_owned());
+        expiry_at_place.insert(place, pass_expiry(&t));
     }
     let mut places: Vec<u64> = place_of.values().copied().collect();
     places.sort_unstable();
@@ -338,7 +338,7 @@ async fn the_pre_queue_draw_is_fair_and_recomputable_from_what_is_published() {
     }
     // Admission followed the drawn order: a later place never got its pass
     // in an earlier round.
-    let expiries: Vec<&String> = expiry_at_place.values().collect();
+    let expiries: Vec<_> = expiry_at_place.values().collect();
     assert!(
         expiries.windows(2).all(|w| w[0] <= w[1]),
         "passes out of the drawn order"
@@ -376,7 +376,7 @@ async fn tickets_after_the_start_follow_every_pre_queue_ticket_in_join_order() {
         if u > 20 {
             assert_eq!(t["position"], t["ticket"], "{t}");
         }
-        expiry.insert(u, t["pass_expires_at"].as_str().unwrap().to_owned());
+        expiry.insert(u, pass_expiry(&t));
     }
     let last_prequeue = (1..=20).map(|u| &expiry[&u]).max().unwrap();
     assert!(
@@ -389,6 +389,15 @@ async fn tickets_after_the_start_follow_every_pre_queue_ticket_in_join_order() {
             "user {u} admitted out of turn"
         );
     }
+}
+
+/// When a ticket's pass expires, as a time: the API writes whole seconds
+/// without a fraction ("…:01Z"), which sorts after "…:01.200Z" as text.
+fn pass_expiry(ticket: &Value) -> chrono::DateTime<chrono::Utc> {
+    let text = ticket["pass_expires_at"].as_str().unwrap();
+    chrono::DateTime::parse_from_rfc3339(text)
+        .unwrap_or_else(|e| panic!("{text}: {e}"))
+        .to_utc()
 }
 
 /// The same user joining 100 times over 10 connections holds one ticket.
