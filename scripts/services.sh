@@ -375,6 +375,13 @@ kafka_up() {
     log "kafka already runs"
     return
   fi
+  # A node whose process is there but does not serve is on its way out (a
+  # SIGKILL a moment ago: kill -0 still finds it until it is reaped) or
+  # stuck: it is stopped for good before a new one starts.
+  if pid_alive "$KAFKA_DIR/kafka.pid" && ! kafka_started; then kafka_stop "$KAFKA_DIR"; fi
+  if pid_alive "$KAFKA_CONTROLLER_DIR/kafka.pid" && ! controller_started; then
+    kafka_stop "$KAFKA_CONTROLLER_DIR"
+  fi
   if ! pid_alive "$KAFKA_DIR/kafka.pid" && kafka_port_open; then
     die "something else listens on $KAFKA_HOST:$KAFKA_PORT; change kafka.brokers"
   fi
