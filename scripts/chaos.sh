@@ -6,12 +6,14 @@
 # data starts empty on every run.
 #
 #   scripts/chaos.sh [--redis-cluster] [--seed N] [cargo test filter...]
+#   scripts/chaos.sh --build-only
 #
 # --redis-cluster  Redis is a 3-master cluster (ports 7390..7392) instead of
 #                  one server; the Redis faults hit its masters.
 # --seed N         the seed of the randomized fault test (nemesis); without
 #                  it, a new seed per run, printed first. Replay a failure:
 #                  scripts/chaos.sh nemesis --seed N
+# --build-only     builds what the tests run, and runs nothing
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -23,12 +25,13 @@ export SECKILL__POSTGRES__URL=${SECKILL_CHAOS_POSTGRES_URL:-postgres://seckill:s
 export SECKILL__KAFKA__BROKERS=${SECKILL_CHAOS_KAFKA:-127.0.0.1:9192}
 export SECKILL_CHAOS=1
 
-filters=()
+filters=() build_only=
 while [ $# -gt 0 ]; do
   case "$1" in
     --seed) export SECKILL_NEMESIS_SEED=${2:?--seed N}; shift 2 ;;
     --seed=*) export SECKILL_NEMESIS_SEED=${1#--seed=}; shift ;;
     --redis-cluster) export SECKILL__REDIS__MODE=cluster; shift ;;
+    --build-only) build_only=1; shift ;;
     *) filters+=("$1"); shift ;;
   esac
 done
@@ -40,6 +43,21 @@ if [ "${SECKILL__REDIS__MODE:-}" = cluster ]; then
   export SECKILL__REDIS__URL
 fi
 
+# The tests start a copy of the binary: a build during a run (they take
+# minutes) does not change what a restarted server runs. The test
+# executable is copied too and runs without cargo, which holds the build
+# directory's lock while its tests run: scripts/test.sh runs other tests
+# beside these (it builds first, with --build-only, then sets
+# SECKILL_CHAOS_BUILT).
+if [ -z "${SECKILL_CHAOS_BUILT:-}" ]; then
+  exe=$(cargo test --test chaos --no-run --message-format=json | scripts/test-exe.py chaos)
+  mkdir -p target/chaos
+  cp target/debug/seckill target/chaos/seckill-under-test
+  cp "$exe" target/chaos/chaos-tests
+fi
+[ -z "$build_only" ] || exit 0
+export SECKILL_CHAOS_BIN=$ROOT/target/chaos/seckill-under-test
+
 scripts/services.sh stop kafka
 rm -rf "$SECKILL_SERVICES_DIR/kafka/data"
 scripts/services.sh up
@@ -47,15 +65,8 @@ scripts/services.sh up
 # Databases of fault tests that crashed.
 scripts/drop-databases.sh 'seckill\_chaos\_%'
 
-# The tests start a copy of the binary: a build during a run (they take
-# minutes) does not change what a restarted server runs.
-cargo test --test chaos --no-run
-mkdir -p target/chaos
-cp target/debug/seckill target/chaos/seckill-under-test
-export SECKILL_CHAOS_BIN=$ROOT/target/chaos/seckill-under-test
-
 status=0
-cargo test --test chaos -- --ignored --test-threads=1 --nocapture "${filters[@]}" || status=$?
+target/chaos/chaos-tests --ignored --test-threads=1 --nocapture "${filters[@]}" || status=$?
 # The second set of services is only for these tests: give the memory back.
 scripts/services.sh down
 exit $status

@@ -1,4 +1,5 @@
-# Sourced by scripts that test a running server (fuzz.sh, browser-test.sh):
+# Sourced by scripts that test a running server (fuzz.sh, browser-test.sh,
+# room-demo.sh):
 #
 #   python_venv DIR MODULE SPEC...   a venv at DIR holding SPEC (pip), made
 #                                    when MODULE does not import from it

@@ -83,6 +83,7 @@ def main():
     print(f"activity {aid}: the sale starts at {start:%H:%M:%S}; seed SHA-256 {seed_sha256}")
 
     buyers = {u: token(u) for u in range(101, 101 + args.buyers)}
+    tickets = {}
     for u, t in buyers.items():
         _, c = call(f"{api}/activities/{aid}/queue/challenge", token=t)
         began = time.monotonic()
@@ -91,6 +92,8 @@ def main():
         pow_answer = {k: c[k] for k in ("algorithm", "challenge", "salt", "signature")}
         pow_answer["number"] = number
         status, ticket = call(f"{api}/activities/{aid}/queue", "POST", {"pow": pow_answer}, t)
+        assert status == 201, (status, ticket)
+        tickets[u] = ticket["ticket"]
         print(f"buyer {u}: proof of work in {took:.2f} s, ticket {ticket['ticket']} "
               f"({status}, {ticket['state']})")
 
@@ -106,6 +109,15 @@ def main():
     print(f"drawn order of the {draw['entrants']} pre-queue tickets: {[i + 1 for i in order]}")
     assert hashlib.sha256(bytes.fromhex(draw["seed"])).hexdigest() == seed_sha256
 
+    wrong = []
+    for u, number in tickets.items():
+        if number <= len(where):
+            _, ticket = call(f"{api}/activities/{aid}/queue/me", token=buyers[u])
+            if ticket["position"] != where[number - 1] + 1:
+                wrong.append(f"buyer {u}: ticket {number} is at place {ticket['position']}, "
+                             f"the draw puts it at {where[number - 1] + 1}")
+
+    ordered, sold_out = [], []
     pending = dict(buyers)
     while pending:
         for u, t in list(pending.items()):
@@ -121,12 +133,31 @@ def main():
                         {"request_id": f"demo-{u}", "token": tok["token"]}, t)
                     print(f"buyer {u} (place {ticket['position']}): admitted, order "
                           f"{status} {order_body.get('status') or order_body.get('code')}")
+                    if status == 202:
+                        ordered.append(u)
+                    elif order_body.get("code") == "SOLD_OUT":
+                        sold_out.append(u)
                 else:
                     print(f"buyer {u} (place {ticket['position']}): admitted, {tok['code']}")
+                    if tok.get("code") == "SOLD_OUT":
+                        sold_out.append(u)
             else:
                 print(f"buyer {u} (place {ticket['position']}): {ticket['state']}")
+                if ticket["state"] == "SOLD_OUT":
+                    sold_out.append(u)
             del pending[u]
         time.sleep(0.5)
+
+    units = min(body["stock"], len(buyers))
+    if len(ordered) != units:
+        wrong.append(f"{len(ordered)} orders accepted for {units} units")
+    if len(ordered) + len(sold_out) != len(buyers):
+        wrong.append(f"of {len(buyers)} buyers, {len(ordered)} bought and {len(sold_out)} "
+                     "were told it sold out")
+    if wrong:
+        raise SystemExit("the sale did not go as the room promises:\n  " + "\n  ".join(wrong))
+    print(f"{len(ordered)} orders for {units} units, in the drawn order; "
+          f"{len(sold_out)} buyers told it sold out")
 
 
 if __name__ == "__main__":
