@@ -31,7 +31,9 @@ python_venv() {
 
 start_own_server() {
   local name=$1
-  cargo build --quiet --bin seckill
+  # The test profile: what `cargo test` built already (scripts/test.sh),
+  # in target/debug too.
+  cargo build --profile test --quiet --bin seckill
   BIN=target/debug/seckill
   eval "$(python3 scripts/settings.py)"
   OWN_RUN=$name$(date +%s)$$

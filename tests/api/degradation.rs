@@ -57,7 +57,14 @@ async fn a_client_over_its_rate_gets_429_rate_limited() {
         }
         statuses.push(status);
     }
-    assert_eq!(&statuses[..2], &[202, 202]);
+    // The first two pass the limiter: each is taken (202), or on a slow
+    // host told to come back by a later stage (503: the broker had not
+    // confirmed its event within the publish budget). The rate limit is the
+    // claim, not what comes after it.
+    assert!(
+        statuses[..2].iter().all(|s| [202, 503].contains(s)),
+        "{statuses:?}"
+    );
     assert!(statuses[2..].contains(&429), "{statuses:?}");
 }
 
@@ -167,7 +174,7 @@ async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
 async fn wait_for_lag(app: &TestApp, lag: i64) {
     let line = format!("seckill_order_consumer_lag {lag}\n");
     let what = format!("lag sampled as {lag}");
-    crate::helpers::eventually(&what, std::time::Duration::from_secs(30), || async {
+    crate::helpers::eventually(&what, std::time::Duration::from_secs(120), || async {
         let text = app.get("/metrics", None).await.text().await.unwrap();
         text.contains(&line).then_some(())
     })
@@ -261,12 +268,36 @@ async fn a_consumer_process_killed_with_sigkill_mid_stream_loses_and_duplicates_
 async fn metrics_count_admission_outcomes() {
     let app = spawn_app().await;
     let activity = app.live_activity(1, 1, 1).await;
-    assert_eq!(app.buy(1, activity).await.0, 202);
+    // The first attempt is accepted, or on a slow host pending (503
+    // RETRY_LATER: its event not yet confirmed within the publish budget);
+    // a retry of a pending one is a replay, not counted again.
+    let counted = match app.attempt(1, activity, "counted").await {
+        (202, _) => "accepted",
+        (503, body) if body["code"] == "RETRY_LATER" => "pending",
+        other => panic!("the first purchase answered {other:?}"),
+    };
+    if counted == "pending" {
+        assert_eq!(app.buy_as(1, activity, "counted").await.0, 202);
+    }
     assert_eq!(app.buy(2, activity).await.0, 409);
     let text = app.get("/metrics", None).await.text().await.unwrap();
-    for outcome in ["accepted", "sold_out"] {
-        let line = format!("seckill_admission_total{{outcome=\"{outcome}\"}} 1");
-        assert!(text.contains(&line), "missing {line}");
+    let count = |outcome: &str| {
+        let name = format!("seckill_admission_total{{outcome=\"{outcome}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name.as_str()))
+            .map_or(0, |n| n.parse::<u64>().expect("a count"))
+    };
+    assert_eq!(count("sold_out"), 1, "{text}");
+    if counted == "accepted" {
+        assert_eq!(count("accepted"), 1, "{text}");
+    } else {
+        // Each retry before the delivery was confirmed is pending again.
+        assert!(count("pending") >= 1, "{text}");
+        assert_eq!(
+            count("accepted"),
+            0,
+            "a replay is not accepted twice: {text}"
+        );
     }
     assert!(text.contains("seckill_admission_script_seconds_count"));
 }

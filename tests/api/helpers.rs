@@ -428,7 +428,7 @@ impl TestApp {
     }
 
     /// A fresh token, then the order with `request_id`: (status, body).
-    async fn attempt(
+    pub async fn attempt(
         &self,
         user_id: i64,
         activity_id: i64,
@@ -453,10 +453,20 @@ impl TestApp {
     /// retry (a 2xx after a 503) is reported as 202, the buyer's view.
     pub async fn buy(&self, user_id: i64, activity_id: i64) -> (u16, serde_json::Value) {
         let request_id = uuid::Uuid::new_v4().to_string();
+        self.buy_as(user_id, activity_id, &request_id).await
+    }
+
+    /// [`TestApp::buy`] under a request_id of the caller's.
+    pub async fn buy_as(
+        &self,
+        user_id: i64,
+        activity_id: i64,
+        request_id: &str,
+    ) -> (u16, serde_json::Value) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         let mut retried = false;
         loop {
-            let (status, body) = self.attempt(user_id, activity_id, &request_id).await;
+            let (status, body) = self.attempt(user_id, activity_id, request_id).await;
             if status == 503 && std::time::Instant::now() < deadline {
                 retried = true;
                 tokio::time::sleep(std::time::Duration::from_millis(200)).await;

@@ -26,6 +26,15 @@ const BUYERS_PER_SEC: f64 = 150.0;
 
 /// Runs `f` when dropped (a stopped broker is resumed even if the test
 /// panics).
+/// Where the servers under test write their logs: `SECKILL_CHAOS_LOGS`
+/// (scripts/test.sh gives the cluster's pass a folder of its own, as it
+/// runs beside the other), or `target/chaos`.
+pub fn log_dir() -> PathBuf {
+    std::env::var_os("SECKILL_CHAOS_LOGS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos"))
+}
+
 pub struct OnDrop<F: FnMut()>(pub F);
 
 impl<F: FnMut()> Drop for OnDrop<F> {
@@ -298,9 +307,9 @@ impl Chaos {
         self.settings.payment.notify_secret.expose_secret()
     }
 
-    /// The name of this world (its logs: `target/chaos/<name>.*.log`).
-    pub(crate) fn name(&self) -> &str {
-        &self.name
+    /// Where this world's server logs are, for a failure's message.
+    pub(crate) fn logs(&self) -> String {
+        format!("{}/{}.*.log", log_dir().display(), self.name)
     }
 
     /// Starts the server (again) and waits until it is ready.
@@ -327,7 +336,7 @@ impl Chaos {
         let log = {
             let mut generation = self.generation.lock().unwrap();
             *generation += 1;
-            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+            let dir = log_dir();
             std::fs::create_dir_all(&dir).unwrap();
             dir.join(format!("{}.{}.log", self.name, *generation))
         };
@@ -347,7 +356,7 @@ impl Chaos {
     /// `needle`: proof that a fault hit what it was aimed at.
     pub fn log_lines_with(&self, needle: &str) -> usize {
         let generations = *self.generation.lock().unwrap();
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+        let dir = log_dir();
         (1..=generations)
             .filter_map(|g| {
                 std::fs::read_to_string(dir.join(format!("{}.{g}.log", self.name))).ok()
@@ -365,7 +374,7 @@ impl Chaos {
     /// with `env` on top), logging to `target/chaos/<name>.<label>.log`;
     /// killed when the returned guard drops.
     pub fn spawn(&self, label: &str, args: &[&str], env: &[(&str, String)]) -> Process {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+        let dir = log_dir();
         std::fs::create_dir_all(&dir).unwrap();
         let file = std::fs::File::create(dir.join(format!("{}.{label}.log", self.name))).unwrap();
         let child = Command::new(seckill_bin())
@@ -407,7 +416,7 @@ impl Chaos {
     /// `seckill ARGS` in this world's environment, to its end: its output
     /// (stderr goes to `target/chaos/<name>.<label>.log`).
     pub async fn run(&self, label: &str, args: &[&str]) -> std::process::Output {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+        let dir = log_dir();
         std::fs::create_dir_all(&dir).unwrap();
         let file = std::fs::File::create(dir.join(format!("{}.{label}.log", self.name))).unwrap();
         let mut cmd = Command::new(seckill_bin());
@@ -615,10 +624,10 @@ impl Chaos {
             if started.elapsed() > SETTLE_WITHIN {
                 let lost = self.not_waiting(&orders).await;
                 panic!(
-                    "{}: not settled in {}s: {stats:?}; accepted but not WAITING_PAY: {lost:?}; server logs under target/chaos/{}.*.log",
+                    "{}: not settled in {}s: {stats:?}; accepted but not WAITING_PAY: {lost:?}; server logs: {}",
                     self.name,
                     SETTLE_WITHIN.as_secs(),
-                    self.name
+                    self.logs()
                 );
             }
             tokio::time::sleep(Duration::from_millis(500)).await;

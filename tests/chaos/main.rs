@@ -132,8 +132,9 @@ async fn the_broker_paused_round_after_round_the_instance_serves_again_after_eac
                 }
                 assert!(
                     continued.elapsed() < SERVE_AGAIN_WITHIN,
-                    "round {round}: not serving {}s after the broker continued; server logs under target/chaos/broker_paused_rounds.*.log",
-                    SERVE_AGAIN_WITHIN.as_secs()
+                    "round {round}: not serving {}s after the broker continued; server logs: {}",
+                    SERVE_AGAIN_WITHIN.as_secs(),
+                    chaos.logs()
                 );
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
@@ -181,7 +182,8 @@ async fn a_wedged_instance_stops_on_sigterm_within_its_shutdown_deadline() {
     eprintln!("wedged_sigterm: stopped after {stopped:?}");
     assert!(
         stopped.is_some(),
-        "still running 15 s after SIGTERM (app.shutdown_timeout_secs = 10); see target/chaos/wedged_sigterm.*.log"
+        "still running 15 s after SIGTERM (app.shutdown_timeout_secs = 10); see {}",
+        chaos.logs()
     );
 }
 

@@ -734,9 +734,9 @@ pub async fn run(chaos: &Chaos) {
             }
             assert!(
                 since.elapsed() < READY_WITHIN,
-                "{replay}: not ready {}s after the last fault healed; logs under target/chaos/{}.*.log",
+                "{replay}: not ready {}s after the last fault healed; logs: {}",
                 READY_WITHIN.as_secs(),
-                chaos.name()
+                chaos.logs()
             );
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -821,9 +821,9 @@ async fn check(
         }
         assert!(
             started.elapsed() < SETTLE_WITHIN,
-            "{replay}: not settled {}s after the clients finished: {stats:?} {coupons:?}; logs under target/chaos/{}.*.log",
+            "{replay}: not settled {}s after the clients finished: {stats:?} {coupons:?}; logs: {}",
             SETTLE_WITHIN.as_secs(),
-            chaos.name()
+            chaos.logs()
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
@@ -1009,10 +1009,10 @@ async fn check(
     let anomalies = clients.anomalies.0.lock().unwrap().clone();
     assert!(
         anomalies.is_empty(),
-        "{replay}: {} anomalies:\n{}\nlogs under target/chaos/{}.*.log",
+        "{replay}: {} anomalies:\n{}\nlogs: {}",
         anomalies.len(),
         anomalies.join("\n"),
-        chaos.name()
+        chaos.logs()
     );
     let accepted = bought.iter().filter(|b| b.order_no.is_some()).count();
     assert!(accepted > 0, "{replay}: nothing was accepted");
