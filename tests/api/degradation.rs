@@ -155,7 +155,12 @@ async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
         .buffer_unordered(60)
         .collect()
         .await;
-    let accepted = results.iter().filter(|(s, _)| *s == 202).count() as i64;
+    // Accepted: 202, or on a slow host 503 RETRY_LATER with its order_no
+    // (taken, its event not yet confirmed within the publish budget).
+    let accepted = results
+        .iter()
+        .filter(|(s, b)| *s == 202 || (*s == 503 && b["code"] == "RETRY_LATER"))
+        .count() as i64;
     let busy = results
         .iter()
         .filter(|(s, b)| *s == 503 && b["code"] == "BUSY")
