@@ -32,6 +32,9 @@ pub struct GroupProgress {
     timeout: Duration,
     /// Unix ms since which every sample has failed; 0 while they succeed.
     failing_since: AtomicI64,
+    /// Unix ms of the last client made anew for a partition without a
+    /// leader (see [`GroupProgress::sample`]).
+    renewed_at: AtomicI64,
 }
 
 impl GroupProgress {
@@ -44,6 +47,7 @@ impl GroupProgress {
             topic: topic.to_owned(),
             timeout: kafka.timeout_ms.max(Duration::from_millis(100)),
             failing_since: AtomicI64::new(0),
+            renewed_at: AtomicI64::new(0),
         })
     }
 
@@ -117,7 +121,50 @@ impl GroupProgress {
             .await
             .context("Kafka progress task failed")?;
         super::watchdog::holds_since(&self.failing_since, result.is_err(), now_ms());
+        if let Err(e) = &result {
+            self.renew_if_leaderless(e);
+        }
         result
+    }
+
+    /// A topic just made (every test, a new deployment) has partitions
+    /// without a leader for a moment, longer on a loaded host. A client that
+    /// asked then can keep that answer (librdkafka #5430) and fail every
+    /// sample after, and with `kafka.consumer_stall_secs` at 0 nothing else
+    /// rebuilds it. Such a failure makes the next sample use a new client,
+    /// at most once every 5 s. The client never joins the group: a new one
+    /// costs a connection, nothing else.
+    fn renew_if_leaderless(&self, error: &anyhow::Error) {
+        use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
+        let leaderless = error
+            .chain()
+            .filter_map(|c| c.downcast_ref::<KafkaError>())
+            .filter_map(KafkaError::rdkafka_error_code)
+            .any(|c| {
+                matches!(
+                    c,
+                    Code::NotLeaderForPartition
+                        | Code::LeaderNotAvailable
+                        | Code::UnknownTopicOrPartition
+                )
+            });
+        let now = now_ms();
+        if !leaderless || now - self.renewed_at.load(Ordering::Relaxed) < 5_000 {
+            return;
+        }
+        let Ok(new) = Self::client(&self.kafka, &self.group) else {
+            return;
+        };
+        self.renewed_at.store(now, Ordering::Relaxed);
+        tracing::debug!(
+            group = self.group,
+            "a partition had no leader; the progress client is made anew"
+        );
+        let old = std::mem::replace(
+            &mut *self.client.lock().unwrap_or_else(|e| e.into_inner()),
+            Arc::new(new),
+        );
+        tokio::task::spawn_blocking(move || drop(old));
     }
 
     fn sample_blocking(&self) -> anyhow::Result<Sample> {

@@ -67,18 +67,28 @@ pub fn explain_open_reservations(settings: &Settings, activity_id: i64) -> Strin
     report
 }
 
-/// The broker answers "not leader" for a moment while topics come and go:
-/// ask again a few times before reporting an error.
+/// The broker answers "not leader" for a moment while topics come and go
+/// (on a loaded 2-core host, for several seconds after a topic's first
+/// message): ask again, with a new client each time, for up to a minute
+/// before reporting an error.
 fn retried<T>(mut f: impl FnMut() -> Result<T, String>) -> Result<T, String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
     let mut errors = Vec::new();
-    for _ in 0..5 {
+    loop {
         match f() {
             Ok(v) => return Ok(v),
-            Err(e) => errors.push(e),
+            Err(e) if Instant::now() < deadline => {
+                if errors.last() != Some(&e) {
+                    errors.push(e);
+                }
+            }
+            Err(e) => {
+                errors.push(e);
+                return Err(errors.join("; "));
+            }
         }
         std::thread::sleep(Duration::from_millis(500));
     }
-    Err(errors.join("; "))
 }
 
 fn open_reservations(settings: &Settings, activity_id: i64) -> redis::RedisResult<Vec<i64>> {
