@@ -3,7 +3,8 @@
 # chromedriver (when missing) and Selenium from PyPI (into a venv under
 # ~/.cache/seckill/), starts a development server on its own database and
 # prefixes, and runs tests/browser/console_test.py against it. Screenshots
-# go to target/console-screenshots/.
+# go to target/console-screenshots/. With --install-only it installs and
+# stops there (scripts/install.sh).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -16,7 +17,6 @@ SHOTS=$ROOT/target/console-screenshots
 
 say() { printf '\n== %s\n' "$*" >&2; }
 
-scripts/services.sh up >/dev/null
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   say "installing chromium and chromium-driver (Debian)"
   [ "$(id -u)" = 0 ] || { echo "install the Debian packages chromium and chromium-driver" >&2; exit 1; }
@@ -25,6 +25,8 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
     chromium chromium-driver >/dev/null
 fi
 python_venv "$VENV" selenium "selenium==$SELENIUM_VERSION"
+[ "${1:-}" = --install-only ] && exit 0
+scripts/services.sh up >/dev/null
 
 # A development server: the console signs in with development tokens and
 # pays through the mock provider. Each activity takes at most 3 purchases

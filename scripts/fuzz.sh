@@ -8,6 +8,7 @@
 #
 #   scripts/fuzz.sh                 # the full run: 10 000+ requests
 #   SECKILL_FUZZ_EXAMPLES=20 scripts/fuzz.sh   # short (scripts/test.sh)
+#   scripts/fuzz.sh --install-only  # only install schemathesis (scripts/install.sh)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -22,8 +23,9 @@ VENV=${SECKILL_FUZZ_VENV:-$HOME/.cache/seckill/schemathesis-$SCHEMATHESIS_VERSIO
 
 say() { printf '\n== %s\n' "$*" >&2; }
 
-scripts/services.sh up >/dev/null
 python_venv "$VENV" schemathesis "schemathesis==$SCHEMATHESIS_VERSION"
+[ "${1:-}" = --install-only ] && exit 0
+scripts/services.sh up >/dev/null
 export SECKILL_ENV=test
 start_own_server fuzz
 

@@ -2,6 +2,7 @@
 # Redis, PostgreSQL and Apache Kafka (KRaft) for seckill, on loopback.
 #
 #   scripts/services.sh up           install what is missing, start, wait until each answers
+#   scripts/services.sh install      only install what is missing (packages, Kafka's jars)
 #   scripts/services.sh up --redis-cluster
 #                                    also a 3-master Redis Cluster (Redis port + 1000..1002);
 #                                    `scripts/services.sh cluster-url` prints its redis.url
@@ -443,6 +444,10 @@ case "${1:-}" in
     kafka_up
     status
     ;;
+  install)
+    install_missing
+    kafka_fetch
+    ;;
   cluster-url)
     load_settings
     cluster_url
@@ -496,7 +501,7 @@ case "${1:-}" in
     status
     ;;
   *)
-    echo "usage: $0 up [--redis-cluster]|down|start NAME|stop NAME|status|cluster-url" >&2
+    echo "usage: $0 up [--redis-cluster]|install|down|start NAME|stop NAME|status|cluster-url" >&2
     exit 2
     ;;
 esac
