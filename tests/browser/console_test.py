@@ -168,6 +168,20 @@ def click_when_enabled(driver, what, css):
     wait_for(driver, what, attempt)
 
 
+def focus_input(driver, what, css):
+    """Clicks into the input at `css` and returns it once it has the focus.
+    A table row is redrawn every second until one of its inputs has the
+    focus, so a found input may be gone by the click: found again."""
+    def attempt(d):
+        try:
+            field = d.find_element(By.CSS_SELECTOR, css)
+            field.click()
+            return field if d.switch_to.active_element == field else None
+        except (NoSuchElementException, StaleElementReferenceException):
+            return None
+    return wait_for(driver, what, attempt)
+
+
 def shot(driver, name):
     """A screenshot of the whole page (the window stretched to its height)."""
     height = driver.execute_script("return document.documentElement.scrollHeight")
@@ -387,7 +401,7 @@ def operator_page(driver, main, room):
     # The waiting room: its queue's figures, and its rate changed live.
     room_row = f'#room-table tr[data-id="{room}"]'
     wait_for(driver, "the room's figures", lambda d: text(d, room_row + " .tickets") == "4")
-    rate = driver.find_element(By.CSS_SELECTOR, room_row + " .rate")
+    rate = focus_input(driver, "the room's rate field", room_row + " .rate")
     rate.clear()
     rate.send_keys("7")
     driver.find_element(By.CSS_SELECTOR, room_row + " .set-rate").click()

@@ -791,6 +791,8 @@ const operator = {
     const res = await api("PATCH", "/api/v1/admin/activities/" + id + "/waiting-room", body, session.token);
     if (!res.ok) return showProblem(res);
     showMessage("Activity " + id + ": " + res.data.admit_per_sec + " admitted a second.", "OK", "ok");
+    // The form is done with: the table may be redrawn again.
+    if (document.activeElement && document.activeElement.closest("#room-table")) document.activeElement.blur();
     this.table();
   },
 
