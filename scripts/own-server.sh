@@ -53,7 +53,9 @@ start_own_server() {
   $BIN migrate >/dev/null
   $BIN serve >"$OUT/server.log" 2>&1 &
   OWN_SERVER=$!
-  for _ in $(seq 1 600); do
+  # Up to 3 minutes: a broker started moments ago answers "coordinator
+  # load in progress" for a while, and the server is ready only after.
+  for _ in $(seq 1 1800); do
     curl -fs "$URL/health/ready" >/dev/null 2>&1 && return 0
     kill -0 "$OWN_SERVER" 2>/dev/null || { cat "$OUT/server.log" >&2; exit 1; }
     sleep 0.1

@@ -30,6 +30,7 @@ from selenium.common.exceptions import (
 )
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 BASE = sys.argv[1].rstrip("/")
@@ -171,7 +172,8 @@ def click_when_enabled(driver, what, css):
 def focus_input(driver, what, css):
     """Clicks into the input at `css` and returns it once it has the focus.
     A table row is redrawn every second until one of its inputs has the
-    focus, so a found input may be gone by the click: found again."""
+    focus, so a found input may be gone by the click: found again. Type
+    into it with send_keys only: clear() blurs it."""
     def attempt(d):
         try:
             field = d.find_element(By.CSS_SELECTOR, css)
@@ -401,9 +403,12 @@ def operator_page(driver, main, room):
     # The waiting room: its queue's figures, and its rate changed live.
     room_row = f'#room-table tr[data-id="{room}"]'
     wait_for(driver, "the room's figures", lambda d: text(d, room_row + " .tickets") == "4")
+    # Typed over, not cleared: WebDriver's clear takes the focus away, and
+    # the table is redrawn under the next keys.
     rate = focus_input(driver, "the room's rate field", room_row + " .rate")
-    rate.clear()
+    rate.send_keys(Keys.CONTROL, "a")
     rate.send_keys("7")
+    assert rate.get_attribute("value") == "7", rate.get_attribute("value")
     driver.find_element(By.CSS_SELECTOR, room_row + " .set-rate").click()
     wait_for(driver, "the new rate", lambda d: "7 admitted a second" in d.find_element(By.ID, "message").text)
     status, body = call("GET", f"/api/v1/admin/activities/{room}/stats", token=ADMIN)
