@@ -122,34 +122,24 @@ impl GroupProgress {
             .context("Kafka progress task failed")?;
         super::watchdog::holds_since(&self.failing_since, result.is_err(), now_ms());
         if let Err(e) = &result {
-            self.renew_if_leaderless(e);
+            self.renew_after_failure(e);
         }
         result
     }
 
-    /// A topic just made (every test, a new deployment) has partitions
-    /// without a leader for a moment, longer on a loaded host. A client that
-    /// asked then can keep that answer (librdkafka #5430) and fail every
-    /// sample after, and with `kafka.consumer_stall_secs` at 0 nothing else
-    /// rebuilds it. Such a failure makes the next sample use a new client,
-    /// at most once every 5 s. The client never joins the group: a new one
-    /// costs a connection, nothing else.
-    fn renew_if_leaderless(&self, error: &anyhow::Error) {
-        use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
-        let leaderless = error
-            .chain()
-            .filter_map(|c| c.downcast_ref::<KafkaError>())
-            .filter_map(KafkaError::rdkafka_error_code)
-            .any(|c| {
-                matches!(
-                    c,
-                    Code::NotLeaderForPartition
-                        | Code::LeaderNotAvailable
-                        | Code::UnknownTopicOrPartition
-                )
-            });
+    /// A sample that failed makes the next one use a new client, at most
+    /// once every 5 s. A topic just made (every test, a new deployment)
+    /// has partitions without a leader for a moment, longer on a loaded
+    /// host, and a client that asked then can keep that answer (librdkafka
+    /// #5430); a client that asked a broker still loading its group
+    /// coordinators can sit in a broken coordinator state and time out
+    /// every offset query after. Either fails every sample, and with
+    /// `kafka.consumer_stall_secs` at 0 nothing else rebuilds it. The
+    /// client never joins the group: a new one costs a connection, nothing
+    /// else, and one that also fails is a broker that does not answer.
+    fn renew_after_failure(&self, error: &anyhow::Error) {
         let now = now_ms();
-        if !leaderless || now - self.renewed_at.load(Ordering::Relaxed) < 5_000 {
+        if now - self.renewed_at.load(Ordering::Relaxed) < 5_000 {
             return;
         }
         let Ok(new) = Self::client(&self.kafka, &self.group) else {
@@ -158,7 +148,8 @@ impl GroupProgress {
         self.renewed_at.store(now, Ordering::Relaxed);
         tracing::debug!(
             group = self.group,
-            "a partition had no leader; the progress client is made anew"
+            error = format!("{error:#}"),
+            "a progress sample failed; the client is made anew"
         );
         let old = std::mem::replace(
             &mut *self.client.lock().unwrap_or_else(|e| e.into_inner()),

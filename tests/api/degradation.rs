@@ -181,15 +181,27 @@ async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
     );
 }
 
-/// Polls `/metrics` until the sampled order-consumer lag is `lag`.
+/// Polls `/metrics` until the sampled order-consumer lag is `lag`; a
+/// timeout names the last figure sampled (-1: every sample failed) and
+/// what readiness said of Kafka then.
 async fn wait_for_lag(app: &TestApp, lag: i64) {
     let line = format!("seckill_order_consumer_lag {lag}\n");
-    let what = format!("lag sampled as {lag}");
-    crate::helpers::eventually(&what, std::time::Duration::from_secs(120), || async {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
         let text = app.get("/metrics", None).await.text().await.unwrap();
-        text.contains(&line).then_some(())
-    })
-    .await;
+        if text.contains(&line) {
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            let seen = text
+                .lines()
+                .find(|l| l.starts_with("seckill_order_consumer_lag "))
+                .unwrap_or("no lag line");
+            let ready = app.get("/health/ready", None).await.text().await.unwrap();
+            panic!("not within 120s: lag sampled as {lag}; last {seen}; /health/ready: {ready}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test]
