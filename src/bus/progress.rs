@@ -92,13 +92,9 @@ impl GroupProgress {
             "Kafka progress client wedged (its queries fail while a fresh client gets answers); rebuilding it"
         );
         supervision.rebuilds.with_label_values(&["progress"]).inc();
-        let old = std::mem::replace(
-            &mut *self.client.lock().unwrap_or_else(|e| e.into_inner()),
-            new,
-        );
+        self.replace_client(new);
         // A new client gets a whole window of its own.
         self.failing_since.store(now_ms(), Ordering::Relaxed);
-        tokio::task::spawn_blocking(move || drop(old));
     }
 
     /// True when the group has committed every partition up to its end:
@@ -151,9 +147,15 @@ impl GroupProgress {
             error = format!("{error:#}"),
             "a progress sample failed; the client is made anew"
         );
+        self.replace_client(Arc::new(new));
+    }
+
+    /// Puts `new` in the old client's place; the old one is destroyed on
+    /// the blocking pool (destroying a client waits on its threads).
+    fn replace_client(&self, new: Arc<BaseConsumer>) {
         let old = std::mem::replace(
             &mut *self.client.lock().unwrap_or_else(|e| e.into_inner()),
-            Arc::new(new),
+            new,
         );
         tokio::task::spawn_blocking(move || drop(old));
     }
