@@ -870,6 +870,21 @@ impl TestApp {
         }
     }
 
+    /// The replay of `order_as_r_user`'s purchase (request_id `r<user>`),
+    /// each attempt with a fresh token, a 503 retried for up to a minute:
+    /// the status the replay itself was answered with (a replay after a
+    /// 503 is still a replay: 200, never reported as 202).
+    pub async fn replay_as_r_user(&self, activity_id: i64, user: i64) -> (u16, serde_json::Value) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let (status, answer) = self.attempt(user, activity_id, &format!("r{user}")).await;
+            if status != 503 || std::time::Instant::now() >= deadline {
+                return (status, answer);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+
     /// Deletes every Redis key of an activity, as a Redis restarted empty
     /// would: its base keys and, sharded, every shard's.
     pub async fn forget_in_redis(&self, activity_id: i64) {

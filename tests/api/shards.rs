@@ -259,13 +259,13 @@ async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_an
         "the sale back on Redis",
         Duration::from_secs(30),
         || async {
-            let (status, _) = app.order_as_r_user(activity, 1).await;
+            let (status, _) = app.replay_as_r_user(activity, 1).await;
             (status != 503).then_some(())
         },
     )
     .await;
     for user in 1..=3 {
-        let (status, replay) = app.order_as_r_user(activity, user).await;
+        let (status, replay) = app.replay_as_r_user(activity, user).await;
         assert_eq!(status, 200, "{replay}");
         assert_eq!(replay["order_no"], order_nos[user as usize - 1].as_str());
         assert_eq!(replay["status"], "WAITING_PAY");
@@ -327,7 +327,7 @@ async fn a_sharded_activity_that_lost_one_shard_is_restored_and_that_shards_buye
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
     for user in (1..=6).filter(|u| layout.shard_of_user(*u) == lost) {
-        let (status, replay) = app.order_as_r_user(activity, user).await;
+        let (status, replay) = app.replay_as_r_user(activity, user).await;
         assert_eq!(status, 200, "{replay}");
         assert_eq!(replay["order_no"], order_nos[user as usize - 1].as_str());
     }

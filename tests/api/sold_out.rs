@@ -59,7 +59,7 @@ async fn sold_out_answers_come_from_memory_without_a_redis_call_and_buyers_with_
 
     // A buyer with an order: the replay gets it, a new purchase hears
     // LIMIT_EXCEEDED; both from Redis.
-    let (status, replay) = app.order_as_r_user(activity, 1).await;
+    let (status, replay) = app.replay_as_r_user(activity, 1).await;
     assert_eq!(status, 200, "{replay}");
     assert_eq!(replay["order_no"], orders[0].as_str());
     let (status, body) = app.buy(2, activity).await;

@@ -316,7 +316,7 @@ def waiting_room_page(driver):
     wait_for(driver, "the room's card", lambda d: d.find_elements(By.CSS_SELECTOR, card + " .join"))
     click_when_enabled(driver, "Join the queue", card + " .join")
     wait_for(driver, "a pre-queue ticket", lambda d: card_ticket(d, queued) == "PREQUEUE")
-    assert "pre-queue" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+    wait_for(driver, "'pre-queue' on the ticket", lambda d: "pre-queue" in text(d, card + " .ticket"))
     assert not driver.find_element(By.CSS_SELECTOR, card + " .buy").is_enabled()
     shot(driver, "buyer-queue-prequeue.png")
     for other in (601, 602, 603):
@@ -325,10 +325,12 @@ def waiting_room_page(driver):
     seen = wait_for(driver, "the position, then the turn", lambda d: (
         card_ticket(d, queued) in ("QUEUED", "ADMITTED") and card_ticket(d, queued)))
     if seen == "QUEUED":
-        assert "ahead of you" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+        # Read while it lasts: the turn may come between the two reads.
+        wait_for(driver, "the position on the ticket", lambda d: "ahead of you" in text(
+            d, card + " .ticket") or card_ticket(d, queued) == "ADMITTED")
         shot(driver, "buyer-queue-position.png")
     wait_for(driver, "the buyer's turn", lambda d: card_ticket(d, queued) == "ADMITTED")
-    assert "Your turn" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+    wait_for(driver, "'Your turn' on the ticket", lambda d: "Your turn" in text(d, card + " .ticket"))
     shot(driver, "buyer-queue-turn.png")
     code = click_buy(driver, queued)
     assert code == "ACCEPTED", code
@@ -352,13 +354,13 @@ def waiting_room_page(driver):
     wait_for(driver, "the second room's card", lambda d: d.find_elements(By.CSS_SELECTOR, card + " .join"))
     click_when_enabled(driver, "Join the second queue", card + " .join")
     wait_for(driver, "the waitlist", lambda d: card_ticket(d, last) == "SOLD_OUT")
-    assert "waitlist" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+    wait_for(driver, "'waitlist' on the ticket", lambda d: "waitlist" in text(d, card + " .ticket"))
     shot(driver, "buyer-queue-waitlist.png")
     # Buyer 611 cancels: the unit goes to the next ticket, ours.
     status, body = call("POST", f"/api/v1/orders/{order['order_no']}/cancel", {}, first)
     assert status == 200, (status, body)
     wait_for(driver, "the offer", lambda d: card_ticket(d, last) == "OFFERED")
-    assert "came back for you" in text(driver, card + " .ticket"), text(driver, card + " .ticket")
+    wait_for(driver, "'came back for you' on the ticket", lambda d: "came back for you" in text(d, card + " .ticket"))
     shot(driver, "buyer-queue-offer.png")
     code = click_buy(driver, last)
     assert code == "ACCEPTED", code
@@ -394,12 +396,14 @@ def operator_page(driver, main, room):
     wait_for(driver, "signed in as admin", lambda d: "(admin)" in d.find_element(By.ID, "whoami").text)
     # The paid unit shows as sold, Redis and the database side by side.
     row = f'#activity-table tr[data-id="{main}"]'
-    wait_for(driver, "the main activity's figures", lambda d: text(d, row + " .db-sold") == "1")
-    redis, db = text(driver, row + " .redis-available"), text(driver, row + " .db-available")
-    assert redis == db == "2", (redis, db)
+    # Read in one wait: the table is redrawn every second, and a cell read
+    # just after a redraw reads as "" (text() of a stale element).
+    wait_for(driver, "the main activity's figures: 1 sold, 2 available in Redis and the database",
+             lambda d: (text(d, row + " .db-sold"), text(d, row + " .redis-available"),
+                        text(d, row + " .db-available")) == ("1", "2", "2"))
     # Live figures from /metrics: the accepted purchases were counted.
     wait_for(driver, "the live rates", lambda d: text(d, "#rate-accepted") not in ("", "–"))
-    assert text(driver, "#outbox").count("/") == 2, text(driver, "#outbox")
+    wait_for(driver, "the outbox figures", lambda d: text(d, "#outbox").count("/") == 2)
     # The waiting room: its queue's figures, and its rate changed live.
     room_row = f'#room-table tr[data-id="{room}"]'
     wait_for(driver, "the room's figures", lambda d: text(d, room_row + " .tickets") == "4")
@@ -428,8 +432,9 @@ def operator_page(driver, main, room):
     new_row = f'#activity-table tr[data-id="{new_id}"]'
     wait_for(driver, "the new activity's row", lambda d: text(d, new_row + " .status") == "PENDING")
     click_when_enabled(driver, "its Warm up button", new_row + " .warmup")
-    wait_for(driver, "warmed up", lambda d: text(d, new_row + " .status") == "READY")
-    assert text(driver, new_row + " .redis-available") == "100"
+    wait_for(driver, "warmed up, 100 units in Redis",
+             lambda d: (text(d, new_row + " .status"), text(d, new_row + " .redis-available"))
+             == ("READY", "100"))
     status, body = call("GET", f"/api/v1/admin/activities/{new_id}/stats", token=ADMIN)
     assert status == 200 and body["redis_available"] == 100, (status, body)
 

@@ -191,8 +191,20 @@ impl Services {
     pub async fn flush_redis_node(&self, node: usize) {
         let url = format!("redis://127.0.0.1:{}", self.redis_ports[node]);
         let client = redis::Client::open(url.as_str()).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+        // Not the client's defaults (1 s to connect, 0.5 s to answer): a
+        // fresh-clone run's host was busy enough that a FLUSHALL amid a
+        // burst took longer, and the fault, not the sale, failed the test.
+        let patient = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(std::time::Duration::from_secs(30)))
+            .set_response_timeout(Some(std::time::Duration::from_secs(60)));
+        let mut conn = client
+            .get_multiplexed_async_connection_with_config(&patient)
+            .await
+            .unwrap_or_else(|e| panic!("connecting to Redis node {node} to flush it: {e}"));
+        let _: () = redis::cmd("FLUSHALL")
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("FLUSHALL on Redis node {node}: {e}"));
     }
 }
 
