@@ -885,6 +885,24 @@ impl TestApp {
         }
     }
 
+    /// Takes the reconcile lease as "another" instance, so that the server's
+    /// periodic run (every second under `restores_quickly`) neither repairs
+    /// nor restores until `end_lease("reconcile", "another")`.
+    pub async fn hold_the_reconcile_lease(&self) -> seckill::store::notes::Notes {
+        let notes = seckill::store::notes::Notes::new(&self.settings.redis).unwrap();
+        // The server's own periodic run may hold it a moment.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !notes
+            .try_lease("reconcile", "another", 60_000)
+            .await
+            .unwrap()
+        {
+            assert!(std::time::Instant::now() < deadline, "lease never free");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        notes
+    }
+
     /// Deletes every Redis key of an activity, as a Redis restarted empty
     /// would: its base keys and, sharded, every shard's.
     pub async fn forget_in_redis(&self, activity_id: i64) {

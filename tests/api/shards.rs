@@ -244,9 +244,13 @@ async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_an
     app.drained(activity, 6).await;
 
     // Redis loses everything of the activity: its base keys and every
-    // shard's.
+    // shard's. The reconciler is held off until the loss has been seen (it
+    // could restore two seconds after it saw it, before the read on a
+    // busy host).
+    let lease = app.hold_the_reconcile_lease().await;
     app.forget_in_redis(activity).await;
     assert_eq!(app.stats(activity).await["redis_available"], 0);
+    lease.end_lease("reconcile", "another").await.unwrap();
 
     // Restored by itself, into the right shards: replays and limits hold
     // for buyers of every shard.
