@@ -354,15 +354,8 @@ async fn cancel_and_timeout_each_return_the_coupon_exactly_once() {
     // user's limit back, through stock.released).
     app.wait_for_stats(activity, 30, |s| s["redis_available"] == 10)
         .await;
-    let token = app.purchase_token(1, activity).await;
-    let res = app
-        .order(
-            1,
-            activity,
-            &json!({"request_id": "again", "token": token, "coupon_id": coupon}),
-        )
-        .await;
-    assert_eq!(res.status(), 202);
+    let (status, body) = buy_with_coupon(&app, 1, activity, coupon, "again").await;
+    assert_eq!(status, 202, "{body}");
 
     // Timeout.
     let slow = app.live_activity_paying_within(10, 1).await;
