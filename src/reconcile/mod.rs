@@ -427,15 +427,23 @@ impl Reconciler {
         layout: Layout,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        let (f, unsent): (Figures, i64) = store::run(&self.db, move |conn| {
-            Ok((
-                figures(conn, activity_id)?,
-                unsent_releases(conn, activity_id)?,
-            ))
+        let ttl = self.settings.admission.reservation_ttl_secs;
+        let (f, released, unsent) = store::run(&self.db, move |conn| {
+            Ok(conn
+                .build_transaction()
+                .read_only()
+                .repeatable_read()
+                .run(|conn| {
+                    Ok::<_, diesel::result::Error>((
+                        figures(conn, activity_id)?,
+                        released_orders(conn, activity_id, ttl)?,
+                        unsent_releases(conn, activity_id)?,
+                    ))
+                })?)
         })
         .await?;
         let open = self.gate.open_reservations(activity_id, layout).await?;
-        self.apply_releases(activity_id, layout).await?;
+        self.apply_releases(activity_id, layout, &released).await?;
         if f.waiting_units > 0 || open > 0 || unsent > 0 {
             return Ok(());
         }
@@ -479,12 +487,31 @@ impl Reconciler {
         // compare-and-set below refuses to act on it.
         let redis_before = self.gate.available(activity_id, layout).await?;
         let open = self.gate.open_reservations(activity_id, layout).await?;
-        let f: Figures = store::run(&self.db, move |conn| Ok(figures(conn, activity_id)?)).await?;
+        // The figures and the releases to apply from ONE snapshot: a cancel
+        // committing between two separate reads would have its units added
+        // to Redis below but missing from the figures, and the repair would
+        // take them away again (Redis one unit short until the next run).
+        let ttl = self.settings.admission.reservation_ttl_secs;
+        let (f, released) = store::run(&self.db, move |conn| {
+            Ok(conn
+                .build_transaction()
+                .read_only()
+                .repeatable_read()
+                .run(|conn| {
+                    Ok::<_, diesel::result::Error>((
+                        figures(conn, activity_id)?,
+                        released_orders(conn, activity_id, ttl)?,
+                    ))
+                })?)
+        })
+        .await?;
         self.show_stock(activity_id, redis_before, open, &f);
-        // Every release the database has committed by now is applied to
-        // Redis before the comparison, by the same idempotent script the
-        // stock releaser runs: the releaser's copy, later, is a no-op.
-        let added = self.apply_releases(activity_id, layout).await?;
+        // Every release of that snapshot is applied to Redis before the
+        // comparison, by the same idempotent script the stock releaser
+        // runs: the releaser's copy, later, is a no-op. A release committed
+        // after the snapshot is in neither figure; if the releaser applies
+        // it before the repair, the compare-and-set sees the moved sum.
+        let added = self.apply_releases(activity_id, layout, &released).await?;
         if added > 0 {
             report.repaired.push(format!(
                 "gave {added} units of cancelled or closed orders back to Redis (their release had not been applied)"
@@ -579,29 +606,19 @@ impl Reconciler {
         let _ = self.metrics.open_reservations.remove_label_values(&[&id]);
     }
 
-    /// Applies, for every cancelled or closed order whose release Redis
+    /// Applies, for every order of `released` whose release Redis
     /// has not seen, the release the stock releaser would apply (the same
     /// idempotent script, so the releaser's copy, later, is a no-op): when
     /// its reservation is still held (open or committed), and when its
     /// record is gone although it cannot have expired yet (Redis lost it;
     /// the script then records the release as it gives the units back).
     /// Returns the units given back now.
-    async fn apply_releases(&self, activity_id: ActivityId, layout: Layout) -> anyhow::Result<i64> {
-        let ttl = crate::clock::millis(self.settings.admission.reservation_ttl_secs) / 1000;
-        let released: Vec<Released> = store::run(&self.db, move |conn| {
-            Ok(diesel::sql_query(format!(
-                "SELECT order_no, user_id, quantity, \
-                   created_at > now() - make_interval(secs => $2) + interval '1 day' AS record_alive \
-                 FROM orders \
-                 WHERE activity_id = $1 AND status IN ({}) \
-                   AND closed_at > now() - make_interval(secs => $2)",
-                OrderStatus::sql_list(&[OrderStatus::Cancelled, OrderStatus::Closed])
-            ))
-            .bind::<BigInt, _>(activity_id)
-            .bind::<diesel::sql_types::Double, _>(ttl as f64)
-            .load(conn)?)
-        })
-        .await?;
+    async fn apply_releases(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+        released: &[Released],
+    ) -> anyhow::Result<i64> {
         let mut added = 0;
         for chunk in released.chunks(500) {
             let nos: Vec<i64> = chunk.iter().map(|o| o.order_no).collect();
@@ -636,6 +653,26 @@ impl Reconciler {
             .with_label_values(&[what, kind])
             .inc();
     }
+}
+
+/// The activity's cancelled and closed orders whose release Redis may not
+/// have seen yet: closed within a reservation's lifetime (`ttl`).
+fn released_orders(
+    conn: &mut PgConn,
+    activity_id: ActivityId,
+    ttl: Duration,
+) -> QueryResult<Vec<Released>> {
+    diesel::sql_query(format!(
+        "SELECT order_no, user_id, quantity, \
+           created_at > now() - make_interval(secs => $2) + interval '1 day' AS record_alive \
+         FROM orders \
+         WHERE activity_id = $1 AND status IN ({}) \
+           AND closed_at > now() - make_interval(secs => $2)",
+        OrderStatus::sql_list(&[OrderStatus::Cancelled, OrderStatus::Closed])
+    ))
+    .bind::<BigInt, _>(activity_id)
+    .bind::<diesel::sql_types::Double, _>((crate::clock::millis(ttl) / 1000) as f64)
+    .load(conn)
 }
 
 /// `stock.released` events of the activity the outbox has not sent yet.
