@@ -53,17 +53,11 @@ pub async fn read(
     // The stock row and the order counts from ONE snapshot, so a transition
     // committing in between can never show, say, CLOSED with its units still
     // locked.
-    let (found, counts) = store::run(db, move |conn| {
-        Ok(conn
-            .build_transaction()
-            .read_only()
-            .repeatable_read()
-            .run(|conn| {
-                Ok::<_, diesel::result::Error>((
-                    repo::find_with_stock(conn, id)?,
-                    repo::order_counts(conn, id)?,
-                ))
-            })?)
+    let (found, counts) = store::snapshot(db, move |conn| {
+        Ok((
+            repo::find_with_stock(conn, id)?,
+            repo::order_counts(conn, id)?,
+        ))
     })
     .await?;
     let Some((activity, stock)) = found else {

@@ -54,14 +54,7 @@ impl Reconciler {
                 waiting.push(id);
                 continue;
             }
-            let snapshot = store::run(&self.db, move |conn| {
-                Ok(conn
-                    .build_transaction()
-                    .read_only()
-                    .repeatable_read()
-                    .run(|conn| repo::snapshot(conn, id))?)
-            })
-            .await?;
+            let snapshot = store::snapshot(&self.db, move |conn| repo::snapshot(conn, id)).await?;
             let Some(b) = snapshot else { continue };
             self.coupons
                 .restore(b.coupon_id, b.remaining, b.valid_until_ms, &b.claims)

@@ -89,14 +89,8 @@ impl Reconciler {
         let ttl_secs = self.settings.admission.reservation_ttl_secs.as_secs_f64();
         self.switch_admission(activity_id, &[Mode::Database, Mode::Redis], Mode::Restoring)
             .await?;
-        let restore = store::run(&self.db, move |conn| {
-            Ok(conn
-                .build_transaction()
-                .read_only()
-                .repeatable_read()
-                .run(|conn| snapshot(conn, activity_id, ttl_secs))?)
-        })
-        .await?;
+        let restore =
+            store::snapshot(&self.db, move |conn| snapshot(conn, activity_id, ttl_secs)).await?;
         let Some(restore) = restore else {
             return Ok(report);
         };

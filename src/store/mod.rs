@@ -115,6 +115,24 @@ where
     .context("database task panicked or was cancelled")?
 }
 
+/// Runs `f` as [`run`] does, inside one read-only REPEATABLE READ
+/// transaction: every query of `f` sees the same snapshot, so figures read
+/// together describe one moment.
+pub async fn snapshot<T, F>(pool: &PgPool, f: F) -> anyhow::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut PgConn) -> diesel::QueryResult<T> + Send + 'static,
+{
+    run(pool, move |conn| {
+        Ok(conn
+            .build_transaction()
+            .read_only()
+            .repeatable_read()
+            .run(f)?)
+    })
+    .await
+}
+
 /// `SELECT 1` on a connection of `pool` (readiness).
 pub async fn ping(pool: &PgPool) -> anyhow::Result<()> {
     run(pool, |conn| {
