@@ -210,13 +210,19 @@ async fn postgres_restarted_mid_drain_loses_and_duplicates_nothing() {
     let chaos = Chaos::start_with("postgres_restarted", |env| {
         // Small batches: the drain takes long enough to be interrupted.
         env.push(("SECKILL__ORDERS__BATCH_SIZE", "5".into()));
+        // A checkout gives up after 1 s, well inside the outage below (5 s
+        // plus the stop and the start): a batch a consumer begins in the
+        // outage's first 4 s fails, however quickly PostgreSQL comes back.
+        // With the default 3 s against a 3 s outage only the batches of
+        // one short window failed, and on a slow host none did.
+        env.push(("SECKILL__POSTGRES__TIMEOUT_MS", "1000".into()));
     })
     .await;
     let sale = Sale::new(&chaos, 3000, 2000).await;
     let outcome = sale
         .run_with_fault(Fault::At(0.3), || async {
             chaos.services.stop("postgres").await;
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
             chaos.services.up().await;
         })
         .await;
