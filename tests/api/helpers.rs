@@ -174,13 +174,26 @@ impl TestApp {
         self.keys.mint(1, Role::Admin, 3600).expect("mint")
     }
 
-    /// `GET path` with an optional bearer token.
+    /// `GET path` with an optional bearer token. A connection closed
+    /// before the answer is tried again, twice at most, as HTTP clients do
+    /// with an idempotent request: on a starved host the server can close
+    /// a kept-alive connection the client has just written to.
     pub async fn get(&self, path: &str, token: Option<&str>) -> reqwest::Response {
-        let mut req = self.client.get(format!("{}{path}", self.address));
-        if let Some(t) = token {
-            req = req.bearer_auth(t);
+        let mut attempt = 1;
+        loop {
+            let mut req = self.client.get(format!("{}{path}", self.address));
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            match req.send().await {
+                Ok(res) => return res,
+                Err(e) if attempt < 3 && (e.is_request() || e.is_connect()) => {
+                    eprintln!("GET {path}: {e:?}; trying again");
+                    attempt += 1;
+                }
+                Err(e) => panic!("request sent: {e:?}"),
+            }
         }
-        req.send().await.expect("request sent")
     }
 
     /// `POST path` with a JSON body and an optional bearer token.
