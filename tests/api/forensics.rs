@@ -185,14 +185,16 @@ fn client_for(
     Ok((consumer, partitions))
 }
 
-/// The `error` headers of every message on `topic` now (blocking).
+/// The `error` headers of every message on `topic` now (blocking); one
+/// try, for callers that poll.
 pub fn errors_on(settings: &Settings, topic: &str) -> Result<Vec<String>, String> {
     scan(settings, topic).map(|s| s.errors)
 }
 
-/// The key of every message on `topic` now (blocking).
+/// The key of every message on `topic` now (blocking), asked again while
+/// the broker answers with an error ([`retried`]).
 pub fn keys_on(settings: &Settings, topic: &str) -> Result<Vec<String>, String> {
-    scan(settings, topic).map(|s| s.by_key.into_keys().collect())
+    retried(|| scan(settings, topic)).map(|s| s.by_key.into_keys().collect())
 }
 
 /// Reads `topic` from the beginning to its high watermarks, outside any group.
