@@ -174,21 +174,34 @@ impl TestApp {
         self.keys.mint(1, Role::Admin, 3600).expect("mint")
     }
 
-    /// `GET path` with an optional bearer token. A connection closed
-    /// before the answer is tried again, twice at most, as HTTP clients do
-    /// with an idempotent request: on a starved host the server can close
-    /// a kept-alive connection the client has just written to.
+    /// `GET path` with an optional bearer token, sent again if its
+    /// connection closed before the answer ([`TestApp::send_idempotent`]).
     pub async fn get(&self, path: &str, token: Option<&str>) -> reqwest::Response {
+        self.send_idempotent(path, || {
+            let req = self.client.get(format!("{}{path}", self.address));
+            match token {
+                Some(t) => req.bearer_auth(t),
+                None => req,
+            }
+        })
+        .await
+    }
+
+    /// Sends the request `build` makes; a connection closed before the
+    /// answer is tried again, twice at most, as HTTP clients do with an
+    /// idempotent request: on a starved host the server can close a
+    /// kept-alive connection the client has just written to.
+    async fn send_idempotent(
+        &self,
+        what: &str,
+        build: impl Fn() -> reqwest::RequestBuilder,
+    ) -> reqwest::Response {
         let mut attempt = 1;
         loop {
-            let mut req = self.client.get(format!("{}{path}", self.address));
-            if let Some(t) = token {
-                req = req.bearer_auth(t);
-            }
-            match req.send().await {
+            match build().send().await {
                 Ok(res) => return res,
                 Err(e) if attempt < 3 && (e.is_request() || e.is_connect()) => {
-                    eprintln!("GET {path}: {e:?}; trying again");
+                    eprintln!("{what}: {e:?}; trying again");
                     attempt += 1;
                 }
                 Err(e) => panic!("request sent: {e:?}"),
@@ -376,11 +389,15 @@ impl TestApp {
         activity_id: i64,
         body: &serde_json::Value,
     ) -> reqwest::Response {
-        self.post_json(
-            &format!("/api/v1/activities/{activity_id}/orders"),
-            body,
-            Some(&self.user_token(user_id)),
-        )
+        // Idempotent by its request_id: sent again if its connection closed.
+        let path = format!("/api/v1/activities/{activity_id}/orders");
+        let token = self.user_token(user_id);
+        self.send_idempotent(&path, || {
+            self.client
+                .post(format!("{}{path}", self.address))
+                .json(body)
+                .bearer_auth(&token)
+        })
         .await
     }
 
