@@ -210,11 +210,9 @@ async fn postgres_restarted_mid_drain_loses_and_duplicates_nothing() {
     let chaos = Chaos::start_with("postgres_restarted", |env| {
         // Small batches: the drain takes long enough to be interrupted.
         env.push(("SECKILL__ORDERS__BATCH_SIZE", "5".into()));
-        // A checkout gives up after 1 s, well inside the outage below (5 s
-        // plus the stop and the start): a batch a consumer begins in the
-        // outage's first 4 s fails, however quickly PostgreSQL comes back.
-        // With the default 3 s against a 3 s outage only the batches of
-        // one short window failed, and on a slow host none did.
+        // A checkout gives up after 1 s, well inside the outage below: a
+        // batch a consumer begins while PostgreSQL is down fails, however
+        // quickly it comes back.
         env.push(("SECKILL__POSTGRES__TIMEOUT_MS", "1000".into()));
     })
     .await;
@@ -222,16 +220,35 @@ async fn postgres_restarted_mid_drain_loses_and_duplicates_nothing() {
     let outcome = sale
         .run_with_fault(Fault::At(0.3), || async {
             chaos.services.stop("postgres").await;
+            // Down for 5 s, and on until a consumer's batch has failed on
+            // it (a minute at most): the buyers go on, so events keep
+            // coming, but a starved host may send none for seconds (fresh
+            // run 19: no delivery from 5 s before the stop to 1 s after
+            // the start), and then the restart interrupted nothing.
+            let since = Instant::now();
             tokio::time::sleep(Duration::from_secs(5)).await;
+            while chaos.log_lines_with(BATCH_FAILED) == 0
+                && since.elapsed() < Duration::from_secs(60)
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            eprintln!(
+                "postgres_restarted: down {:.1}s, {} failed batches by then",
+                since.elapsed().as_secs_f64(),
+                chaos.log_lines_with(BATCH_FAILED)
+            );
             chaos.services.up().await;
         })
         .await;
     chaos.settle_and_check(&sale, &outcome).await;
     assert!(
-        chaos.log_lines_with("order batch failed; retrying") > 0,
+        chaos.log_lines_with(BATCH_FAILED) > 0,
         "the restart interrupted the consumers' batches"
     );
 }
+
+/// What the order consumer logs when a batch fails and is tried again.
+const BATCH_FAILED: &str = "order batch failed; retrying";
 
 /// Redis flushed (FLUSHALL) mid-sale: reservations, tokens, stock, all of
 /// it. The reconciler restores the activity from the database.
