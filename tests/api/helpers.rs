@@ -188,9 +188,11 @@ impl TestApp {
     }
 
     /// Sends the request `build` makes; a connection closed before the
-    /// answer is tried again, twice at most, as HTTP clients do with an
-    /// idempotent request: on a starved host the server can close a
-    /// kept-alive connection the client has just written to.
+    /// answer, or a 408 (the server gave up reading the request: nothing
+    /// was done), is tried again, twice at most, as HTTP clients do with
+    /// an idempotent request. On a starved host the server can close a
+    /// kept-alive connection the client has just written to, or not read
+    /// a new one's request within its 5 s.
     async fn send_idempotent(
         &self,
         what: &str,
@@ -199,6 +201,10 @@ impl TestApp {
         let mut attempt = 1;
         loop {
             match build().send().await {
+                Ok(res) if res.status() == 408 && attempt < 3 => {
+                    eprintln!("{what}: 408; trying again");
+                    attempt += 1;
+                }
                 Ok(res) => return res,
                 Err(e) if attempt < 3 && (e.is_request() || e.is_connect()) => {
                     eprintln!("{what}: {e:?}; trying again");
