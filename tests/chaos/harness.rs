@@ -734,6 +734,47 @@ impl Chaos {
         crate::db::count(&self.settings.postgres.url, sql).await
     }
 
+    /// Locks the `orders` table from a connection of the test's own and
+    /// holds it until one of the server's writers waits on it (a minute at
+    /// most): the order consumers are then mid-batch, whatever the host's
+    /// speed. Returns the connection (the lock lives as long as it does)
+    /// and whether a writer waited.
+    pub async fn hold_order_writes(&self) -> (diesel::PgConnection, bool) {
+        use diesel::{Connection, RunQueryDsl};
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let url = self.settings.postgres.url.expose_secret().to_owned();
+        tokio::task::spawn_blocking(move || {
+            let mut conn =
+                diesel::PgConnection::establish(&url).expect("a connection of the test's");
+            diesel::sql_query("BEGIN")
+                .execute(&mut conn)
+                .expect("BEGIN");
+            diesel::sql_query("LOCK TABLE orders IN SHARE ROW EXCLUSIVE MODE")
+                .execute(&mut conn)
+                .expect("the orders table locked");
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let waiting = diesel::sql_query(
+                    "SELECT count(*) AS n FROM pg_stat_activity \
+                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .get_result::<N>(&mut conn)
+                .expect("pg_stat_activity read")
+                .n;
+                if waiting > 0 || Instant::now() > deadline {
+                    return (conn, waiting > 0);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+        .await
+        .expect("the lock task")
+    }
+
     pub(crate) async fn strings(&self, sql: &str) -> HashSet<String> {
         crate::db::strings(&self.settings.postgres.url, sql).await
     }
