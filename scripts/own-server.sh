@@ -31,9 +31,11 @@ python_venv() {
 
 start_own_server() {
   local name=$1
-  # The test profile: what `cargo test` built already (scripts/test.sh),
-  # in target/debug too.
-  cargo build --profile test --quiet --bin seckill
+  # The test profile, in target/debug. Under scripts/test.sh (SECKILL_BUILT)
+  # the binary its `cargo test` build left there: `cargo build` would make
+  # another one, as `cargo test` resolves the dev-dependencies' features
+  # into the build and `cargo build` does not (minutes on a slow host).
+  [ -n "${SECKILL_BUILT:-}" ] || cargo build --profile test --quiet --bin seckill
   BIN=target/debug/seckill
   eval "$(python3 scripts/settings.py)"
   OWN_RUN=$name$(date +%s)$$

@@ -40,7 +40,7 @@ LOGS=target/test-logs
 rm -rf "$LOGS" && mkdir -p "$LOGS"
 cargo test --no-run --lib --bins --tests --benches
 scripts/chaos.sh --build-only
-export SECKILL_CHAOS_BUILT=1
+export SECKILL_CHAOS_BUILT=1 SECKILL_BUILT=1
 
 # step NAME CMD...: runs CMD, records its seconds and result in $LOGS/steps.
 step() {
@@ -109,8 +109,12 @@ if [ "${SECKILL_TEST_LANES:-2}" = 1 ]; then
   lane_1
   lane_2
 else
-  # Lane 2's lines carry its name; its whole output is also in $LOGS/.
-  (lane_2 2>&1 | tee "$LOGS/faults.log" | sed -u 's/^/[faults] /') &
+  # Lane 2's lines carry its name and the suite's second they came at (a
+  # fault test's time is the difference of its line and the next test's);
+  # its whole output is also in $LOGS/.
+  (lane_2 2>&1 | tee "$LOGS/faults.log" | while IFS= read -r line || [ -n "$line" ]; do
+    printf '[faults %d s] %s\n' "$SECONDS" "$line"
+  done) &
   pid_2=$!
   trap 'kill "$pid_2" 2>/dev/null || true' INT TERM
   lane_1
