@@ -31,8 +31,8 @@ impl WorkerHandle {
     }
 
     /// Stops it at once, wherever it is (tests simulate a crash with this),
-    /// and waits until the task is gone — with it whatever it owned, such as
-    /// a Kafka consumer, which leaves its group as it is destroyed.
+    /// and waits until the task is gone. A Kafka consumer it owned is then
+    /// closed on a thread of its own, and leaves its group shortly after.
     pub async fn abort(self) {
         self.join.abort();
         let _ = self.join.await;

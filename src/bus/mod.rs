@@ -1,8 +1,10 @@
-//! Kafka through rdkafka. Every blocking rdkafka call (metadata, admin,
-//! consumer close) runs on the blocking pool, never on an async worker;
-//! offsets are stored locally after the database commits and committed by
-//! librdkafka's own background thread.
+//! Kafka through rdkafka. Every blocking rdkafka call (metadata, admin)
+//! runs on the blocking pool, never on an async worker; a client's
+//! destructor (a consumer's close can wait for ever) runs on a thread of
+//! its own ([`closing`]); offsets are stored locally after the database
+//! commits and committed by librdkafka's own background thread.
 
+pub mod closing;
 pub mod events;
 pub mod probe;
 pub mod producer;

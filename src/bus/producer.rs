@@ -28,6 +28,7 @@ use rdkafka::message::{DeliveryResult, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, ProducerContext, ThreadedProducer};
 use tokio::sync::oneshot;
 
+use super::closing::OffThread;
 use crate::config::KafkaSettings;
 
 /// Why a publish did not end in an acknowledgement.
@@ -249,7 +250,7 @@ type Client = ThreadedProducer<DeliveryContext>;
 /// the same client, which [`Producer::rebuild`] replaces for all of them.
 #[derive(Clone)]
 pub struct Producer {
-    inner: Arc<RwLock<Arc<Client>>>,
+    inner: Arc<RwLock<Arc<OffThread<Client>>>>,
     progress: Arc<Progress>,
     settings: Arc<KafkaSettings>,
 }
@@ -260,13 +261,13 @@ impl Producer {
         let progress = Arc::new(Progress::default());
         let inner = build(settings, &progress)?;
         Ok(Self {
-            inner: Arc::new(RwLock::new(Arc::new(inner))),
+            inner: Arc::new(RwLock::new(Arc::new(OffThread::new(inner)))),
             progress,
             settings: Arc::new(settings.clone()),
         })
     }
 
-    fn current(&self) -> Arc<Client> {
+    fn current(&self) -> Arc<OffThread<Client>> {
         self.inner.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -277,24 +278,18 @@ impl Producer {
     }
 
     /// Replaces the client for every clone. The old one is destroyed on
-    /// the blocking pool once nobody sends through it: its queue is purged,
-    /// each message reported as never sent or as unknown, as librdkafka
-    /// knows it (the unknown ones are sent again from their reservations).
+    /// a thread of its own once nobody sends through it (a send in hand
+    /// holds it for a moment): its queue is purged, each message reported
+    /// as never sent or as unknown, as librdkafka knows it (the unknown
+    /// ones are sent again from their reservations).
     pub fn rebuild(&self) -> anyhow::Result<()> {
-        let new = Arc::new(build(&self.settings, &self.progress)?);
+        let new = Arc::new(OffThread::new(build(&self.settings, &self.progress)?));
         let old = std::mem::replace(
             &mut *self.inner.write().unwrap_or_else(|e| e.into_inner()),
             new,
         );
         self.progress.restart();
-        tokio::task::spawn_blocking(move || {
-            // A send in hand holds a clone for a moment: the last drop,
-            // which blocks, is this thread's.
-            while Arc::strong_count(&old) > 1 {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            drop(old);
-        });
+        drop(old);
         Ok(())
     }
 

@@ -17,6 +17,7 @@ use anyhow::Context;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
+use super::closing::OffThread;
 use super::watchdog::StallTracker;
 use crate::config::KafkaSettings;
 use crate::worker::WorkerHandle;
@@ -25,7 +26,7 @@ use crate::worker::WorkerHandle;
 pub struct GroupProgress {
     /// Never subscribes: only asks the group coordinator and the leaders.
     /// Replaced by [`GroupProgress::heal`] when it wedges.
-    client: Mutex<Arc<BaseConsumer>>,
+    client: Mutex<Arc<OffThread<BaseConsumer>>>,
     kafka: KafkaSettings,
     group: String,
     topic: String,
@@ -41,7 +42,7 @@ impl GroupProgress {
     /// For consumer group `group` on `topic`. Connects on first use.
     pub fn new(kafka: &KafkaSettings, group: &str, topic: &str) -> anyhow::Result<Self> {
         Ok(Self {
-            client: Mutex::new(Arc::new(Self::client(kafka, group)?)),
+            client: Mutex::new(Arc::new(OffThread::new(Self::client(kafka, group)?))),
             kafka: kafka.clone(),
             group: group.to_owned(),
             topic: topic.to_owned(),
@@ -59,7 +60,7 @@ impl GroupProgress {
             .context("creating the Kafka progress client")
     }
 
-    fn current(&self) -> Arc<BaseConsumer> {
+    fn current(&self) -> Arc<OffThread<BaseConsumer>> {
         self.client
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -76,7 +77,7 @@ impl GroupProgress {
             return;
         }
         let new = match Self::client(&self.kafka, &self.group) {
-            Ok(c) => Arc::new(c),
+            Ok(c) => c,
             Err(e) => {
                 tracing::warn!(
                     error = format!("{e:#}"),
@@ -147,17 +148,17 @@ impl GroupProgress {
             error = format!("{error:#}"),
             "a progress sample failed; the client is made anew"
         );
-        self.replace_client(Arc::new(new));
+        self.replace_client(new);
     }
 
     /// Puts `new` in the old client's place; the old one is destroyed on
-    /// the blocking pool (destroying a client waits on its threads).
-    fn replace_client(&self, new: Arc<BaseConsumer>) {
+    /// a thread of its own once nobody samples through it.
+    fn replace_client(&self, new: BaseConsumer) {
         let old = std::mem::replace(
             &mut *self.client.lock().unwrap_or_else(|e| e.into_inner()),
-            new,
+            Arc::new(OffThread::new(new)),
         );
-        tokio::task::spawn_blocking(move || drop(old));
+        drop(old);
     }
 
     fn sample_blocking(&self) -> anyhow::Result<Sample> {

@@ -3,7 +3,8 @@
 //! handler says the batch's effects are durable, store its offsets. Offsets
 //! are stored locally (`enable.auto.offset.store=false`) and committed by
 //! librdkafka's own thread (`enable.auto.commit`), so no blocking commit
-//! runs on the async runtime; a client is closed on the blocking pool.
+//! runs on the async runtime; a client is closed on a thread of its own
+//! ([`super::closing`]).
 //!
 //! Each consumer runs under a supervisor ([`super::watchdog`]) that checks
 //! its progress every second and rebuilds the client when it is stalled.
@@ -20,6 +21,7 @@ use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use tokio_util::sync::CancellationToken;
 
 use super::Producer;
+use super::closing::OffThread;
 use super::progress::GroupProgress;
 use super::watchdog::{Health, Registry, StallTracker, Verdict, WatchedContext, verdict};
 use crate::config::KafkaSettings;
@@ -96,6 +98,14 @@ impl Supervision {
 
 type Client = StreamConsumer<WatchedContext>;
 
+/// A client shared by its supervisor and the task running it; destroyed
+/// (closed) on a thread of its own whoever lets go of it last.
+type Shared = Arc<OffThread<Client>>;
+
+/// The group's session timeout: a member silent for this long is out of
+/// the group anyway, so a stop waits no longer for a close to leave it.
+const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Starts the consumer of `sub` under its supervisor, on the current runtime.
 pub fn spawn<H: Handler>(
     kafka: &KafkaSettings,
@@ -123,14 +133,17 @@ pub fn spawn<H: Handler>(
     }))
 }
 
-fn build(kafka: &KafkaSettings, group: &str, topic: &str) -> anyhow::Result<Arc<Client>> {
+fn build(kafka: &KafkaSettings, group: &str, topic: &str) -> anyhow::Result<Shared> {
     let consumer: Client = super::client_config(kafka)
         .set("group.id", group)
         .set("enable.auto.commit", "true")
         .set("auto.commit.interval.ms", "500")
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "10000")
+        .set(
+            "session.timeout.ms",
+            SESSION_TIMEOUT.as_millis().to_string(),
+        )
         .set("fetch.wait.max.ms", "50")
         // The watchdog reads the group coordinator's state from these.
         .set("statistics.interval.ms", "1000")
@@ -139,7 +152,7 @@ fn build(kafka: &KafkaSettings, group: &str, topic: &str) -> anyhow::Result<Arc<
     consumer
         .subscribe(&[topic])
         .with_context(|| format!("subscribing to {topic}"))?;
-    Ok(Arc::new(consumer))
+    Ok(Arc::new(OffThread::new(consumer)))
 }
 
 /// Runs a client, checks it every second, rebuilds it when it is stalled.
@@ -151,7 +164,7 @@ async fn supervise<H: Handler>(
     handler: Arc<H>,
     supervision: Supervision,
     progress: Arc<GroupProgress>,
-    first: Arc<Client>,
+    first: Shared,
     shutdown: CancellationToken,
 ) {
     let health = supervision.register(&group, sub.group);
@@ -226,21 +239,25 @@ async fn supervise<H: Handler>(
                 restarted.notify_one();
                 // Closing may hang on an unreachable coordinator: let it,
                 // on a thread of its own, while the new client starts.
-                tokio::task::spawn_blocking(move || drop(consumer));
+                drop(consumer);
             }
             None => {
                 // Stopped: close it, committing the stored offsets and
-                // leaving the group (blocking).
+                // leaving the group, for as long as the group would wait.
                 stop.cancel();
-                let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
+                if let Ok(consumer) = Arc::try_unwrap(consumer)
+                    && !consumer.destroy_within(SESSION_TIMEOUT).await
+                {
+                    tracing::warn!(group, "the consumer did not close in time; leaving it");
+                }
                 health.set(None);
             }
         }
     }
     sampler.abort();
     let _ = sampler.await;
-    // The progress client's destructor joins librdkafka threads.
-    let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
+    // Its client is destroyed on a thread of its own.
+    drop(progress);
 }
 
 /// What a running client is judged on, every second.
@@ -322,7 +339,7 @@ async fn sample(
 }
 
 async fn run<H: Handler>(
-    consumer: Arc<Client>,
+    consumer: Shared,
     sub: Subscription,
     handler: Arc<H>,
     busy_since: Arc<AtomicI64>,
