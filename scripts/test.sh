@@ -43,13 +43,23 @@ scripts/chaos.sh --build-only
 export SECKILL_CHAOS_BUILT=1 SECKILL_BUILT=1
 
 # step NAME CMD...: runs CMD, records its seconds and result in $LOGS/steps.
+# A step still running after SECKILL_STEP_SECS (2400 s: several times the
+# slowest step on a slow host) is ended with everything it started and
+# fails, and the run goes on: a hang costs one step's limit, never CI's.
+STEP_SECS=${SECKILL_STEP_SECS:-2400}
 step() {
-  local name=$1 began=$SECONDS status=0; shift
+  local name=$1 began=$SECONDS status=0 result; shift
   printf '\n==> %s (at %d s)\n' "$name" $SECONDS
-  "$@" || status=$?
-  printf '%s\t%d\t%s\n' "$name" $((SECONDS - began)) \
-    "$([ $status = 0 ] && echo passed || echo "FAILED ($status)")" >>"$LOGS/steps"
-  printf '<== %s: %s in %d s\n' "$name" "$([ $status = 0 ] && echo passed || echo FAILED)" $((SECONDS - began))
+  timeout --kill-after=30 "$STEP_SECS" "$@" || status=$?
+  if [ $status = 0 ]; then
+    result=passed
+  elif [ $((SECONDS - began)) -ge "$STEP_SECS" ]; then
+    result="FAILED (still running after $STEP_SECS s: ended)"
+  else
+    result="FAILED ($status)"
+  fi
+  printf '%s\t%d\t%s\n' "$name" $((SECONDS - began)) "$result" >>"$LOGS/steps"
+  printf '<== %s: %s in %d s\n' "$name" "$result" $((SECONDS - began))
   return 0
 }
 

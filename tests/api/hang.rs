@@ -1,7 +1,10 @@
 //! A test that hangs fails, naming itself, instead of holding the whole run
-//! until CI's limit. Each `TestApp` starts a watch on a plain thread; if the
-//! app is still alive after [`limit`], the watch reports what it can see
-//! from outside (whether the server still answers, and every thread's
+//! until CI's limit. `spawn_app` starts a watch on a plain thread before
+//! it builds anything; the watch ends when the test's thread does, which
+//! is after the test's runtime is gone and everything it held has been
+//! dropped (a librdkafka client's destructor can wait for ever). If the
+//! thread is still there after [`limit`], the watch reports what it can
+//! see from outside (whether the server still answers, and every thread's
 //! stack in this process' own code, through gdb where there is one) and
 //! ends the test process with a failure.
 //!
@@ -9,12 +12,14 @@
 //! is the backstop for a wait that has none, or for a runtime thread that
 //! something blocked (which stops the test's own timers too).
 
+use std::cell::RefCell;
 use std::io::{Read, Write};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// How long one `TestApp` may live: many times the slowest test on a slow
-/// host (`SECKILL_TEST_HANG_SECS` changes it).
+/// How long one test's thread may live from its first `spawn_app`: many
+/// times the slowest test on a slow host (`SECKILL_TEST_HANG_SECS`
+/// changes it).
 fn limit() -> Duration {
     let secs = std::env::var("SECKILL_TEST_HANG_SECS")
         .ok()
@@ -23,31 +28,58 @@ fn limit() -> Duration {
     Duration::from_secs(secs)
 }
 
-/// Ends the process if not dropped within [`limit`].
+type Done = Arc<(Mutex<bool>, Condvar)>;
+
+/// The watches started on this thread, ended when the thread ends.
+#[derive(Default)]
+struct EndedWithThread(RefCell<Vec<Done>>);
+
+impl Drop for EndedWithThread {
+    fn drop(&mut self) {
+        for done in self.0.take() {
+            let (lock, ended) = &*done;
+            *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            ended.notify_all();
+        }
+    }
+}
+
+thread_local! {
+    static WATCHES: EndedWithThread = EndedWithThread::default();
+}
+
+/// The watch of the test running on this thread.
 pub struct HangWatch {
-    done: Arc<(Mutex<bool>, Condvar)>,
+    /// The server's address once there is one (`http://127.0.0.1:<port>`).
+    address: Arc<Mutex<Option<String>>>,
 }
 
 impl HangWatch {
-    /// Watches the test running on this thread, whose server is at
-    /// `address` (`http://127.0.0.1:<port>`).
-    pub fn start(address: &str) -> Self {
-        let done = Arc::new((Mutex::new(false), Condvar::new()));
+    /// Starts watching the test on this thread: the process ends if the
+    /// thread outlives [`limit`].
+    pub fn start() -> Self {
+        let done: Done = Arc::new((Mutex::new(false), Condvar::new()));
+        WATCHES.with(|w| w.0.borrow_mut().push(done.clone()));
         let test = std::thread::current()
             .name()
             .unwrap_or("an unnamed test")
             .to_owned();
-        let (watched, address) = (done.clone(), address.to_owned());
+        let address = Arc::new(Mutex::new(None));
+        let watched_address = address.clone();
         let deadline = Instant::now() + limit();
         std::thread::spawn(move || {
-            let (lock, ended) = &*watched;
+            let (lock, ended) = &*done;
             let mut finished = lock.lock().unwrap_or_else(|e| e.into_inner());
             while !*finished {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     drop(finished);
-                    report(&test, &address);
-                    std::process::exit(101);
+                    let address = watched_address
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone();
+                    report(&test, address.as_deref());
+                    end_process();
                 }
                 finished = ended
                     .wait_timeout(finished, left)
@@ -55,19 +87,24 @@ impl HangWatch {
                     .0;
             }
         });
-        Self { done }
+        Self { address }
+    }
+
+    /// The watched test's server now listens at `address`.
+    pub fn serving(&self, address: &str) {
+        *self.address.lock().unwrap_or_else(|e| e.into_inner()) = Some(address.to_owned());
     }
 }
 
-impl Drop for HangWatch {
-    fn drop(&mut self) {
-        let (lock, ended) = &*self.done;
-        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        ended.notify_all();
-    }
+/// Exits with a failure; if the exit itself hangs (an exit handler of a
+/// C library waiting on a stuck thread), aborts.
+fn end_process() -> ! {
+    std::thread::spawn(|| std::process::exit(101));
+    std::thread::sleep(Duration::from_secs(30));
+    std::process::abort()
 }
 
-fn report(test: &str, address: &str) {
+fn report(test: &str, address: Option<&str>) {
     // Straight to the stderr handle: libtest captures `eprintln!` of the
     // test's threads, and drops what it captured when the process exits.
     let mut err = std::io::stderr().lock();
@@ -79,7 +116,7 @@ fn report(test: &str, address: &str) {
     let _ = writeln!(
         err,
         "HUNG: GET /health/ready from outside: {}",
-        ready(address)
+        address.map_or_else(|| "(no server yet)".to_owned(), ready)
     );
     let _ = writeln!(
         err,
@@ -118,15 +155,25 @@ fn stacks() -> String {
     let Ok(file) = std::fs::File::create(&path) else {
         return "(no file for gdb's output)".into();
     };
-    let ran = std::process::Command::new("gdb")
+    let gdb = std::process::Command::new("gdb")
         .args(["-p", &std::process::id().to_string(), "-batch", "-nx"])
         .args(["-ex", "thread apply all bt"])
         .stdin(std::process::Stdio::null())
         .stdout(file)
         .stderr(std::process::Stdio::null())
-        .status();
-    if ran.is_err() {
+        .spawn();
+    let Ok(mut gdb) = gdb else {
         return "(no gdb here)".into();
+    };
+    // gdb takes seconds; one that takes minutes is stuck itself.
+    let given_up = Instant::now() + Duration::from_secs(120);
+    while matches!(gdb.try_wait(), Ok(None)) {
+        if Instant::now() > given_up {
+            let _ = gdb.kill();
+            let _ = gdb.wait();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
     let text = std::fs::read_to_string(&path).unwrap_or_default();
     let _ = std::fs::remove_file(&path);
@@ -146,11 +193,11 @@ fn own_frames(backtraces: &str) -> String {
         }
         let frames: Vec<String> = lines
             .filter(|l| {
-                [" seckill::", " api::", " rd_kafka_"]
+                [" seckill::", " api::", " rdkafka::", " rd_kafka_"]
                     .iter()
                     .any(|k| l.contains(k))
             })
-            .take(4)
+            .take(8)
             .map(|l| l.chars().take(200).collect())
             .collect();
         if !frames.is_empty() {

@@ -26,9 +26,6 @@ pub struct TestApp {
     /// through a sale window.
     pub clock: Arc<ShiftedClock>,
     keys: JwtKeys,
-    /// Ends the test process, naming the test, if this app outlives any
-    /// test's time by far (a hang fails instead of holding the run).
-    _hang: crate::hang::HangWatch,
 }
 
 /// The server with the test settings and a fresh namespace.
@@ -39,6 +36,9 @@ pub async fn spawn_app() -> TestApp {
 /// Like [`spawn_app`], with `tweak` applied to the settings last (e.g. to point
 /// a client at a closed port).
 pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
+    // A test still running by far past any test's time (a hang anywhere,
+    // from here to the drop of its runtime) ends the process, naming it.
+    let hang = crate::hang::HangWatch::start();
     let mut settings = Settings::load_env("test").expect("test settings load");
     // Once per run: earlier runs' leftovers go before this run adds its own.
     static STALE_REMOVED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
@@ -81,7 +81,7 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         .await
         .expect("application builds");
     let address = format!("http://127.0.0.1:{}", app.port());
-    let hang = crate::hang::HangWatch::start(&address);
+    hang.serving(&address);
     let server = app.server_handle();
     tokio::spawn(app.run_until_stopped());
     let app = TestApp {
@@ -102,7 +102,6 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
             .build()
             .expect("HTTP client"),
         db_name,
-        _hang: hang,
     };
     // A server on the real services is handed over once it is ready (its
     // topics exist: on a slow broker their creation can outlast startup).
