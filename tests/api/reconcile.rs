@@ -48,7 +48,7 @@ pub fn report(all: &serde_json::Value, activity: i64) -> serde_json::Value {
 async fn reconcile_until_repaired(app: &TestApp, activity: i64) -> serde_json::Value {
     eventually(
         "a reconciliation repair",
-        Duration::from_secs(30),
+        Duration::from_secs(90),
         || async {
             let r = report(&reconcile(app).await, activity);
             (r["repaired"] != json!([])).then_some(r)
@@ -564,16 +564,32 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
 #[tokio::test]
 async fn a_reservation_being_voided_never_turns_into_a_202_and_one_sent_lately_is_not_voided() {
     // No consumer and nothing published: the consumers have provably
-    // applied everything, so the publish window applies.
+    // applied everything, so the publish window applies. The window is
+    // longer than the test's own waits: "sent lately" must still be
+    // lately when a slow host's reconciliation gets to it.
     let app = spawn_app_with(|s| {
         crate::helpers::without_order_consumer(s);
         only_reconciled_by_hand(s);
+        s.reconcile.publish_window_secs = Duration::from_secs(240);
     })
     .await;
-    let activity = app.live_activity(5, 1, 1).await;
-    let a_minute_ago = chrono::Utc::now().timestamp_millis() - 60_000;
-    orphan_made_at(&app, activity, 2, 777_000_004, a_minute_ago).await;
-    orphan_made_at(&app, activity, 3, 777_000_005, a_minute_ago).await;
+    // Open for ten minutes already: its reservations may be five old.
+    let activity = app
+        .create_activity(
+            5,
+            1,
+            1,
+            crate::helpers::Window {
+                start: -600,
+                end: 3600,
+            },
+        )
+        .await;
+    app.warmup(activity).await;
+    // Older than the window, younger than the grace (600 s).
+    let made_at = chrono::Utc::now().timestamp_millis() - 300_000;
+    orphan_made_at(&app, activity, 2, 777_000_004, made_at).await;
+    orphan_made_at(&app, activity, 3, 777_000_005, made_at).await;
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let now = chrono::Utc::now().timestamp_millis();
     // 777000005's event is being sent again right now (a retry's copy).
