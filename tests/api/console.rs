@@ -118,7 +118,7 @@ async fn ending_a_sale_refuses_the_next_purchase_and_keeps_what_was_sold() {
 async fn ending_a_sale_before_it_starts_means_it_never_opens() {
     let app = spawn_app().await;
     let id = app
-        .create_activity(
+        .warmed_activity(
             5,
             1,
             1,
@@ -128,7 +128,6 @@ async fn ending_a_sale_before_it_starts_means_it_never_opens() {
             },
         )
         .await;
-    app.warmup(id).await;
     let res = app
         .post_json(
             &format!("/api/v1/admin/activities/{id}/end"),

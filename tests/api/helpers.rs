@@ -360,8 +360,20 @@ impl TestApp {
 
     /// An open, warmed activity.
     pub async fn live_activity(&self, stock: i32, per_user_limit: i32, buckets: i32) -> i64 {
+        self.warmed_activity(stock, per_user_limit, buckets, OPEN)
+            .await
+    }
+
+    /// A warmed activity whose sale runs over `w`.
+    pub async fn warmed_activity(
+        &self,
+        stock: i32,
+        per_user_limit: i32,
+        buckets: i32,
+        w: Window,
+    ) -> i64 {
         let id = self
-            .create_activity(stock, per_user_limit, buckets, OPEN)
+            .create_activity(stock, per_user_limit, buckets, w)
             .await;
         self.warmup(id).await;
         id

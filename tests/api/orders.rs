@@ -232,7 +232,7 @@ async fn outside_the_sale_window_or_before_warm_up_is_not_active() {
     assert_eq!(view["remaining"], 0);
 
     let future = app
-        .create_activity(
+        .warmed_activity(
             10,
             1,
             1,
@@ -242,7 +242,6 @@ async fn outside_the_sale_window_or_before_warm_up_is_not_active() {
             },
         )
         .await;
-    app.warmup(future).await;
     assert_not_active(app.get(&token_path(future), Some(&user)).await).await;
     assert_not_active(
         app.order_past_503(1, future, &json!({"request_id": "a", "token": "x"}))
@@ -254,9 +253,8 @@ async fn outside_the_sale_window_or_before_warm_up_is_not_active() {
     assert_eq!(view["remaining"], 10);
 
     let ending = app
-        .create_activity(10, 1, 1, Window { start: -60, end: 2 })
+        .warmed_activity(10, 1, 1, Window { start: -60, end: 2 })
         .await;
-    app.warmup(ending).await;
     let token = app.purchase_token(1, ending).await;
     app.clock.advance(std::time::Duration::from_millis(2500));
     assert_not_active(

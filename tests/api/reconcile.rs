@@ -474,7 +474,7 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
     // Ten minutes of sale, then the sale clock moves past its end: however
     // slow the host, the purchase below lands inside the window.
     let activity = app
-        .create_activity(
+        .warmed_activity(
             5,
             1,
             2,
@@ -484,7 +484,6 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
             },
         )
         .await;
-    app.warmup(activity).await;
     let orders = app.waiting_orders(activity, 1, 1).await;
     app.clock.advance(Duration::from_secs(601));
 
@@ -575,7 +574,7 @@ async fn a_reservation_being_voided_never_turns_into_a_202_and_one_sent_lately_i
     .await;
     // Open for ten minutes already: its reservations may be five old.
     let activity = app
-        .create_activity(
+        .warmed_activity(
             5,
             1,
             1,
@@ -585,7 +584,6 @@ async fn a_reservation_being_voided_never_turns_into_a_202_and_one_sent_lately_i
             },
         )
         .await;
-    app.warmup(activity).await;
     // Older than the window, younger than the grace (600 s).
     let made_at = chrono::Utc::now().timestamp_millis() - 300_000;
     orphan_made_at(&app, activity, 2, 777_000_004, made_at).await;
