@@ -117,7 +117,7 @@ mod tests {
         destroyed
             .recv_timeout(Duration::from_secs(60))
             .expect("destroyed once let go");
-        letting_go.join().unwrap();
+        letting_go.join().expect("the letting-go thread ends");
     }
 
     #[tokio::test]
@@ -125,13 +125,13 @@ mod tests {
         let (client, release, destroyed) = stuck();
         let wrapped = OffThread::new(client);
         assert!(!wrapped.destroy_within(Duration::from_millis(50)).await);
-        release.send(()).unwrap();
+        release.send(()).expect("the stuck client listens");
         destroyed
             .recv_timeout(Duration::from_secs(60))
             .expect("destroyed once let go");
 
         let (client, release, destroyed) = stuck();
-        release.send(()).unwrap();
+        release.send(()).expect("the stuck client listens");
         let wrapped = OffThread::new(client);
         assert!(wrapped.destroy_within(Duration::from_secs(60)).await);
         assert!(destroyed.try_recv().is_ok());
