@@ -19,6 +19,33 @@ type Ack = (ActivityId, Layout, i64);
 /// Most acknowledgements taken off the queue at once.
 const MAX_BATCH: usize = 512;
 
+/// Writes one activity's acknowledgements, again and again until Redis
+/// takes them. One not recorded would leave an accepted purchase looking
+/// like an orphan; meanwhile the queue fills and new purchases wait (503
+/// BUSY), which is what a Redis that takes no writes should cause.
+async fn write_until_recorded(
+    gate: &RedisGate,
+    activity_id: ActivityId,
+    layout: Layout,
+    order_nos: &[i64],
+    now: i64,
+) {
+    let mut attempt = 0u32;
+    while let Err(e) = gate.ack(activity_id, layout, order_nos, now).await {
+        attempt += 1;
+        if attempt == 1 || attempt.is_power_of_two() {
+            tracing::warn!(
+                error = %e,
+                activity_id = %activity_id,
+                count = order_nos.len(),
+                attempt,
+                "acknowledgements not recorded on their reservations yet; retrying"
+            );
+        }
+        tokio::time::sleep(crate::bus::runner::backoff(attempt)).await;
+    }
+}
+
 /// The queue of acknowledgements; cheap to clone. Bounded: while Redis
 /// falls behind and it is full, purchases get 503 BUSY before anything is
 /// reserved ([`Acks::has_room`]), and an acknowledgement that still finds
@@ -46,17 +73,7 @@ impl Acks {
                 }
                 let now = clock.now_ms();
                 for ((activity_id, layout), order_nos) in by_activity.drain() {
-                    // Best effort: an acknowledgement not recorded leaves the
-                    // reservation voidable once provably unapplied, the case
-                    // a broker that lost an acknowledged write creates.
-                    if let Err(e) = gate.ack(activity_id, layout, &order_nos, now).await {
-                        tracing::warn!(
-                            error = %e,
-                            activity_id = %activity_id,
-                            count = order_nos.len(),
-                            "acknowledgements not recorded on their reservations"
-                        );
-                    }
+                    write_until_recorded(&gate, activity_id, layout, &order_nos, now).await;
                 }
             }
         });

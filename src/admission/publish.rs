@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use crate::admission::acks::Acks;
-use crate::admission::gate::Status;
-use crate::admission::{Layout, RedisGate, ReleaseReason};
+use crate::admission::gate::{Status, Unsent};
+use crate::admission::{Layout, RedisGate};
 use crate::bus::events::OrderRequested;
 use crate::bus::{Producer, PublishError, runner};
 use crate::clock::SharedClock;
@@ -133,19 +133,30 @@ impl Publisher {
                 let _ = answer.send(Published::Delivered);
             }
             Err(e @ (PublishError::QueueFull | PublishError::NotDelivered(_))) => {
-                // The broker does not have it, and no one else has sent it
-                // (a retry only ever sends after this request answered): the
-                // reservation can go, and with it the request_id.
+                // The broker does not have this send. A retry of the
+                // purchase may have sent the same event since and got it
+                // acknowledged (its wait for this attempt's report ran
+                // out): the release then keeps the reservation, and the
+                // purchase is accepted after all.
                 tracing::warn!(error = %e, order_no, activity_id = %activity_id, "order event not delivered; releasing");
-                if let Err(re) = self
+                let told = match self
                     .gate
-                    .release(activity_id, order_no, layout, ReleaseReason::PublishFailed)
+                    .release_unsent(activity_id, order_no, layout)
                     .await
                 {
-                    // Left open: reconciliation voids it once provably unsent.
-                    tracing::error!(error = %re, order_no, activity_id = %activity_id, "release after an undelivered publish failed");
-                }
-                let _ = answer.send(Published::NotDelivered(e));
+                    Ok(Unsent::Kept) => {
+                        tracing::info!(order_no, activity_id = %activity_id, "order event not delivered, but a retry's was: kept");
+                        Published::Delivered
+                    }
+                    Ok(Unsent::Released | Unsent::Gone) => Published::NotDelivered(e),
+                    Err(re) => {
+                        // Left open: reconciliation voids it once provably
+                        // unsent, or the next retry sends it again.
+                        tracing::error!(error = %re, order_no, activity_id = %activity_id, "release after an undelivered publish failed");
+                        Published::Pending
+                    }
+                };
+                let _ = answer.send(told);
             }
             Err(e @ (PublishError::Unknown(_) | PublishError::Unconfirmed)) => {
                 let _ = answer.send(Published::Pending);

@@ -10,6 +10,7 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Headers, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
+use seckill::admission::gate::Unsent;
 use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::bus::events::OrderRequested;
 use seckill::bus::runner::Handler;
@@ -495,6 +496,174 @@ async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_rese
     assert!(!report.to_string().contains("published again"), "{report}");
     assert_eq!(app.stats(activity).await["redis_available"], 5);
     assert_eq!(app.count("SELECT count(*) AS n FROM orders").await, 1);
+}
+
+/// A TCP proxy to `target` that drops every connection while `open` is
+/// false (Redis unreachable) and forwards while it is true.
+async fn gated_proxy(target: String, open: Arc<std::sync::atomic::AtomicBool>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            if !open.load(std::sync::atomic::Ordering::Relaxed) {
+                drop(inbound);
+                continue;
+            }
+            let target = target.clone();
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    format!("redis://{address}")
+}
+
+#[tokio::test]
+async fn an_acknowledgement_redis_refused_at_first_is_written_once_it_answers() {
+    let app = spawn_app_with(|s| s.reconcile.enabled = false).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (id, layout) = (
+        ActivityId::new(activity),
+        seckill::admission::Layout::single(1),
+    );
+    let direct = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let order_no = 777_000_111;
+    let token = app.purchase_token(2, activity).await;
+    let reserved = direct
+        .reserve(&ReserveRequest {
+            activity_id: id,
+            user_id: 2,
+            request_id: "acked-late",
+            token: &token,
+            quantity: 1,
+            order_no,
+            layout,
+            now_ms: chrono::Utc::now().timestamp_millis(),
+            coupon_id: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(reserved, Admission::Accepted(order_no));
+
+    // The writer's Redis drops every connection for a while.
+    let open = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let target = app
+        .settings
+        .redis
+        .url
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .to_owned();
+    let mut settings = app.settings.redis.clone();
+    settings.url = gated_proxy(target, open.clone()).await;
+    let gate = Arc::new(RedisGate::new(&settings, &app.settings.admission, None).unwrap());
+    let acks =
+        seckill::admission::acks::Acks::start(gate, 16, Arc::new(seckill::clock::SystemClock));
+    acks.ack(id, layout, order_no).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let r = direct
+        .reservation(id, layout, order_no)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!r.acked, "Redis was unreachable");
+    open.store(true, std::sync::atomic::Ordering::Relaxed);
+    eventually(
+        "the acknowledgement recorded",
+        Duration::from_secs(60),
+        || {
+            let direct = &direct;
+            async move {
+                let r = direct
+                    .reservation(id, layout, order_no)
+                    .await
+                    .unwrap()
+                    .unwrap();
+                r.acked.then_some(())
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn an_undelivered_first_send_never_releases_a_purchase_a_retry_got_acknowledged() {
+    // The race of a retry and its first attempt: the retry's send of the
+    // same event was acknowledged (202 to the buyer), then the first
+    // attempt's own send is reported never delivered (a producer rebuilt
+    // with it in its queue). Its release must keep the reservation, and
+    // the request_id with it; a reservation nobody acknowledged goes.
+    let app = spawn_app_with(|s| s.reconcile.enabled = false).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let layout = seckill::admission::Layout::single(1);
+    let id = ActivityId::new(activity);
+    let reserve = |user: i64, token: String, order_no: i64| {
+        let gate = &gate;
+        async move {
+            let now = chrono::Utc::now().timestamp_millis();
+            gate.reserve(&ReserveRequest {
+                activity_id: id,
+                user_id: user,
+                request_id: "first-attempt",
+                token: &token,
+                quantity: 1,
+                order_no,
+                layout,
+                now_ms: now,
+                coupon_id: None,
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let (acked, committed, unacked) = (777_000_101, 777_000_102, 777_000_103);
+    for (user, order_no) in [(2, acked), (3, committed), (4, unacked)] {
+        let token = app.purchase_token(user, activity).await;
+        assert_eq!(
+            reserve(user, token, order_no).await,
+            Admission::Accepted(order_no)
+        );
+    }
+    let now = chrono::Utc::now().timestamp_millis();
+    gate.ack(id, layout, &[acked], now).await.unwrap();
+    gate.commit(id, layout, &[committed]).await.unwrap();
+    assert_eq!(app.stats(activity).await["redis_available"], 2);
+
+    for order_no in [acked, committed] {
+        assert_eq!(
+            gate.release_unsent(id, order_no, layout).await.unwrap(),
+            Unsent::Kept,
+            "{order_no}: its order exists"
+        );
+    }
+    assert_eq!(
+        gate.release_unsent(id, unacked, layout).await.unwrap(),
+        Unsent::Released
+    );
+    let stats = app.stats(activity).await;
+    assert_eq!(
+        stats["redis_available"], 3,
+        "only the unacknowledged unit came back: {stats}"
+    );
+    // The kept purchases' request ids still name their orders; the
+    // released one's is forgotten, so its retry is a new attempt.
+    let again = |user: i64| {
+        let app = &app;
+        async move {
+            reserve(
+                user,
+                app.purchase_token(user, activity).await,
+                777_000_199 + user,
+            )
+            .await
+        }
+    };
+    assert_eq!(again(2).await, Admission::Duplicate(acked));
+    assert_eq!(again(3).await, Admission::Duplicate(committed));
+    assert_eq!(again(4).await, Admission::Accepted(777_000_203));
 }
 
 #[tokio::test]

@@ -36,7 +36,7 @@ pub mod room;
 mod tokens;
 pub mod warmup;
 
-pub use reservations::{ReleaseReason, Reservation, Status, VoidClaim};
+pub use reservations::{ReleaseReason, Reservation, Status, Unsent, VoidClaim};
 pub use reserve::{Admission, ReserveRequest};
 pub use warmup::WarmSpec;
 

@@ -32,6 +32,18 @@ impl ReleaseReason {
     }
 }
 
+/// What a release for an undelivered publish did ([`RedisGate::release_unsent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unsent {
+    /// Released now, its request_id forgotten: nothing was kept.
+    Released,
+    /// Released before, or its record is gone.
+    Gone,
+    /// Kept: a retry's send of the same event was acknowledged, or its
+    /// order was written already. The order exists.
+    Kept,
+}
+
 impl RedisGate {
     /// Gives a reservation's stock back; idempotent per order. Returns
     /// whether this call released it.
@@ -42,6 +54,45 @@ impl RedisGate {
         layout: Layout,
         reason: ReleaseReason,
     ) -> RedisResult<bool> {
+        Ok(self
+            .release_code(activity_id, order_no, layout, reason)
+            .await?
+            == 1)
+    }
+
+    /// The release of a purchase whose publish definitely did not deliver
+    /// its event: the reservation goes, and its request_id with it, unless
+    /// the order exists after all (a retry of the purchase sent the same
+    /// event and got it acknowledged, or a consumer already wrote it): an
+    /// acknowledged purchase is never undone.
+    pub async fn release_unsent(
+        &self,
+        activity_id: ActivityId,
+        order_no: i64,
+        layout: Layout,
+    ) -> RedisResult<Unsent> {
+        match self
+            .release_code(activity_id, order_no, layout, ReleaseReason::PublishFailed)
+            .await?
+        {
+            1 => Ok(Unsent::Released),
+            0 => Ok(Unsent::Gone),
+            2 => Ok(Unsent::Kept),
+            other => Err(redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "unknown reply of release.lua",
+                other.to_string(),
+            ))),
+        }
+    }
+
+    async fn release_code(
+        &self,
+        activity_id: ActivityId,
+        order_no: i64,
+        layout: Layout,
+        reason: ReleaseReason,
+    ) -> RedisResult<i64> {
         let k = self.order_keys(activity_id, layout, order_no);
         let mut call = self.release.prepare_invoke();
         call.key(k.reservation(order_no))
@@ -65,8 +116,7 @@ impl RedisGate {
             .arg(user)
             .arg(&self.returned)
             .arg(activity_id);
-        let released: i64 = call.invoke_async(&mut self.conn.clone()).await?;
-        Ok(released == 1)
+        call.invoke_async(&mut self.conn.clone()).await
     }
 
     /// Records that the broker acknowledged the events of `order_nos` (one

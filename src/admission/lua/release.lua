@@ -5,7 +5,10 @@
 -- KEYS[5..] stock buckets, in bucket order
 -- ARGV[1] order_no   ARGV[2] reason
 -- ARGV[3] "1" to forget the request_id too (the order never existed: a
---         retry with the same request_id is a new attempt), else "0"
+--         retry with the same request_id is a new attempt), else "0".
+--         That claim holds only for a reservation still open and never
+--         acknowledged: one a retry's send got acknowledged (`acked`), or
+--         whose order a consumer already wrote (`committed`), is kept.
 -- ARGV[4] units to give back if Redis has no record of the reservation
 --         (expired or lost; "0" = give nothing back)
 -- ARGV[5] the buyer, for that same case
@@ -13,9 +16,11 @@
 --
 -- Units given back are announced on ARGV[6] in the same call, so every
 -- instance's sold-out flag for the activity clears (admission/soldout.rs).
--- Returns 1 when released now, 0 when already released or unknown.
-local r = redis.call('HMGET', KEYS[1], 'status', 'user', 'qty', 'alloc', 'req')
+-- Returns 1 when released now, 0 when already released or unknown, 2 when
+-- kept: asked to forget an order that exists (see ARGV[3]).
+local r = redis.call('HMGET', KEYS[1], 'status', 'user', 'qty', 'alloc', 'req', 'acked')
 if r[1] == 'released' then return 0 end
+if ARGV[3] == '1' and r[1] and (r[1] ~= 'occupied' or r[6]) then return 2 end
 if not r[1] then
   local qty = tonumber(ARGV[4])
   if qty <= 0 then return 0 end
