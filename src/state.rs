@@ -226,6 +226,7 @@ impl Sale {
             budget: a.publish_budget_ms,
             breaker: Breaker::default(),
             clock: clock.clone(),
+            probe: p.kafka.probe.clone(),
         });
         let activities = Arc::new(ActivityCache::default());
         let sold_out = Arc::new(SoldOut::new(

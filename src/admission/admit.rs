@@ -10,6 +10,10 @@
 //! stalled, a broker that acknowledges nothing, acknowledgements waiting,
 //! too many purchases in flight); a number; ONE reservation script; then
 //! the publish and its three-valued outcome ([`super::publish`]).
+//!
+//! A retry is never refused by a check made before the script: a refusal
+//! of those checks first looks the request id up (one `HGET`), and a
+//! request id bound to an order is answered as the replay it is.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -75,6 +79,10 @@ pub enum Admitted {
     },
 }
 
+/// The `Retry-After` of a purchase refused while the cluster refuses
+/// writes: a broker's return takes seconds, and the probe looks every one.
+const WRITES_REFUSED_RETRY_SECS: u32 = 5;
+
 /// `admission.max_consumer_lag` is sized as this many seconds of draining
 /// (config/default.toml): the drain rate a `Retry-After` estimates with.
 const LAG_BOUND_SECS: i64 = 5;
@@ -124,6 +132,9 @@ pub enum Refusal {
     NumberTaken,
     /// The broker definitely does not have it; nothing was kept (503).
     NotQueued,
+    /// The cluster answers but refuses writes (too few in-sync replicas):
+    /// nothing was reserved (503 RETRY_LATER), in how many seconds to retry.
+    WritesRefused(u32),
     /// The delivery is not confirmed yet: retry with the same request id
     /// (503, with the order_no).
     Pending(OrderNo),
@@ -138,9 +149,10 @@ impl Refusal {
     /// `Retry-After` of its 429 or 503).
     pub fn retry_after(&self) -> Option<u32> {
         match self {
-            Self::RateLimited(_, secs) | Self::Busy(_, secs) | Self::Degraded(_, secs) => {
-                Some(*secs)
-            }
+            Self::RateLimited(_, secs)
+            | Self::Busy(_, secs)
+            | Self::Degraded(_, secs)
+            | Self::WritesRefused(secs) => Some(*secs),
             Self::Restoring
             | Self::NoOrderNumber
             | Self::NotQueued
@@ -157,6 +169,20 @@ impl Refusal {
         }
     }
 
+    /// Whether this refusal comes from a check made before the admission
+    /// script (which answers a replay first), so that a retry bound to an
+    /// order must be looked up before hearing it.
+    fn spares_a_replay(&self) -> bool {
+        matches!(
+            self,
+            Self::RateLimited(..)
+                | Self::Busy(..)
+                | Self::WritesRefused(_)
+                | Self::CouponInvalid
+                | Self::SoldOut { from_memory: true }
+        )
+    }
+
     /// The `seckill_admission_total` outcome label, for those counted.
     pub fn outcome(&self) -> Option<&'static str> {
         Some(match self {
@@ -166,6 +192,7 @@ impl Refusal {
             | Self::NoOrderNumber
             | Self::NotQueued
             | Self::ReserveFailed(_)
+            | Self::WritesRefused(_)
             | Self::Degraded(..) => "retry_later",
             Self::SoldOut { from_memory: true } => "sold_out_memory",
             Self::SoldOut { from_memory: false } => "sold_out",
@@ -248,6 +275,48 @@ impl Admitter {
         if p.quantity < 1 {
             return Err(Refusal::Invalid("quantity must be at least 1"));
         }
+        match self.checked(gate, p).await {
+            // A retry of a purchase already bound to an order is answered
+            // with that order, whatever a check before the script says:
+            // refused BUSY, it would lose its order_no; refused 400 (its
+            // coupon batch lost meanwhile), it would be told a final no
+            // about an order that exists. Only refusals pay for the
+            // lookup; an accepted purchase's script checks replays itself.
+            Err(refusal) if refusal.spares_a_replay() => match self.bound(gate, p).await {
+                Some((layout, order_no)) => {
+                    self.count("duplicate");
+                    self.replay(p.activity_id, layout, order_no).await
+                }
+                None => Err(refusal),
+            },
+            decided => decided,
+        }
+    }
+
+    /// The order `p`'s request id is already bound to in Redis, if any
+    /// (nothing when that cannot be asked: the refusal stands).
+    async fn bound(&self, gate: &RedisGate, p: &Purchase) -> Option<(Layout, i64)> {
+        let Ok(Lookup::Warm(meta)) = self
+            .activities
+            .lookup(gate, &self.db, p.activity_id, &*self.clock)
+            .await
+        else {
+            return None;
+        };
+        let order_no = gate
+            .bound_order(
+                p.activity_id,
+                meta.layout,
+                p.user_id.get(),
+                p.request_id.as_str(),
+            )
+            .await
+            .ok()??;
+        Some((meta.layout, order_no))
+    }
+
+    /// Every check, the script and the publish.
+    async fn checked(&self, gate: &RedisGate, p: &Purchase) -> Result<Admitted, Refusal> {
         self.within_rate(p)?;
         match self.fallback.route(p.activity_id) {
             Route::Redis => {}
@@ -481,6 +550,12 @@ impl Admitter {
     /// Back-pressure before Redis is touched: a 202 now would stay
     /// PROCESSING for long, or would not be acknowledged.
     fn not_overloaded(&self, now_ms: i64) -> Result<(), Refusal> {
+        if self.publisher.probe.refuses_writes().is_some() {
+            // Two of three brokers down: every acks=all write is refused
+            // until they are back. Reserving now would only hold units
+            // for purchases no broker can take.
+            return Err(Refusal::WritesRefused(WRITES_REFUSED_RETRY_SECS));
+        }
         if let Some((why, secs)) = self.consumer_backpressure() {
             return Err(Refusal::Busy(why, secs));
         }

@@ -76,6 +76,8 @@ pub struct Publisher {
     pub breaker: Breaker,
     /// The sale clock (reservation stamps, the breaker's windows).
     pub clock: SharedClock,
+    /// Whether the cluster takes writes, as a fresh client sees it.
+    pub probe: Arc<crate::bus::probe::BrokerProbe>,
 }
 
 impl Publisher {

@@ -101,6 +101,7 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow:
     let admin: AdminClient<DefaultClientContext> = client_config(settings)
         .create()
         .context("creating the Kafka admin client")?;
+    let min_insync = settings.min_insync_replicas.to_string();
     let new: Vec<NewTopic<'_>> = topics
         .all()
         .into_iter()
@@ -110,6 +111,10 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow:
                 settings.partitions,
                 TopicReplication::Fixed(settings.replication_factor),
             )
+            .set("min.insync.replicas", &min_insync)
+            // An out-of-sync replica never becomes leader: what it lacks
+            // would be lost with acknowledged orders in it.
+            .set("unclean.leader.election.enable", "false")
         })
         .collect();
     let timeout = settings.timeout_ms;

@@ -444,10 +444,21 @@ pub struct KafkaSettings {
     /// single local broker; 3 on a real cluster, with `min.insync.replicas`
     /// 2 there so `acks=all` means something).
     pub replication_factor: i32,
+    /// `min.insync.replicas` of the topics this service creates: how many
+    /// replicas must have an `acks=all` write before it is acknowledged
+    /// (1 on the single local broker; 2 with a replication factor of 3).
+    /// Readiness and admission read it too: a partition with fewer in-sync
+    /// replicas refuses writes, and purchases then wait.
+    #[serde(default = "default_min_insync_replicas")]
+    pub min_insync_replicas: i32,
     /// How long the producer waits to fill a batch (`linger.ms`), in
     /// milliseconds.
     #[serde(default = "default_linger_ms", deserialize_with = "duration::millis")]
     pub linger_ms: Duration,
+}
+
+fn default_min_insync_replicas() -> i32 {
+    1
 }
 
 fn default_linger_ms() -> Duration {
@@ -667,6 +678,14 @@ impl Settings {
             if value < least {
                 bail!("{key} must be at least {least:?} (it is {value:?})");
             }
+        }
+        if self.kafka.min_insync_replicas < 1
+            || self.kafka.min_insync_replicas > self.kafka.replication_factor
+        {
+            bail!(
+                "kafka.min_insync_replicas must be within 1..=kafka.replication_factor (it is {})",
+                self.kafka.min_insync_replicas
+            );
         }
         if self.reconcile.lease_secs.is_some_and(|l| l < s(1)) {
             bail!("reconcile.lease_secs must be at least 1 s when set");

@@ -278,19 +278,54 @@ async fn while_the_order_consumers_lag_past_the_limit_purchases_get_503_busy_and
     consumer.stop().await;
 }
 
-/// One purchase as [`TestApp::buy`] makes it, except that a 503 BUSY
-/// while the sampled lag is past the bound of 3 ends it: `Err` naming the
-/// user and the answer, or `Ok` if an earlier answer was RETRY_LATER (the
-/// purchase was taken; only its event was unconfirmed). Every other 503
-/// is retried under the same request_id, as a client does.
-async fn buy_unless_busy(app: &TestApp, user: i64, activity: i64) -> Result<(), String> {
+#[tokio::test]
+async fn a_retry_that_back_pressure_would_refuse_is_answered_with_its_order() {
+    // The consumers are away, so the lag only grows: once past the bound,
+    // every new purchase is 503 BUSY. A retry of a purchase already taken
+    // must still hear its order, not a BUSY without its order_no.
+    let app = spawn_app_with(|s| {
+        crate::helpers::without_order_consumer(s);
+        s.admission.max_consumer_lag = 1;
+        s.admission.lag_sample_ms = std::time::Duration::from_millis(100);
+    })
+    .await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, first) = app.buy_as(1, activity, "taken-before").await;
+    assert_eq!(status, 202, "{first}");
+    // A second purchase takes the lag past 1 (or finds it past already: a
+    // delivery confirmed late on a slow host is sent twice).
+    let _ = buy_unless_busy_over(&app, 2, activity, 1).await;
+    wait_for_lag(&app, "of 2 or more", |lag| lag >= 2).await;
+    let (status, body) = app.attempt(3, activity, "new-purchase").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (503, Some("BUSY")),
+        "{body}"
+    );
+
+    let (status, replay) = app.attempt(1, activity, "taken-before").await;
+    assert_eq!(
+        status, 200,
+        "the retry is answered with its order: {replay}"
+    );
+    assert_eq!(replay["order_no"], first["order_no"]);
+    assert_eq!(replay["status"], "PROCESSING");
+}
+
+/// [`buy_unless_busy`] with the lag bound `bound`.
+async fn buy_unless_busy_over(
+    app: &TestApp,
+    user: i64,
+    activity: i64,
+    bound: i64,
+) -> Result<(), String> {
     let request_id = uuid::Uuid::new_v4().to_string();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut taken = false;
     loop {
         let (status, body) = app.attempt(user, activity, &request_id).await;
         taken |= status == 503 && body["code"] == "RETRY_LATER";
-        let lag_over = status == 503 && body["code"] == "BUSY" && sampled_lag(app).await > 3;
+        let lag_over = status == 503 && body["code"] == "BUSY" && sampled_lag(app).await > bound;
         match status {
             202 | 200 if body["status"] != "FAILED" => return Ok(()),
             503 if lag_over && taken => return Ok(()),
@@ -301,6 +336,15 @@ async fn buy_unless_busy(app: &TestApp, user: i64, activity: i64) -> Result<(), 
             _ => panic!("user {user}: {status} {body}"),
         }
     }
+}
+
+/// One purchase as [`TestApp::buy`] makes it, except that a 503 BUSY
+/// while the sampled lag is past the bound of 3 ends it: `Err` naming the
+/// user and the answer, or `Ok` if an earlier answer was RETRY_LATER (the
+/// purchase was taken; only its event was unconfirmed). Every other 503
+/// is retried under the same request_id, as a client does.
+async fn buy_unless_busy(app: &TestApp, user: i64, activity: i64) -> Result<(), String> {
+    buy_unless_busy_over(app, user, activity, 3).await
 }
 
 /// `seckill consume` as a separate process on this test's namespace.

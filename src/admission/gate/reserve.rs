@@ -118,6 +118,24 @@ impl RedisGate {
         }
     }
 
+    /// The order a buyer's request id is already bound to, if any: one
+    /// `HGET` of what the admission script records, in the buyer's shard.
+    /// A retry is answered from it before any check could refuse it.
+    pub async fn bound_order(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+        user_id: i64,
+        request_id: &str,
+    ) -> RedisResult<Option<i64>> {
+        let k = self.shard_keys(activity_id, layout, layout.shard_of_user(user_id));
+        redis::cmd("HGET")
+            .arg(k.requests())
+            .arg(format!("{user_id}:{request_id}"))
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
     /// The admission script in one shard; `None` when the shard lacks the
     /// units and others may not (sharded activities only).
     async fn reserve_in(

@@ -226,6 +226,11 @@ async fn kafka_ping(state: &AppState) -> Result<(), Unready> {
             state.kafka.probe.answering_for().as_secs()
         )));
     }
+    if let Some(why) = state.kafka.probe.refuses_writes() {
+        return Err(Unready::because(
+            "the brokers refuse writes: too few in-sync replicas",
+        )(anyhow::anyhow!(why)));
+    }
     let stall = state.settings.kafka.consumer_stall_secs;
     if !stall.is_zero() && state.kafka.producer.stalled_for() >= stall {
         return Err(Unready::because(

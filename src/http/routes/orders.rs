@@ -183,6 +183,10 @@ fn answer(refusal: Refusal) -> ApiError {
             ApiError::new(ErrorCode::CouponInvalid, "you hold no such coupon")
         }
         Refusal::Busy(why, _) => ApiError::new(Busy, why),
+        Refusal::WritesRefused(_) => ApiError::new(
+            RetryLater,
+            "the brokers refuse writes (too few in-sync replicas); retry shortly",
+        ),
         Refusal::NoOrderNumber => ApiError::new(
             RetryLater,
             "no order number can be made right now; retry shortly",
