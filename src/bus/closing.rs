@@ -10,9 +10,75 @@
 //! waits for its blocking pool. [`OffThread`] gives the destructor a thread
 //! of its own; whoever needs the close to have finished waits for it with
 //! a deadline ([`OffThread::destroy_within`]).
+//!
+//! A close that never ends keeps its thread for good, so they are counted:
+//! [`stuck`] closes past [`STUCK_AFTER`] are what a supervisor weighs
+//! before it rebuilds a client once more, and at [`MAX_STUCK`] the process
+//! gives up and exits to be restarted instead of adding threads without
+//! bound. A client for which no thread can be made is leaked, never closed
+//! in place: its destructor would take the thread that dropped it.
 
+use std::collections::HashMap;
 use std::ops::Deref;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// A close that has not ended after this long is stuck: a healthy one
+/// takes milliseconds, and a group's session timeout is 10 s.
+pub const STUCK_AFTER: Duration = Duration::from_secs(30);
+
+/// Stuck closes at which supervisors stop rebuilding and the process
+/// gives up (each holds a thread, and librdkafka's own threads with it).
+pub const MAX_STUCK: usize = 8;
+
+/// When each close still under way began, by a number of its own.
+static CLOSING: Mutex<Option<HashMap<u64, Instant>>> = Mutex::new(None);
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// Closes under way for longer than [`STUCK_AFTER`].
+pub fn stuck() -> usize {
+    stuck_at(Instant::now())
+}
+
+fn stuck_at(now: Instant) -> usize {
+    CLOSING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map_or(0, |m| {
+            m.values()
+                .filter(|&&began| now.duration_since(began) >= STUCK_AFTER)
+                .count()
+        })
+}
+
+/// Records a close beginning; its number.
+fn began() -> u64 {
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    CLOSING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(id, Instant::now());
+    id
+}
+
+/// When close `id` began, while it is under way.
+#[cfg(test)]
+fn under_way(id: u64) -> Option<Instant> {
+    CLOSING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .and_then(|m| m.get(&id).copied())
+}
+
+fn ended(id: u64) {
+    if let Some(m) = CLOSING.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        m.remove(&id);
+    }
+}
 
 /// A client whose destructor runs on a thread of its own. Dereferences to
 /// the client.
@@ -55,20 +121,30 @@ impl<T: Send + 'static> Drop for OffThread<T> {
     }
 }
 
-/// Drops `client` on a new thread, then says so on `done`.
+/// Drops `client` on a new thread, then says so on `done`. With no
+/// thread to be had, the client is leaked instead: never destroyed on the
+/// thread that let go of it.
 fn destroy<T: Send + 'static>(client: T, done: Option<tokio::sync::oneshot::Sender<()>>) {
+    // Out of the closure's reach until its thread runs, so that a failed
+    // spawn, which drops the closure here, does not drop the client here.
+    let slot = std::sync::Arc::new(Mutex::new(Some(client)));
+    let id = began();
+    let theirs = slot.clone();
     let spawned = std::thread::Builder::new()
         .name("kafka-close".into())
         .spawn(move || {
+            let client = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
             drop(client);
+            ended(id);
             if let Some(done) = done {
                 let _ = done.send(());
             }
         });
     if let Err(e) = spawned {
-        // The closure, and the client in it, were dropped here already:
-        // nothing else to do but say why this thread may have waited.
-        tracing::warn!(error = %e, "no thread to close a Kafka client on; closed in place");
+        ended(id);
+        let client = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+        std::mem::forget(client);
+        tracing::warn!(error = %e, "no thread to close a Kafka client on; leaking it");
     }
 }
 
@@ -135,6 +211,43 @@ mod tests {
         let wrapped = OffThread::new(client);
         assert!(wrapped.destroy_within(Duration::from_secs(60)).await);
         assert!(destroyed.try_recv().is_ok());
+    }
+
+    #[test]
+    fn a_close_under_way_counts_as_stuck_only_past_its_time_and_not_once_ended() {
+        let id = began();
+        let since = under_way(id).expect("recorded");
+        // Other tests' closes come and go meanwhile: only this one's
+        // record is looked at, and counts only grow with it.
+        assert!(since + STUCK_AFTER > Instant::now(), "fresh, not stuck");
+        assert!(
+            stuck_at(since + STUCK_AFTER) >= 1,
+            "stuck once past its time"
+        );
+        ended(id);
+        assert!(under_way(id).is_none());
+    }
+
+    #[test]
+    fn a_destroyed_client_leaves_no_close_under_way() {
+        let before = NEXT.load(Ordering::Relaxed);
+        drop(OffThread::new(vec![1, 2, 3]));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        // Its close has a number at or after `before`; once the thread
+        // ran, none of the numbers it could have is under way (unless
+        // another test's stuck client took one of them).
+        loop {
+            let mine_left = CLOSING
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .is_some_and(|m| m.keys().any(|&k| k == before));
+            if !mine_left {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the close never ended");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     #[test]

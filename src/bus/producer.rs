@@ -15,7 +15,6 @@
 //!   [`PublishError::Unconfirmed`] (a success librdkafka inferred, with no
 //!   offset from the broker) is handled the same way.
 
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -29,6 +28,7 @@ use rdkafka::producer::{BaseRecord, ProducerContext, ThreadedProducer};
 use tokio::sync::oneshot;
 
 use super::closing::OffThread;
+use super::watchdog::{Act, Escalation, Verdict};
 use crate::config::KafkaSettings;
 
 /// Why a publish did not end in an acknowledgement.
@@ -133,6 +133,7 @@ impl ProducerContext for DeliveryContext {
             outcome
                 .as_ref()
                 .map_or_else(|e| !e.is_transient(), |()| true),
+            now_ms(),
         );
         // The publisher may have stopped waiting (its request ended): fine.
         let _ = tx.send(outcome);
@@ -193,51 +194,92 @@ fn outcome(result: &DeliveryResult<'_>) -> Outcome {
     }
 }
 
-/// Whether the producer gets its messages delivered: how many wait for a
-/// report, and since when it has had work without one answer from the
-/// broker (the stretch opens at a send and closes at a delivery; a
-/// timeout leaves it open, so messages timing out and sent again add up
-/// to one long stall).
+/// Whether the producer gets its messages delivered: how long it has had
+/// work without one answer from the broker. Only time with messages
+/// pending counts: the stretch opens at a send, pauses while nothing
+/// waits (an idle producer after a last failed publish is not stalled),
+/// resumes at the next send, and closes at an answer. Messages timing out
+/// and sent again so add up to one long stall, and an idle gap between
+/// them adds nothing.
 #[derive(Debug, Default)]
-struct Progress {
-    pending: AtomicI64,
-    /// Unix ms since which messages have waited with no delivery in
-    /// between; 0 while nothing waits or the last report was a delivery.
-    waiting_since: AtomicI64,
+struct Progress(std::sync::Mutex<Stretch>);
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Stretch {
+    /// Answers from the broker so far: the supervisor's proof of progress
+    /// between two rebuilds.
+    answers: u64,
+    pending: i64,
+    /// Unanswered time with messages pending, in ms, up to `since`.
+    unanswered_ms: i64,
+    /// Unix ms since which messages have waited with no answer; `None`
+    /// while nothing waits.
+    since: Option<i64>,
 }
 
 impl Progress {
-    fn sent(&self) {
-        self.pending.fetch_add(1, Ordering::Relaxed);
-        let _ =
-            self.waiting_since
-                .compare_exchange(0, now_ms(), Ordering::Relaxed, Ordering::Relaxed);
+    fn with<T>(&self, f: impl FnOnce(&mut Stretch) -> T) -> T {
+        f(&mut self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn sent(&self, now: i64) {
+        self.with(|s| {
+            s.pending += 1;
+            s.since.get_or_insert(now);
+        });
     }
 
     /// Refused before it was handed over (a full queue waits on the
     /// messages before it, which keep the stretch open).
-    fn not_sent(&self) {
-        if self.pending.fetch_sub(1, Ordering::Relaxed) == 1 {
-            self.waiting_since.store(0, Ordering::Relaxed);
-        }
+    fn not_sent(&self, now: i64) {
+        self.with(|s| s.settle(false, now));
     }
 
     /// One delivery report. `answered`: delivered, or refused by the broker
     /// for the message's own sake (the broker answered); a timeout or a
     /// transport failure is no progress.
-    fn reported(&self, answered: bool) {
-        let left = self.pending.fetch_sub(1, Ordering::Relaxed) - 1;
-        if answered {
-            // Progress: the clock starts again, or stops if nothing waits.
-            self.waiting_since
-                .store(if left > 0 { now_ms() } else { 0 }, Ordering::Relaxed);
-        }
+    fn reported(&self, answered: bool, now: i64) {
+        self.with(|s| s.settle(answered, now));
     }
 
     /// A new client gets a whole window of its own.
-    fn restart(&self) {
-        if self.waiting_since.load(Ordering::Relaxed) != 0 {
-            self.waiting_since.store(now_ms(), Ordering::Relaxed);
+    fn restart(&self, now: i64) {
+        self.with(|s| {
+            s.unanswered_ms = 0;
+            if s.since.is_some() {
+                s.since = Some(now);
+            }
+        });
+    }
+
+    /// How many answers the broker has given so far.
+    fn answers(&self) -> u64 {
+        self.with(|s| s.answers)
+    }
+
+    /// How long messages have waited with no answer, idle gaps left out.
+    fn stalled_ms(&self, now: i64) -> i64 {
+        self.with(|s| match s.since {
+            Some(since) if s.pending > 0 => s.unanswered_ms + (now - since).max(0),
+            _ => 0,
+        })
+    }
+}
+
+impl Stretch {
+    /// One message left the producer: answered (the stretch closes, or
+    /// starts again while others wait) or not (it goes on, and pauses if
+    /// nothing waits any more).
+    fn settle(&mut self, answered: bool, now: i64) {
+        self.pending = (self.pending - 1).max(0);
+        if answered {
+            self.answers += 1;
+            self.unanswered_ms = 0;
+            self.since = (self.pending > 0).then_some(now);
+        } else if self.pending == 0
+            && let Some(since) = self.since.take()
+        {
+            self.unanswered_ms += (now - since).max(0);
         }
     }
 }
@@ -274,7 +316,7 @@ impl Producer {
     /// How long messages have waited with not one delivered; zero while
     /// the producer is idle or delivering.
     pub fn stalled_for(&self) -> Duration {
-        super::watchdog::elapsed(&self.progress.waiting_since)
+        Duration::from_millis(u64::try_from(self.progress.stalled_ms(now_ms())).unwrap_or(0))
     }
 
     /// Replaces the client for every clone. The old one is destroyed on
@@ -288,54 +330,71 @@ impl Producer {
             &mut *self.inner.write().unwrap_or_else(|e| e.into_inner()),
             new,
         );
-        self.progress.restart();
+        self.progress.restart(now_ms());
         drop(old);
         Ok(())
     }
 
     /// Rebuilds the client whenever it has delivered nothing for
-    /// `kafka.consumer_stall_secs` while the broker answers a fresh client
-    /// for as long; gives up (the process exits, to be restarted) after
-    /// [`super::watchdog::MAX_REBUILDS_IN_A_ROW`] rebuilds with no delivery
-    /// in between.
+    /// `kafka.consumer_stall_secs` while the cluster took writes from a
+    /// fresh client for as long ([`super::probe::BrokerProbe::writable_for`]:
+    /// a cluster that refuses writes, two of three brokers down, refuses a
+    /// new producer just the same). Gives up (the process exits, to be
+    /// restarted) after [`super::watchdog::MAX_REBUILDS_IN_A_ROW`] rebuilds
+    /// with no answer from the broker in between.
     pub fn supervise(&self, watch: super::runner::Supervision) -> crate::worker::WorkerHandle {
         let producer = self.clone();
         let stall = self.settings.consumer_stall_secs;
         watch.rebuilds.with_label_values(&["producer"]);
         crate::worker::WorkerHandle::spawn(move |stop| async move {
-            let mut in_a_row = 0;
+            let mut escalation = Escalation::new(stall, std::time::Instant::now());
+            let mut answers_at_rebuild = producer.progress.answers();
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => break,
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 }
+                // Only an answer proves a rebuild mended it: a stretch
+                // with nothing pending says nothing either way.
+                let works = producer.progress.answers() != answers_at_rebuild;
                 let stalled = producer.stalled_for();
-                if stalled.is_zero() {
-                    in_a_row = 0;
-                }
-                if stall.is_zero() || stalled < stall || watch.probe.answering_for() < stall {
-                    continue;
-                }
-                let why = format!(
-                    "nothing delivered for {}s while the broker answers a fresh client",
-                    stalled.as_secs()
-                );
-                if in_a_row >= super::watchdog::MAX_REBUILDS_IN_A_ROW {
-                    watch.liveness.give_up(format!(
-                        "the Kafka producer: {why}, after {} rebuilds",
-                        super::watchdog::MAX_REBUILDS_IN_A_ROW
-                    ));
-                    break;
-                }
-                in_a_row += 1;
-                tracing::warn!(
-                    client = "producer",
-                    reason = why,
-                    "Kafka client wedged; rebuilding it"
-                );
-                watch.rebuilds.with_label_values(&["producer"]).inc();
-                if let Err(e) = producer.rebuild() {
-                    tracing::warn!(error = format!("{e:#}"), "rebuilding the producer failed");
+                let verdict = if stall.is_zero()
+                    || stalled < stall
+                    || watch.probe.writable_for() < stall
+                {
+                    Verdict::Healthy
+                } else {
+                    Verdict::Rebuild(format!(
+                        "nothing delivered for {}s while the cluster takes writes from a fresh client",
+                        stalled.as_secs()
+                    ))
+                };
+                match escalation.check(
+                    std::time::Instant::now(),
+                    verdict,
+                    works,
+                    super::closing::stuck(),
+                ) {
+                    Act::Wait(_) => {}
+                    Act::GiveUp(why) => {
+                        watch.liveness.give_up(format!("the Kafka producer: {why}"));
+                        break;
+                    }
+                    Act::Rebuild(why) => {
+                        answers_at_rebuild = producer.progress.answers();
+                        tracing::warn!(
+                            client = "producer",
+                            reason = why,
+                            "Kafka client wedged; rebuilding it"
+                        );
+                        watch.rebuilds.with_label_values(&["producer"]).inc();
+                        if let Err(e) = producer.rebuild() {
+                            tracing::warn!(
+                                error = format!("{e:#}"),
+                                "rebuilding the producer failed"
+                            );
+                        }
+                    }
                 }
             }
         })
@@ -358,10 +417,10 @@ impl Producer {
         if let Some(h) = headers {
             record = record.headers(h);
         }
-        self.progress.sent();
+        self.progress.sent(now_ms());
         let result = self.current().send(record);
         if result.is_err() {
-            self.progress.not_sent();
+            self.progress.not_sent(now_ms());
         }
         match result {
             Ok(()) => Ok(Delivery(rx)),
@@ -428,6 +487,43 @@ impl Future for Delivery {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_time_with_messages_pending_and_no_answer_counts_as_a_stall() {
+        let p = Progress::default();
+        // A last publish that timed out, and nothing sent after it.
+        p.sent(1_000);
+        p.reported(false, 6_000);
+        assert_eq!(p.stalled_ms(60_000), 0, "idle, however long after");
+        assert_eq!(p.stalled_ms(600_000), 0);
+        // The next send resumes the stretch: 5 s before, 3 s now.
+        p.sent(600_000);
+        assert_eq!(p.stalled_ms(603_000), 8_000);
+        // A delivery closes it.
+        p.reported(true, 603_500);
+        assert_eq!(p.stalled_ms(700_000), 0);
+        // Two pending: one answered restarts the clock for the other.
+        p.sent(700_000);
+        p.sent(700_100);
+        p.reported(true, 702_000);
+        assert_eq!(p.stalled_ms(703_000), 1_000);
+        p.reported(false, 704_000);
+        assert_eq!(p.stalled_ms(900_000), 0, "nothing waits");
+        // A refusal before the hand-over (queue full) with nothing else
+        // pending leaves nothing waiting either.
+        p.sent(1_000_000);
+        p.not_sent(1_000_000);
+        assert_eq!(p.stalled_ms(1_100_000), 0);
+    }
+
+    #[test]
+    fn a_new_client_gets_a_whole_window() {
+        let p = Progress::default();
+        p.sent(0);
+        assert_eq!(p.stalled_ms(30_000), 30_000);
+        p.restart(30_000);
+        assert_eq!(p.stalled_ms(31_000), 1_000);
+    }
 
     #[test]
     fn only_refusals_of_the_message_itself_count_as_attempts() {

@@ -9,7 +9,7 @@
 //! before the watermarks were read has its order row, and one still open is
 //! an orphan (a crash between the script and the publish).
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,7 +36,25 @@ pub struct GroupProgress {
     /// Unix ms of the last client made anew for a partition without a
     /// leader (see [`GroupProgress::sample`]).
     renewed_at: AtomicI64,
+    /// Rebuilds by [`GroupProgress::heal`] with no sample answered since.
+    heals_in_a_row: AtomicU32,
+    /// The topic's end offsets as read at moments of the caller's clock
+    /// ([`GroupProgress::applied_before`]), oldest first.
+    marks: Mutex<std::collections::VecDeque<Mark>>,
 }
+
+/// The topic's end offset of each partition, read at `at_ms`.
+#[derive(Debug, Clone)]
+struct Mark {
+    at_ms: i64,
+    ends: Vec<(i32, i64)>,
+}
+
+/// `(partition, offset)` of each partition of a topic, in partition order.
+type Offsets = Vec<(i32, i64)>;
+
+/// How many marks are kept: the proof looks back this many calls.
+const MARKS_KEPT: usize = 32;
 
 impl GroupProgress {
     /// For consumer group `group` on `topic`. Connects on first use.
@@ -49,6 +67,8 @@ impl GroupProgress {
             timeout: kafka.timeout_ms.max(Duration::from_millis(100)),
             failing_since: AtomicI64::new(0),
             renewed_at: AtomicI64::new(0),
+            heals_in_a_row: AtomicU32::new(0),
+            marks: Mutex::new(std::collections::VecDeque::new()),
         })
     }
 
@@ -69,11 +89,25 @@ impl GroupProgress {
 
     /// Rebuilds this client when its samples have failed for `stall` while
     /// the broker answered a fresh client as long: it wedged like any
-    /// other long-lived client can. The old one is destroyed on the
-    /// blocking pool.
+    /// other long-lived client can. The old one is destroyed on a thread
+    /// of its own. After [`super::watchdog::MAX_REBUILDS_IN_A_ROW`] such
+    /// rebuilds with no sample answered in between, the process gives up,
+    /// to be restarted, as for any other client.
     pub fn heal(&self, supervision: &super::runner::Supervision, stall: Duration) {
         let failing_for = super::watchdog::elapsed(&self.failing_since);
         if stall.is_zero() || failing_for < stall || supervision.probe.answering_for() < stall {
+            return;
+        }
+        let in_a_row = self.heals_in_a_row.load(Ordering::Relaxed);
+        let stuck = super::closing::stuck();
+        if in_a_row >= super::watchdog::MAX_REBUILDS_IN_A_ROW || stuck >= super::closing::MAX_STUCK
+        {
+            supervision.liveness.give_up(format!(
+                "the Kafka progress client of {}: its samples failed for {}s while the broker \
+                 answers a fresh client, after {in_a_row} rebuilds ({stuck} Kafka clients stuck closing)",
+                self.group,
+                failing_for.as_secs()
+            ));
             return;
         }
         let new = match Self::client(&self.kafka, &self.group) {
@@ -93,6 +127,7 @@ impl GroupProgress {
             "Kafka progress client wedged (its queries fail while a fresh client gets answers); rebuilding it"
         );
         supervision.rebuilds.with_label_values(&["progress"]).inc();
+        self.heals_in_a_row.fetch_add(1, Ordering::Relaxed);
         self.replace_client(new);
         // A new client gets a whole window of its own.
         self.failing_since.store(now_ms(), Ordering::Relaxed);
@@ -118,6 +153,9 @@ impl GroupProgress {
             .await
             .context("Kafka progress task failed")?;
         super::watchdog::holds_since(&self.failing_since, result.is_err(), now_ms());
+        if result.is_ok() {
+            self.heals_in_a_row.store(0, Ordering::Relaxed);
+        }
         if let Err(e) = &result {
             self.renew_after_failure(e);
         }

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use super::Producer;
 use super::closing::OffThread;
 use super::progress::GroupProgress;
-use super::watchdog::{Health, Registry, StallTracker, Verdict, WatchedContext, verdict};
+use super::watchdog::{Act, Escalation, Health, Registry, StallTracker, WatchedContext, verdict};
 use crate::config::KafkaSettings;
 use crate::worker::WorkerHandle;
 
@@ -174,16 +174,19 @@ async fn supervise<H: Handler>(
     // take seconds while the broker is away).
     let waiting = Arc::new(AtomicI64::new(0));
     let restarted = Arc::new(tokio::sync::Notify::new());
+    // Which client is running (one more at each rebuild), and the latest
+    // one a sample begun in its time saw the group move forward under.
+    let marks = Arc::new(Marks::new());
     let sampler = tokio::spawn(sample(
         progress.clone(),
         waiting.clone(),
         restarted.clone(),
+        marks.clone(),
         supervision.clone(),
         stall,
         shutdown.clone(),
     ));
-    // Rebuilds with no progress in between.
-    let mut in_a_row = 0;
+    let mut escalation = Escalation::new(stall, Instant::now());
     let mut client = Some(first);
     while !shutdown.is_cancelled() {
         let consumer = match client.take() {
@@ -216,32 +219,36 @@ async fn supervise<H: Handler>(
             busy_since: &busy_since,
             supervision: &supervision,
             health: &health,
+            marks: &marks,
         };
-        let rebuild = watch
-            .until_rebuild(&mut running, &consumer, &mut in_a_row)
+        let act = watch
+            .until_rebuild(&mut running, &consumer, &mut escalation)
             .await;
-        match rebuild {
-            Some(why) if in_a_row >= super::watchdog::MAX_REBUILDS_IN_A_ROW => {
-                supervision.liveness.give_up(format!(
-                    "the {group} consumer: {why}, after {in_a_row} rebuilds"
-                ));
+        match act {
+            Some(Act::GiveUp(why)) => {
+                supervision
+                    .liveness
+                    .give_up(format!("the {group} consumer: {why}"));
                 // Stop consuming; the process is about to exit.
                 running.abort();
                 let _ = running.await;
                 std::mem::forget(consumer);
                 break;
             }
-            Some(why) => {
-                in_a_row += 1;
+            Some(Act::Rebuild(why)) => {
                 supervision.count_rebuild(&group, sub.group, &why);
                 running.abort();
                 let _ = running.await;
+                // The new client is judged on samples of its own time: a
+                // sample still running began under the old one.
+                marks.client.fetch_add(1, Ordering::AcqRel);
+                waiting.store(0, Ordering::Relaxed);
                 restarted.notify_one();
                 // Closing may hang on an unreachable coordinator: let it,
                 // on a thread of its own, while the new client starts.
                 drop(consumer);
             }
-            None => {
+            Some(Act::Wait(_)) | None => {
                 // Stopped: close it, committing the stored offsets and
                 // leaving the group, for as long as the group would wait.
                 stop.cancel();
@@ -260,6 +267,31 @@ async fn supervise<H: Handler>(
     drop(progress);
 }
 
+/// What tells one client's time from the next, and whether the group
+/// moved forward in it.
+#[derive(Debug)]
+struct Marks {
+    /// The running client's number: one more at each rebuild.
+    client: AtomicU64,
+    /// The number of the latest client under which a sample, begun in its
+    /// time, found the group committing or caught up; `u64::MAX` before any.
+    progressed: AtomicU64,
+}
+
+impl Marks {
+    fn new() -> Self {
+        Self {
+            client: AtomicU64::new(0),
+            progressed: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// Whether the running client has been seen making progress.
+    fn current_progressed(&self) -> bool {
+        self.progressed.load(Ordering::Acquire) == self.client.load(Ordering::Acquire)
+    }
+}
+
 /// What a running client is judged on, every second.
 struct Watch<'a> {
     stall: Duration,
@@ -269,18 +301,20 @@ struct Watch<'a> {
     busy_since: &'a AtomicI64,
     supervision: &'a Supervision,
     health: &'a Health,
+    marks: &'a Marks,
 }
 
 impl Watch<'_> {
     /// Checks the client every second until it ends (`None`: shutdown, or a
-    /// panic) or must be rebuilt (`Some(why)`). A healthy check resets
-    /// `in_a_row`, the rebuilds with no progress in between.
+    /// panic) or must be rebuilt or given up on ([`Escalation`]). The
+    /// client proves it works with its coordinator up and a sample of its
+    /// own time that found the group committing or caught up.
     async fn until_rebuild(
         &self,
         running: &mut tokio::task::JoinHandle<()>,
         consumer: &Client,
-        in_a_row: &mut u32,
-    ) -> Option<String> {
+        escalation: &mut Escalation,
+    ) -> Option<Act> {
         loop {
             tokio::select! {
                 _ = &mut *running => return None,
@@ -294,36 +328,46 @@ impl Watch<'_> {
             };
             let answering_for = self.supervision.probe.answering_for();
             let client = consumer.context().observed(answering_for);
-            match verdict(self.stall, client, waiting_for, busy) {
-                Verdict::Healthy => {
-                    self.health.set(None);
-                    *in_a_row = 0;
-                }
-                Verdict::Stalled(why) => self.health.set(Some(why)),
-                Verdict::Rebuild(why) => {
-                    self.health.set(Some(why.clone()));
-                    return Some(why);
+            let works = client.coordinator_down_for.is_zero() && self.marks.current_progressed();
+            let verdict = verdict(self.stall, client, waiting_for, busy);
+            match escalation.check(Instant::now(), verdict, works, super::closing::stuck()) {
+                Act::Wait(why) => self.health.set(why),
+                act @ (Act::Rebuild(_) | Act::GiveUp(_)) => {
+                    if let Act::Rebuild(why) | Act::GiveUp(why) = &act {
+                        self.health.set(Some(why.clone()));
+                    }
+                    return Some(act);
                 }
             }
         }
     }
 }
 
-/// Every second: how long the group has been stalled, into `waiting` (s).
+/// Every second: how long the group has been stalled, into `waiting` (s),
+/// and in `marks` whether the running client's group moved forward.
 /// The progress client is itself long-lived: when it fails while the
 /// broker answers a fresh client, it is rebuilt too.
 async fn sample(
     progress: Arc<GroupProgress>,
     waiting: Arc<AtomicI64>,
     restarted: Arc<tokio::sync::Notify>,
+    marks: Arc<Marks>,
     supervision: Supervision,
     stall: Duration,
     shutdown: CancellationToken,
 ) {
     let mut tracker = StallTracker::default();
+    let mut last_done = None;
     loop {
+        let client = marks.client.load(Ordering::Acquire);
         let sample = progress.sample().await.ok();
         progress.heal(&supervision, stall);
+        if let Some(s) = sample {
+            if s.lag <= 0 || last_done.is_some_and(|d| s.done > d) {
+                marks.progressed.store(client, Ordering::Release);
+            }
+            last_done = Some(s.done);
+        }
         let stalled = tracker.observe(sample, Instant::now());
         waiting.store(stalled.as_secs() as i64, Ordering::Relaxed);
         tokio::select! {

@@ -321,6 +321,79 @@ pub enum Verdict {
     Rebuild(String),
 }
 
+/// How one supervised client's rebuilds escalate. A new client gets a
+/// whole window before it can be blamed (its first checks still read
+/// figures of the client before it); only proof that it works resets the
+/// count of rebuilds in a row (a client that merely has not been stalled
+/// for a whole window yet proves nothing: every new one is like that);
+/// and after [`MAX_REBUILDS_IN_A_ROW`] rebuilds with no such proof, or
+/// with [`super::closing::MAX_STUCK`] old clients stuck closing, the
+/// process gives up, to be restarted, instead of rebuilding for ever.
+#[derive(Debug, Clone)]
+pub struct Escalation {
+    stall: Duration,
+    in_a_row: u32,
+    built: Instant,
+}
+
+/// What a supervisor does after one check ([`Escalation::check`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Act {
+    /// Nothing now; why the client is stalled, if it is.
+    Wait(Option<String>),
+    /// Rebuild the client, for this reason.
+    Rebuild(String),
+    /// Give up: the process exits, for this reason.
+    GiveUp(String),
+}
+
+impl Escalation {
+    /// For a client built at `now`, judged over `stall` windows.
+    pub fn new(stall: Duration, now: Instant) -> Self {
+        Self {
+            stall,
+            in_a_row: 0,
+            built: now,
+        }
+    }
+
+    /// Rebuilds so far with no proof of work in between.
+    pub fn in_a_row(&self) -> u32 {
+        self.in_a_row
+    }
+
+    /// One check at `now`: the [`verdict`], whether the running client has
+    /// proved it works, and how many old clients are stuck closing.
+    pub fn check(&mut self, now: Instant, verdict: Verdict, works: bool, stuck: usize) -> Act {
+        if works {
+            self.in_a_row = 0;
+        }
+        match verdict {
+            Verdict::Healthy => Act::Wait(None),
+            Verdict::Stalled(why) => Act::Wait(Some(why)),
+            Verdict::Rebuild(why) if now.duration_since(self.built) < self.stall => {
+                Act::Wait(Some(format!(
+                    "{why}; its client was built {}s ago and gets a whole window",
+                    now.duration_since(self.built).as_secs()
+                )))
+            }
+            Verdict::Rebuild(why)
+                if self.in_a_row >= MAX_REBUILDS_IN_A_ROW || stuck >= super::closing::MAX_STUCK =>
+            {
+                Act::GiveUp(format!(
+                    "{why}, after {} rebuilds with no progress ({stuck} Kafka clients stuck closing)",
+                    self.in_a_row
+                ))
+            }
+            Verdict::Rebuild(why) => {
+                self.in_a_row += 1;
+                self.built = now;
+                Act::Rebuild(why)
+            }
+        }
+    }
+}
+
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }
@@ -471,5 +544,79 @@ mod tests {
             ClientState::default(),
             "all clear"
         );
+    }
+
+    #[test]
+    fn a_client_that_keeps_wedging_is_given_up_on_though_each_new_one_looks_healthy_at_first() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let stall = Duration::from_secs(20);
+        let mut e = Escalation::new(stall, t0);
+        let wedged = || Verdict::Rebuild("messages waiting, nothing committed for 20s".into());
+        let mut t = 0;
+        let mut rebuilds = 0;
+        let gave_up = loop {
+            // A new client: healthy at its first checks, never working.
+            assert_eq!(
+                e.check(at(t + 1), Verdict::Healthy, false, 0),
+                Act::Wait(None)
+            );
+            t += 21;
+            match e.check(at(t), wedged(), false, 0) {
+                Act::Rebuild(_) => rebuilds += 1,
+                Act::GiveUp(why) => break why,
+                Act::Wait(w) => panic!("a whole window passed: {w:?}"),
+            }
+            assert!(rebuilds <= MAX_REBUILDS_IN_A_ROW, "rebuilt for ever");
+        };
+        assert_eq!(rebuilds, MAX_REBUILDS_IN_A_ROW);
+        assert!(gave_up.contains("3 rebuilds"), "{gave_up}");
+    }
+
+    #[test]
+    fn a_new_client_is_not_blamed_for_figures_of_the_one_before_it() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut e = Escalation::new(Duration::from_secs(20), t0);
+        let stale = || Verdict::Rebuild("messages waiting, nothing committed for 25s".into());
+        assert!(matches!(
+            e.check(at(25), stale(), false, 0),
+            Act::Rebuild(_)
+        ));
+        // A sampler stuck in a slow query still says 25 s a second later.
+        for s in 26..45 {
+            assert!(
+                matches!(e.check(at(s), stale(), false, 0), Act::Wait(Some(_))),
+                "rebuilt again {}s after the last",
+                s - 25
+            );
+        }
+        assert!(matches!(
+            e.check(at(45), stale(), false, 0),
+            Act::Rebuild(_)
+        ));
+        assert_eq!(e.in_a_row(), 2);
+    }
+
+    #[test]
+    fn proof_of_work_resets_the_count_and_stuck_closes_end_it() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut e = Escalation::new(Duration::from_secs(10), t0);
+        let wedged = || Verdict::Rebuild("group coordinator unreachable for 10s".into());
+        assert!(matches!(
+            e.check(at(10), wedged(), false, 0),
+            Act::Rebuild(_)
+        ));
+        assert!(matches!(
+            e.check(at(20), wedged(), false, 0),
+            Act::Rebuild(_)
+        ));
+        assert_eq!(e.check(at(25), Verdict::Healthy, true, 0), Act::Wait(None));
+        assert_eq!(e.in_a_row(), 0, "it worked");
+        assert!(matches!(
+            e.check(at(40), wedged(), false, super::super::closing::MAX_STUCK),
+            Act::GiveUp(_)
+        ));
     }
 }
