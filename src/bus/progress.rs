@@ -140,6 +140,95 @@ impl GroupProgress {
         Ok(self.lag().await? == 0)
     }
 
+    /// The latest moment `t` (of the caller's clock, as passed to earlier
+    /// calls and this one as `now_ms`) such that the group has committed
+    /// every message appended to the topic before `t`: each message
+    /// published before it is applied. `None` while no moment is proven.
+    ///
+    /// Unlike [`GroupProgress::caught_up`], this needs no instant with
+    /// nothing waiting: under a steady sale the group is never at the end,
+    /// but it passes the ends read one call ago. Each call reads the ends
+    /// and the commits once, keeps the ends as a mark of `now_ms`, and
+    /// finds the latest mark the commits have passed. Runs on the blocking
+    /// pool.
+    pub async fn applied_before(self: &Arc<Self>, now_ms: i64) -> anyhow::Result<Option<i64>> {
+        let this = self.clone();
+        let (ends, committed) = tokio::task::spawn_blocking(move || this.offsets_blocking())
+            .await
+            .context("Kafka progress task failed")??;
+        let mut marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+        marks.push_back(Mark {
+            at_ms: now_ms,
+            ends,
+        });
+        while marks.len() > MARKS_KEPT {
+            marks.pop_front();
+        }
+        let passed = |m: &Mark| {
+            m.ends
+                .iter()
+                .all(|&(p, end)| committed.iter().any(|&(q, done)| q == p && done >= end))
+        };
+        let Some(i) = marks.iter().rposition(passed) else {
+            return Ok(None);
+        };
+        let at = marks[i].at_ms;
+        // Older marks are proven by this one; keep it and what follows.
+        marks.drain(..i);
+        Ok(Some(at))
+    }
+
+    /// The end offset and the committed offset of each partition, ends
+    /// first (commits only move forward, so the pair errs towards "behind").
+    fn offsets_blocking(&self) -> anyhow::Result<(Offsets, Offsets)> {
+        let client = self.current();
+        for _ in 0..1000 {
+            if client.poll(Duration::ZERO).is_none() {
+                break;
+            }
+        }
+        let metadata = client
+            .fetch_metadata(Some(&self.topic), self.timeout)
+            .context("fetching topic metadata")?;
+        let partitions: Vec<i32> = metadata
+            .topics()
+            .iter()
+            .flat_map(|t| t.partitions())
+            .map(|p| p.id())
+            .collect();
+        anyhow::ensure!(
+            !partitions.is_empty(),
+            "topic {} has no partitions",
+            self.topic
+        );
+        let mut ends = Vec::with_capacity(partitions.len());
+        let mut lows = Vec::with_capacity(partitions.len());
+        let mut tpl = TopicPartitionList::new();
+        for &p in &partitions {
+            let (low, high) = client
+                .fetch_watermarks(&self.topic, p, self.timeout)
+                .with_context(|| format!("watermarks of {}[{p}]", self.topic))?;
+            ends.push((p, high));
+            lows.push((p, low));
+            tpl.add_partition(&self.topic, p);
+        }
+        let committed = client
+            .committed_offsets(tpl, self.timeout)
+            .context("fetching the group's committed offsets")?;
+        let done = lows
+            .into_iter()
+            .map(|(p, low)| {
+                let done = match committed.find_partition(&self.topic, p).map(|e| e.offset()) {
+                    Some(Offset::Offset(o)) => o.max(low),
+                    // Nothing committed: the group starts at the log's start.
+                    _ => low,
+                };
+                (p, done)
+            })
+            .collect();
+        Ok((ends, done))
+    }
+
     /// Messages on the topic the group has not committed yet (Σ over
     /// partitions of end offset − committed offset). Runs on the blocking pool.
     pub async fn lag(self: &Arc<Self>) -> anyhow::Result<i64> {
@@ -200,49 +289,10 @@ impl GroupProgress {
     }
 
     fn sample_blocking(&self) -> anyhow::Result<Sample> {
-        let client = self.current();
-        // Never subscribed, so nothing but client errors (a broker down)
-        // queues up here; drain them so they do not pile up between calls.
-        for _ in 0..1000 {
-            if client.poll(Duration::ZERO).is_none() {
-                break;
-            }
-        }
-        let metadata = client
-            .fetch_metadata(Some(&self.topic), self.timeout)
-            .context("fetching topic metadata")?;
-        let partitions: Vec<i32> = metadata
-            .topics()
-            .iter()
-            .flat_map(|t| t.partitions())
-            .map(|p| p.id())
-            .collect();
-        anyhow::ensure!(
-            !partitions.is_empty(),
-            "topic {} has no partitions",
-            self.topic
-        );
-        // Ends first, commits second: commits only move forward, so the
-        // figure can only err towards "behind".
-        let mut ends = Vec::with_capacity(partitions.len());
-        let mut tpl = TopicPartitionList::new();
-        for &p in &partitions {
-            let (low, high) = client
-                .fetch_watermarks(&self.topic, p, self.timeout)
-                .with_context(|| format!("watermarks of {}[{p}]", self.topic))?;
-            ends.push((p, low, high));
-            tpl.add_partition(&self.topic, p);
-        }
-        let committed = client
-            .committed_offsets(tpl, self.timeout)
-            .context("fetching the group's committed offsets")?;
+        let (ends, committed) = self.offsets_blocking()?;
         let mut sample = Sample { lag: 0, done: 0 };
-        for (p, low, high) in ends {
-            let done = match committed.find_partition(&self.topic, p).map(|e| e.offset()) {
-                Some(Offset::Offset(o)) => o.max(low),
-                // Nothing committed: the group starts at the log's start.
-                _ => low,
-            };
+        for ((p, high), (q, done)) in ends.into_iter().zip(committed) {
+            debug_assert_eq!(p, q, "both in partition order");
             sample.lag += (high - done).max(0);
             sample.done += done;
         }

@@ -15,6 +15,7 @@
 //! is already released.
 
 mod coupons;
+pub mod lease;
 pub mod repairs;
 mod restore;
 mod void;
@@ -237,40 +238,14 @@ impl Reconciler {
         // every repair (a restore of a Redis lost meanwhile among them)
         // until it expires. The renewal keeps a long run holding it.
         let ttl = self.settings.reconcile.lease_secs.unwrap_or(DEFAULT_LEASE);
-        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
-        if !self.notes.try_lease(LEASE, &self.owner, ttl_ms).await? {
+        let Some(lease) = lease::Held::take(&self.notes, LEASE, &self.owner, ttl).await? else {
             return Ok(None);
-        }
-        let held = Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let renewing = {
-            let (notes, owner, held) = (self.notes.clone(), self.owner.clone(), held.clone());
-            tokio::spawn(async move {
-                let every = ttl / 3;
-                let mut renewed = std::time::Instant::now();
-                loop {
-                    tokio::time::sleep(every).await;
-                    match notes.try_lease(LEASE, &owner, ttl_ms).await {
-                        Ok(true) => renewed = std::time::Instant::now(),
-                        Ok(false) => break,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "reconcile lease not renewed");
-                            if renewed.elapsed() >= ttl {
-                                break;
-                            }
-                        }
-                    }
-                }
-                held.store(false, std::sync::atomic::Ordering::Release);
-            })
         };
-        let reports = self.run_holding_the_lease(&held).await;
-        renewing.abort();
+        let reports = self.run_holding_the_lease(&lease).await;
         if let Ok(reports) = &reports {
             self.keep_the_report(reports).await;
         }
-        if let Err(e) = self.notes.end_lease(LEASE, &self.owner).await {
-            tracing::debug!(error = %e, "reconcile lease not given back; it expires");
-        }
+        lease.end().await;
         reports.map(Some)
     }
 
@@ -312,10 +287,7 @@ impl Reconciler {
         Ok(Some(serde_json::from_str(&json)?))
     }
 
-    async fn run_holding_the_lease(
-        &self,
-        held: &std::sync::atomic::AtomicBool,
-    ) -> anyhow::Result<Vec<Report>> {
+    async fn run_holding_the_lease(&self, lease: &lease::Held) -> anyhow::Result<Vec<Report>> {
         let ids = store::run(&self.db, |conn| {
             Ok(crate::activities::repo::to_reconcile(conn)?)
         })
@@ -328,42 +300,72 @@ impl Reconciler {
         let mut reports = Vec::with_capacity(ids.len());
         for a in ids {
             anyhow::ensure!(
-                held.load(std::sync::atomic::Ordering::Acquire),
+                lease.holds(),
                 "the reconcile lease was lost mid-run; stopping before activity {}",
                 a.id
             );
-            let (id, layout, end_at) = (a.id, a.layout, a.end_at);
-            let mut warm = self.gate.is_warm(id).await?;
-            if warm && !self.repairs().shards_warm(id, layout).await? {
-                // A shard lost alone: what the other shards hold cannot be
-                // trusted beside it, so the activity is restored whole.
-                self.repairs().remove_activity(id, layout).await?;
-                self.count("repair", "lost_shard_keys_dropped");
-                tracing::warn!(
-                    activity_id = %id,
-                    "a shard of the activity is gone from Redis: its other keys are dropped, \
-                     to be restored from the database"
-                );
-                warm = false;
+            // One activity that fails (a shard's master away, a poisoned
+            // row) is reported and left to the next run; the others, and
+            // the coupons after them, are reconciled all the same.
+            let id = a.id;
+            match self.one_activity(a, &cutoff, cleanup_after).await {
+                Ok(report) => reports.push(report),
+                Err(e) => {
+                    tracing::warn!(activity_id = %id, error = format!("{e:#}"), "reconciling an activity failed; the others go on");
+                    self.count("difference", "activity_failed");
+                    let mut report = Report::new(id);
+                    report.consistent = false;
+                    report
+                        .differences
+                        .push(format!("not reconciled this run: {e:#}"));
+                    reports.push(report);
+                }
             }
-            if warm && a.mode != Mode::Redis {
-                warm = self.back_from_fallback(id, layout, a.mode).await?;
-            }
-            if !warm {
-                reports.push(self.restore(id, &cutoff).await?);
-                continue;
-            }
-            let mut report = self.activity(id, layout, &cutoff).await?;
-            if self.clock.now() > end_at + cleanup_after && report.consistent {
-                self.clean_up(id, layout, &mut report).await?;
-            }
-            reports.push(report);
         }
+        anyhow::ensure!(
+            lease.holds(),
+            "the reconcile lease was lost mid-run; stopping before the coupons"
+        );
         let waiting = self.restore_coupons().await?;
         if !waiting.is_empty() {
             tracing::debug!(coupons = ?waiting, "lost coupon batches wait for their restore");
         }
         Ok(reports)
+    }
+
+    /// One activity's reconciliation: its restore when Redis lost it, else
+    /// its check, repairs and (once ended and settled) its clean-up.
+    async fn one_activity(
+        &self,
+        a: crate::activities::repo::ToReconcile,
+        cutoff: &Cutoff,
+        cleanup_after: chrono::Duration,
+    ) -> anyhow::Result<Report> {
+        let (id, layout, end_at) = (a.id, a.layout, a.end_at);
+        let mut warm = self.gate.is_warm(id).await?;
+        if warm && !self.repairs().shards_warm(id, layout).await? {
+            // A shard lost alone: what the other shards hold cannot be
+            // trusted beside it, so the activity is restored whole.
+            self.repairs().remove_activity(id, layout).await?;
+            self.count("repair", "lost_shard_keys_dropped");
+            tracing::warn!(
+                activity_id = %id,
+                "a shard of the activity is gone from Redis: its other keys are dropped, \
+                 to be restored from the database"
+            );
+            warm = false;
+        }
+        if warm && a.mode != Mode::Redis {
+            warm = self.back_from_fallback(id, layout, a.mode).await?;
+        }
+        if !warm {
+            return self.restore(id, cutoff).await;
+        }
+        let mut report = self.activity(id, layout, cutoff).await?;
+        if self.clock.now() > end_at + cleanup_after && report.consistent {
+            self.clean_up(id, layout, &mut report).await?;
+        }
+        Ok(report)
     }
 
     /// Redis answers again for an activity admitted through the database

@@ -20,8 +20,8 @@ use crate::store;
 impl Reconciler {
     /// Voids open reservations no order event will back (SPEC step 4):
     /// unacknowledged ones neither made nor sent within the publish window
-    /// once the order consumers have provably applied every published
-    /// event, else those older than the grace. An acknowledged reservation
+    /// before a moment by which the order consumers have provably applied
+    /// every published event; none without that proof. An acknowledged reservation
     /// is never voided: if the consumers have provably applied everything
     /// and it is still open, its row decides, and without a row the broker
     /// lost its event, which is published again.
@@ -32,6 +32,9 @@ impl Reconciler {
         cutoff: &Cutoff,
         report: &mut Report,
     ) -> anyhow::Result<()> {
+        if !cutoff.proven {
+            return Ok(());
+        }
         for order_no in self
             .repairs()
             .open_before(activity_id, layout, cutoff.before_ms)
@@ -47,10 +50,8 @@ impl Reconciler {
                 continue;
             };
             if r.acked && r.is_open() {
-                if cutoff.proven {
-                    self.settle_acknowledged(activity_id, order_no, layout, &r, report)
-                        .await?;
-                }
+                self.settle_acknowledged(activity_id, order_no, layout, &r, report)
+                    .await?;
                 continue;
             }
             match self
@@ -152,34 +153,33 @@ impl Reconciler {
         Ok(())
     }
 
-    /// The grace, or the much shorter publish window when the order
-    /// consumers have committed every partition to its end. `now` is read
-    /// before the offsets, so every event that reached the broker before it
-    /// is among those proven applied.
+    /// What may be voided: reservations neither made nor sent within the
+    /// publish window (and the grace) before the latest moment by which
+    /// the order consumers have provably applied every published event
+    /// ([`crate::bus::progress::GroupProgress::applied_before`]: under a
+    /// steady sale, the moment of an earlier run whose end offsets the
+    /// group has committed past since). Nothing is voided without that
+    /// proof: an accepted purchase whose acknowledgement was never
+    /// recorded looks like an orphan, and only the consumers having gone
+    /// past its event tells the two apart.
     pub(super) async fn void_cutoff(&self) -> Cutoff {
         let r = &self.settings.reconcile;
         let now = self.clock.now_ms();
         let secs = crate::clock::millis;
-        let grace = Cutoff {
-            at_ms: now,
-            before_ms: now - secs(r.reservation_grace_secs),
-            because: "older than the grace",
-            proven: false,
-        };
-        match self.progress.caught_up().await {
-            Ok(true) => Cutoff {
-                at_ms: now,
-                before_ms: now - secs(r.publish_window_secs.min(r.reservation_grace_secs)),
-                because: "the order consumers have applied every published event",
+        match self.progress.applied_before(now).await {
+            Ok(Some(at)) => Cutoff {
+                at_ms: at,
+                before_ms: at - secs(r.publish_window_secs.min(r.reservation_grace_secs)),
+                because: "the order consumers have applied every published event up to then",
                 proven: true,
             },
-            Ok(_) => grace,
+            Ok(None) => Cutoff::unproven(now),
             Err(e) => {
                 tracing::debug!(
                     error = format!("{e:#}"),
-                    "consumer progress unknown; using the grace"
+                    "consumer progress unknown; nothing is voided"
                 );
-                grace
+                Cutoff::unproven(now)
             }
         }
     }
@@ -195,4 +195,16 @@ pub(super) struct Cutoff {
     /// The order consumers have applied every event published before
     /// `at_ms`.
     pub(super) proven: bool,
+}
+
+impl Cutoff {
+    /// No proof: nothing is old enough to void.
+    fn unproven(now: i64) -> Self {
+        Self {
+            at_ms: now,
+            before_ms: i64::MIN,
+            because: "the order consumers have not provably applied anything yet",
+            proven: false,
+        }
+    }
 }

@@ -250,7 +250,9 @@ async fn a_reservation_no_event_backs_is_voided_and_a_late_event_cannot_revive_i
     assert_eq!(first["repaired"], json!([]), "{first}");
     app.clock.advance(Duration::from_millis(1200));
 
-    let second = report(&reconcile(&app).await, activity);
+    // Voided once a run proves the consumers went past every event (the
+    // offsets are committed a moment after the batch).
+    let second = reconcile_until_repaired(&app, activity).await;
     assert!(
         second["repaired"][0]
             .as_str()
@@ -880,7 +882,7 @@ async fn a_run_longer_than_its_lease_keeps_the_lease() {
     tokio::task::spawn_blocking(move || holding.recv().unwrap())
         .await
         .unwrap();
-    let key = format!("{}lease:reconcile", app.settings.redis.key_prefix);
+    let key = format!("{}{{lease:reconcile}}", app.settings.redis.key_prefix);
     let mut redis = app.redis();
     let run = reconcile(&app);
     let check = async {
@@ -899,4 +901,91 @@ async fn a_run_longer_than_its_lease_keeps_the_lease() {
         "the lease ran out under a run still going (a second instance could reconcile)"
     );
     assert!(report["activities"].is_array(), "{report}");
+}
+
+#[tokio::test]
+async fn a_lease_dropped_mid_run_is_given_back_and_a_newer_holder_fences_the_older() {
+    let app = spawn_app_with(only_reconciled_by_hand).await;
+    let notes = seckill::store::notes::Notes::new(&app.settings.redis).unwrap();
+    let ttl = Duration::from_secs(2);
+    let held = seckill::reconcile::lease::Held::take(&notes, "reconcile", "mine", ttl)
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(
+        seckill::reconcile::lease::Held::take(&notes, "reconcile", "yours", ttl)
+            .await
+            .unwrap()
+            .is_none(),
+        "one holder at a time"
+    );
+    let first = held.token();
+    // Its future dropped (the run cancelled): the lease goes back.
+    drop(held);
+    let again = eventually(
+        "the dropped holding gave the lease back",
+        Duration::from_secs(10),
+        || {
+            let notes = &notes;
+            async move {
+                seckill::reconcile::lease::Held::take(notes, "reconcile", "yours", ttl)
+                    .await
+                    .unwrap()
+            }
+        },
+    )
+    .await;
+    assert!(again.token() > first, "each holding has a larger token");
+    // Held past three lifetimes: renewed, never lost.
+    tokio::time::sleep(3 * ttl).await;
+    assert!(again.holds());
+    again.end().await;
+}
+
+#[tokio::test]
+async fn an_accepted_purchase_whose_acknowledgement_was_lost_is_never_voided_while_the_consumers_are_away()
+ {
+    // Its event is on the broker, but the write of its acknowledgement
+    // never reached the reservation: to the reconciler it looks like an
+    // orphan. The consumers stay away long past the grace and the publish
+    // window (a group rebuilt over and over). Without proof that they
+    // went past its event, it must not be voided.
+    let app = spawn_app_with(|s| {
+        only_reconciled_by_hand(s);
+        crate::helpers::without_order_consumer(s);
+        s.reconcile.reservation_grace_secs = Duration::from_secs(1);
+    })
+    .await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let order_no = 777_000_301;
+    orphan(&app, activity, 2, order_no).await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let layout = seckill::admission::Layout::single(1);
+    let r = gate
+        .reservation(ActivityId::new(activity), layout, order_no)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!r.acked);
+    let payload = r.event(ActivityId::new(activity), order_no).encode();
+    crate::delivery::produce(&app, None, &order_no.to_string(), &payload).await;
+
+    app.clock.advance(Duration::from_secs(120));
+    for _ in 0..2 {
+        let r = report(&reconcile(&app).await, activity);
+        assert!(!r["repaired"].to_string().contains("voided"), "{r}");
+    }
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["reservations_open"], 1, "{stats}");
+    assert_eq!(stats["orders"]["FAILED"], 0, "{stats}");
+
+    // The consumers come back: the order is created, never FAILED.
+    let deps = seckill::orders::consumer::ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let consumer = seckill::orders::consumer::spawn(deps).unwrap();
+    app.drained(activity, 1).await;
+    assert_eq!(
+        app.order_status(2, &order_no.to_string()).await,
+        "WAITING_PAY"
+    );
+    consumer.stop().await;
 }

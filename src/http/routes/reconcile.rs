@@ -23,20 +23,31 @@ use crate::state::AppState;
     ))]
 pub async fn run(_admin: AdminUser, state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let reconciler = state.reconciler();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match reconciler.run().await.map_err(ApiError::unavailable)? {
-            Some(activities) => return Ok(HttpResponse::Ok().json(Reconciled { activities })),
-            None if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            None => {
-                return Err(ApiError::new(
-                    ErrorCode::RetryLater,
-                    "another instance is reconciling; retry shortly",
-                ));
+    // On a task of its own: a client that hangs up drops this request's
+    // future, and a run dropped halfway would leave its work half done.
+    // The run ends as it would have; only its answer goes unheard.
+    let running = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match reconciler.run().await? {
+                Some(activities) => return Ok(Some(activities)),
+                None if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                None => return Ok::<_, anyhow::Error>(None),
             }
         }
+    });
+    match running
+        .await
+        .map_err(|e| ApiError::unavailable(anyhow::anyhow!(e)))?
+    {
+        Ok(Some(activities)) => Ok(HttpResponse::Ok().json(Reconciled { activities })),
+        Ok(None) => Err(ApiError::new(
+            ErrorCode::RetryLater,
+            "another instance is reconciling; retry shortly",
+        )),
+        Err(e) => Err(ApiError::unavailable(e)),
     }
 }
 
