@@ -283,6 +283,11 @@ pub struct AppSettings {
     /// How long a graceful shutdown waits for in-flight requests, in seconds.
     #[serde(deserialize_with = "duration::secs")]
     pub shutdown_timeout_secs: Duration,
+    /// Whether the environment was named (`SECKILL_ENV` set, or a test's
+    /// own); false when `development` was assumed for want of a name.
+    /// An assumed development never serves beyond loopback.
+    #[serde(default)]
+    pub env_named: bool,
 }
 
 /// The environment a process runs in (`app.env`, named by `SECKILL_ENV`).
@@ -477,18 +482,26 @@ pub struct LogSettings {
 impl Settings {
     /// Loads the layers for the environment named by `SECKILL_ENV`.
     pub fn load() -> anyhow::Result<Self> {
-        let env = std::env::var("SECKILL_ENV").unwrap_or_else(|_| "development".into());
-        Self::load_env(&env)
+        match std::env::var("SECKILL_ENV") {
+            Ok(env) => Self::load_env(&env),
+            // Unnamed: development, for the README's two commands on a
+            // developer's machine, and never beyond loopback (validate).
+            Err(_) => Self::load_layers("development", false),
+        }
     }
 
     /// Loads `default.toml`, then `<env>.toml`, then `SECKILL__*` variables,
     /// from the folder in `SECKILL_CONFIG_DIR` (default `config`).
     pub fn load_env(env: &str) -> anyhow::Result<Self> {
+        Self::load_layers(env, true)
+    }
+
+    fn load_layers(env: &str, named: bool) -> anyhow::Result<Self> {
         let dir = config_dir();
         // The environment is the one named, whether or not a file of its
         // own exists: `staging` without config/staging.toml is staging, not
         // the development that default.toml describes.
-        let named = format!("[app]\nenv = {env:?}\n");
+        let named = format!("[app]\nenv = {env:?}\nenv_named = {named}\n");
         let settings: Settings = config::Config::builder()
             .add_source(config::File::from(dir.join("default.toml")))
             .add_source(config::File::from(dir.join(format!("{env}.toml"))).required(false))
@@ -572,6 +585,16 @@ impl Settings {
 
     /// Refuses settings that would run but be unsafe or wrong.
     pub fn validate(&self) -> anyhow::Result<()> {
+        if !self.app.env_named && !is_loopback(&self.app.host) {
+            bail!(
+                "app.host is {:?}, beyond loopback, and SECKILL_ENV is not set: an unnamed \
+                 environment is development (its published JWT secret, the mock payment \
+                 provider and the admin-minting /api/v1/dev/token), which must never face a \
+                 network. Set SECKILL_ENV=production with its secrets, or \
+                 SECKILL_ENV=development to say that this is what you want",
+                self.app.host
+            );
+        }
         if !self.allows_development_conveniences() {
             let problems = self.production_problems();
             if !problems.is_empty() {
@@ -692,6 +715,16 @@ impl Settings {
         }
         self.waiting_room.check()
     }
+}
+
+/// Whether `host` names this machine only: a loopback address, or
+/// `localhost`.
+fn is_loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 fn config_dir() -> PathBuf {

@@ -136,3 +136,29 @@ fn debug_output_never_shows_secrets() {
     assert!(!printed.contains(DEV_JWT_SECRET));
     assert!(!printed.contains("seckill:seckill@"));
 }
+
+#[test]
+fn an_unnamed_environment_serves_on_loopback_only() {
+    let mut s = settings("development", DEV_JWT_SECRET);
+    s.app.env_named = false;
+    for host in ["127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"] {
+        s.app.host = host.into();
+        assert!(s.validate().is_ok(), "{host}");
+    }
+    for host in ["0.0.0.0", "::", "10.0.0.5", "seckill.internal"] {
+        s.app.host = host.into();
+        let err = s.validate().expect_err(host).to_string();
+        assert!(
+            err.contains("SECKILL_ENV") && err.contains("loopback"),
+            "{host}: {err}"
+        );
+    }
+    // Named, development may bind anywhere: the operator said so.
+    s.app.env_named = true;
+    assert!(s.validate().is_ok());
+}
+
+#[test]
+fn an_environment_loaded_by_name_is_named() {
+    assert!(Settings::load_env("test").unwrap().app.env_named);
+}

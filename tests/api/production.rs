@@ -82,13 +82,23 @@ fn the_compose_files_environment_starts_in_production_as_written() {
 /// `SECKILL_ENV=NAME seckill serve` with the development defaults and
 /// nothing else: refused before anything starts.
 fn serve_in(env: &str) -> std::process::Output {
+    serve_with(Some(env), &[])
+}
+
+/// `seckill serve` with `SECKILL_ENV` set to `env` (unset: `None`), the
+/// development defaults and `vars`.
+fn serve_with(env: Option<&str>, vars: &[(&str, &str)]) -> std::process::Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_seckill"));
-    cmd.arg("serve").env("SECKILL_ENV", env);
+    cmd.arg("serve").env_remove("SECKILL_ENV");
+    if let Some(env) = env {
+        cmd.env("SECKILL_ENV", env);
+    }
     for (key, _) in std::env::vars().filter(|(k, _)| k.starts_with("SECKILL__")) {
         cmd.env_remove(key);
     }
     // Were it to start, it would not take a port of the other tests.
     cmd.env("SECKILL__APP__PORT", "0");
+    cmd.envs(vars.iter().copied());
     let mut child = cmd
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -121,5 +131,21 @@ fn any_environment_but_development_and_test_refuses_the_development_defaults() {
             assert!(err.contains(name), "{env}: {err}");
         }
         assert!(err.contains(&format!("SECKILL_ENV={env}")), "{env}: {err}");
+    }
+}
+
+#[test]
+fn a_server_without_a_named_environment_refuses_to_face_a_network() {
+    // No SECKILL_ENV: development is assumed, with its published secret
+    // and the admin-minting dev token route. Bound beyond loopback, it
+    // must not start.
+    for host in ["0.0.0.0", "::"] {
+        let out = serve_with(None, &[("SECKILL__APP__HOST", host)]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{host}: started: {err}");
+        assert!(
+            err.contains("SECKILL_ENV is not set") && err.contains("beyond loopback"),
+            "{host}: {err}"
+        );
     }
 }
