@@ -131,6 +131,7 @@ pub fn to_reconcile(conn: &mut PgConn) -> QueryResult<Vec<ToReconcile>> {
     let rows: Vec<(ActivityId, i32, i32, DateTime<Utc>, String)> = activities::table
         .filter(activities::warmed_at.is_not_null())
         .filter(activities::status.ne("ENDED"))
+        .order(activities::id)
         .select((
             activities::id,
             activities::buckets,

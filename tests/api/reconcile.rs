@@ -989,3 +989,51 @@ async fn an_accepted_purchase_whose_acknowledgement_was_lost_is_never_voided_whi
     );
     consumer.stop().await;
 }
+
+#[tokio::test]
+async fn an_activity_that_fails_to_reconcile_is_reported_and_the_others_are_still_repaired() {
+    let app = spawn_app_with(only_reconciled_by_hand).await;
+    // Reconciled in the order they were made: the broken one first.
+    let broken = app.live_activity(10, 1, 1).await;
+    let drifted = app.live_activity(10, 1, 1).await;
+    let prefix = &app.settings.redis.key_prefix;
+    let mut conn = app.redis();
+    // A stock bucket of the wrong type: every read of it fails.
+    let bucket = format!("{prefix}{{a:{broken}}}:stock:0");
+    let _: () = redis::cmd("DEL")
+        .arg(&bucket)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(&bucket)
+        .arg("not")
+        .arg("a count")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // The other one lost three units.
+    let _: () = redis::cmd("DECRBY")
+        .arg(format!("{prefix}{{a:{drifted}}}:stock:0"))
+        .arg(3)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let run = reconcile(&app).await;
+    let failed = report(&run, broken);
+    assert_eq!(failed["consistent"], false, "{failed}");
+    assert!(
+        failed["differences"][0]
+            .as_str()
+            .unwrap()
+            .contains("not reconciled this run"),
+        "{failed}"
+    );
+    let repaired = report(&run, drifted);
+    assert!(
+        !repaired["repaired"].as_array().unwrap().is_empty(),
+        "{repaired}"
+    );
+    assert_eq!(app.stats(drifted).await["redis_available"], 10);
+}
