@@ -147,6 +147,12 @@ impl ActivityKeys {
         }
     }
 
+    /// The highest reconcile lease token that wrote in this slot
+    /// (`reconcile/lua/fenced.lua`).
+    pub fn fence(&self) -> String {
+        format!("{}fence", self.base)
+    }
+
     /// Hash of the activity's sale window and limits; present once warmed.
     pub fn meta(&self) -> String {
         format!("{}meta", self.base)

@@ -3,6 +3,7 @@
 use redis::{RedisResult, Script};
 
 use crate::domain::CouponId;
+use crate::store::fenced::{Writes, command};
 use crate::store::redis_conn::RedisConn;
 
 /// What the claim script decided.
@@ -59,6 +60,12 @@ impl CouponKeys {
     /// When the batch was first seen lost (unix ms), until it is restored.
     pub fn lost(&self) -> String {
         format!("{}lost", self.base)
+    }
+
+    /// The highest reconcile lease token that wrote in this slot
+    /// (`store::fenced`).
+    pub fn fence(&self) -> String {
+        format!("{}fence", self.base)
     }
 }
 
@@ -117,45 +124,53 @@ impl CouponGate {
         crate::store::redis_conn::first_seen(&self.conn, &self.keys(coupon_id).lost(), now_ms).await
     }
 
-    /// Rebuilds a lost batch from a database snapshot, in one MULTI/EXEC:
-    /// every claim's user and request id (a replay answers as before, a
-    /// holder cannot claim twice), then the meta with what is left.
+    /// Rebuilds a lost batch from a database snapshot, in one atomic call
+    /// fenced with the reconcile lease token `fence` (a run that lost its
+    /// lease restores nothing over a newer one's): every claim's user and
+    /// request id (a replay answers as before, a holder cannot claim
+    /// twice), then the meta with what is left.
     pub async fn restore(
         &self,
         coupon_id: CouponId,
         remaining: i64,
         valid_until_ms: i64,
         claims: &[(i64, String)],
+        fence: i64,
     ) -> RedisResult<()> {
         let k = self.keys(coupon_id);
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .cmd("DEL")
-            .arg(&[k.claimants(), k.requests(), k.unconfirmed()])
-            .ignore();
+        let mut w = Writes::default();
+        let stale = [k.claimants(), k.requests(), k.unconfirmed()];
+        w.cmd(&stale, command("DEL", &stale));
         for chunk in claims.chunks(500) {
-            pipe.cmd("SADD")
-                .arg(k.claimants())
-                .arg(chunk.iter().map(|(u, _)| *u).collect::<Vec<_>>())
-                .ignore();
-            let mut hset = redis::cmd("HSET");
-            hset.arg(k.requests());
+            w.on(
+                &k.claimants(),
+                command(
+                    "SADD",
+                    std::iter::once(k.claimants()).chain(chunk.iter().map(|(u, _)| u.to_string())),
+                ),
+            );
+            let mut hset = vec!["HSET".to_owned(), k.requests()];
             for (user, request_id) in chunk {
-                hset.arg(format!("{user}:{request_id}")).arg(1);
+                hset.push(format!("{user}:{request_id}"));
+                hset.push("1".to_owned());
             }
-            pipe.add_command(hset).ignore();
+            w.on(&k.requests(), hset);
         }
-        pipe.cmd("HSET")
-            .arg(k.meta())
-            .arg("remaining")
-            .arg(remaining.max(0))
-            .arg("valid_until_ms")
-            .arg(valid_until_ms)
-            .ignore()
-            .cmd("DEL")
-            .arg(k.lost())
-            .ignore();
-        pipe.query_async(&mut self.conn.clone()).await
+        w.on(
+            &k.meta(),
+            command(
+                "HSET",
+                [
+                    k.meta(),
+                    "remaining".into(),
+                    remaining.max(0).to_string(),
+                    "valid_until_ms".into(),
+                    valid_until_ms.to_string(),
+                ],
+            ),
+        );
+        w.on(&k.lost(), command("DEL", [k.lost()]));
+        w.run(&self.conn, &k.fence(), fence).await
     }
 
     /// Runs the claim script.

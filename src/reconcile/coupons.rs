@@ -29,7 +29,7 @@ const RESEND_PER_RUN: usize = 500;
 impl Reconciler {
     /// Restores every valid batch Redis lost once that is safe; the ids
     /// of those still waiting.
-    pub(super) async fn restore_coupons(&self) -> anyhow::Result<Vec<CouponId>> {
+    pub(super) async fn restore_coupons(&self, fence: i64) -> anyhow::Result<Vec<CouponId>> {
         let now = self.clock.now();
         let ids = store::run(&self.db, move |conn| Ok(repo::valid_ids(conn, now)?)).await?;
         let mut lost = Vec::new();
@@ -57,7 +57,7 @@ impl Reconciler {
             let snapshot = store::snapshot(&self.db, move |conn| repo::snapshot(conn, id)).await?;
             let Some(b) = snapshot else { continue };
             self.coupons
-                .restore(b.coupon_id, b.remaining, b.valid_until_ms, &b.claims)
+                .restore(b.coupon_id, b.remaining, b.valid_until_ms, &b.claims, fence)
                 .await?;
             self.count("repair", "coupon_batch_restored");
             tracing::warn!(

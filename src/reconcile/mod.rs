@@ -220,9 +220,10 @@ struct Released {
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 impl Reconciler {
-    /// What this run changes in Redis, through the gate's connection.
-    fn repairs(&self) -> repairs::Repairs<'_> {
-        repairs::Repairs::new(&self.gate)
+    /// What this run changes in Redis, through the gate's connection,
+    /// each write fenced with the run's lease token `fence`.
+    fn repairs(&self, fence: i64) -> repairs::Repairs<'_> {
+        repairs::Repairs::new(&self.gate, fence)
     }
 
     /// Reconciles every recent, warmed activity; `None` when another
@@ -308,7 +309,10 @@ impl Reconciler {
             // row) is reported and left to the next run; the others, and
             // the coupons after them, are reconciled all the same.
             let id = a.id;
-            match self.one_activity(a, &cutoff, cleanup_after).await {
+            match self
+                .one_activity(a, &cutoff, cleanup_after, lease.token())
+                .await
+            {
                 Ok(report) => reports.push(report),
                 Err(e) => {
                     tracing::warn!(activity_id = %id, error = format!("{e:#}"), "reconciling an activity failed; the others go on");
@@ -326,7 +330,7 @@ impl Reconciler {
             lease.holds(),
             "the reconcile lease was lost mid-run; stopping before the coupons"
         );
-        let waiting = self.restore_coupons().await?;
+        let waiting = self.restore_coupons(lease.token()).await?;
         if !waiting.is_empty() {
             tracing::debug!(coupons = ?waiting, "lost coupon batches wait for their restore");
         }
@@ -335,18 +339,25 @@ impl Reconciler {
 
     /// One activity's reconciliation: its restore when Redis lost it, else
     /// its check, repairs and (once ended and settled) its clean-up.
+    ///
+    /// The activity is first claimed with the run's fence: from then on a
+    /// run holding an older lease (a process paused past the lease's
+    /// lifetime) has every write to its keys refused, so it can never
+    /// restore or repair over what this run read and wrote.
     async fn one_activity(
         &self,
         a: crate::activities::repo::ToReconcile,
         cutoff: &Cutoff,
         cleanup_after: chrono::Duration,
+        fence: i64,
     ) -> anyhow::Result<Report> {
         let (id, layout, end_at) = (a.id, a.layout, a.end_at);
+        self.repairs(fence).claim(id, layout).await?;
         let mut warm = self.gate.is_warm(id).await?;
-        if warm && !self.repairs().shards_warm(id, layout).await? {
+        if warm && !self.repairs(fence).shards_warm(id, layout).await? {
             // A shard lost alone: what the other shards hold cannot be
             // trusted beside it, so the activity is restored whole.
-            self.repairs().remove_activity(id, layout).await?;
+            self.repairs(fence).remove_activity(id, layout).await?;
             self.count("repair", "lost_shard_keys_dropped");
             tracing::warn!(
                 activity_id = %id,
@@ -356,14 +367,14 @@ impl Reconciler {
             warm = false;
         }
         if warm && a.mode != Mode::Redis {
-            warm = self.back_from_fallback(id, layout, a.mode).await?;
+            warm = self.back_from_fallback(id, layout, a.mode, fence).await?;
         }
         if !warm {
-            return self.restore(id, cutoff).await;
+            return self.restore(id, cutoff, fence).await;
         }
-        let mut report = self.activity(id, layout, cutoff).await?;
+        let mut report = self.activity(id, layout, cutoff, fence).await?;
         if self.clock.now() > end_at + cleanup_after && report.consistent {
-            self.clean_up(id, layout, &mut report).await?;
+            self.clean_up(id, layout, &mut report, fence).await?;
         }
         Ok(report)
     }
@@ -380,13 +391,16 @@ impl Reconciler {
         activity_id: ActivityId,
         layout: Layout,
         mode: Mode,
+        fence: i64,
     ) -> anyhow::Result<bool> {
         if mode == Mode::Restoring {
             self.switch_admission(activity_id, &[Mode::Restoring], Mode::Redis)
                 .await?;
             return Ok(true);
         }
-        self.repairs().remove_activity(activity_id, layout).await?;
+        self.repairs(fence)
+            .remove_activity(activity_id, layout)
+            .await?;
         self.count("repair", "fallback_keys_dropped");
         tracing::warn!(
             activity_id = %activity_id,
@@ -428,6 +442,7 @@ impl Reconciler {
         activity_id: ActivityId,
         layout: Layout,
         report: &mut Report,
+        fence: i64,
     ) -> anyhow::Result<()> {
         let ttl = self.settings.admission.reservation_ttl_secs;
         let (f, released, unsent) = store::snapshot(&self.db, move |conn| {
@@ -443,7 +458,9 @@ impl Reconciler {
         if f.waiting_units > 0 || open > 0 || unsent > 0 {
             return Ok(());
         }
-        self.repairs().remove_activity(activity_id, layout).await?;
+        self.repairs(fence)
+            .remove_activity(activity_id, layout)
+            .await?;
         self.forget_stock(activity_id);
         store::run(&self.db, move |conn| {
             Ok(crate::activities::repo::mark_ended(conn, activity_id)?)
@@ -460,9 +477,10 @@ impl Reconciler {
         activity_id: ActivityId,
         layout: Layout,
         cutoff: &Cutoff,
+        fence: i64,
     ) -> anyhow::Result<Report> {
         let mut report = Report::new(activity_id);
-        self.void_stale(activity_id, layout, cutoff, &mut report)
+        self.void_stale(activity_id, layout, cutoff, fence, &mut report)
             .await?;
         // Units one shard lent another whose lending call never finished
         // (its process died, or Redis failed part way).
@@ -545,7 +563,7 @@ impl Reconciler {
         // Only while nothing is open, and only if nothing moved since
         // Redis was read: otherwise the figures describe different moments.
         let repaired = if open == 0 && expected != db_available {
-            self.repairs()
+            self.repairs(fence)
                 .repair(activity_id, layout, expected, db_available)
                 .await?
         } else {

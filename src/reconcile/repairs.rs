@@ -2,6 +2,14 @@
 //! (`lua/repair.lua`), the restore of a lost activity, the removal of an
 //! ended one, and what it reads to decide. Nothing else changes these: the
 //! purchase path only reads what they write.
+//!
+//! Every write is fenced with the lease token of the run that makes it
+//! (`lua/fenced.lua`): each slot keeps the highest token that wrote there,
+//! a run claims each activity's slots before it reads them, and a write
+//! carrying a lower token is refused. A run that lost its lease without
+//! knowing (a pause longer than the lease, a failover of the lease key's
+//! master) can so never restore over a newer holder's restore, which could
+//! oversell and forget request ids.
 
 use std::sync::LazyLock;
 
@@ -11,6 +19,7 @@ use crate::admission::RedisGate;
 use crate::admission::gate::WarmSpec;
 use crate::admission::keys::{Layout, split_evenly};
 use crate::domain::ActivityId;
+use crate::store::fenced::{Writes, command, fenced_off};
 
 /// What a sharded repair compares before and after.
 #[derive(Debug, PartialEq, Eq)]
@@ -23,15 +32,43 @@ struct ShardState {
 /// Reconciliation's view of the gate: what it changes in Redis.
 pub struct Repairs<'a> {
     gate: &'a RedisGate,
+    /// The lease token every write carries.
+    fence: i64,
 }
 
 /// `lua/repair.lua`: a compare-and-set of one shard's buckets.
 static REPAIR: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/repair.lua")));
 
 impl<'a> Repairs<'a> {
-    /// The repairs made through `gate`'s connection.
-    pub fn new(gate: &'a RedisGate) -> Self {
-        Self { gate }
+    /// The repairs made through `gate`'s connection, each write carrying
+    /// the lease token `fence`.
+    pub fn new(gate: &'a RedisGate, fence: i64) -> Self {
+        Self { gate, fence }
+    }
+
+    /// Only reads: any write it were asked to make is refused.
+    pub fn reading(gate: &'a RedisGate) -> Self {
+        Self::new(gate, i64::MIN)
+    }
+
+    /// Claims every slot of the activity for this run's token before
+    /// anything is read: from then on a run with an older token writes
+    /// nothing there. An error when a newer holder claimed it already.
+    pub async fn claim(&self, activity_id: ActivityId, layout: Layout) -> RedisResult<()> {
+        for shard in 0..layout.shards {
+            let k = self.gate.shard_keys(activity_id, layout, shard);
+            self.fenced(&k.fence(), Writes::default()).await?;
+        }
+        if layout.is_sharded() {
+            let base = self.gate.keys(activity_id);
+            self.fenced(&base.fence(), Writes::default()).await?;
+        }
+        Ok(())
+    }
+
+    /// Runs `writes` in the slot of `fence_key` under this run's token.
+    async fn fenced(&self, fence_key: &str, writes: Writes) -> RedisResult<()> {
+        writes.run(&self.gate.conn(), fence_key, self.fence).await
     }
 
     /// Sets the activity's Redis stock to `target` units, but only while
@@ -98,7 +135,7 @@ impl<'a> Repairs<'a> {
     ) -> RedisResult<Option<i64>> {
         let k = self.gate.shard_keys(activity_id, layout, shard);
         let mut call = REPAIR.prepare_invoke();
-        call.key(k.open());
+        call.key(k.fence()).key(k.open());
         for b in 0..layout.buckets {
             call.key(k.bucket(b));
         }
@@ -107,9 +144,14 @@ impl<'a> Repairs<'a> {
             .arg(target)
             .arg(self.gate.returned())
             .arg(activity_id)
+            .arg(self.fence)
             .invoke_async(&mut self.gate.conn())
             .await?;
-        Ok((done == 1).then_some(value))
+        match done {
+            1 => Ok(Some(value)),
+            0 => Ok(None),
+            _ => Err(fenced_off()),
+        }
     }
 
     async fn shard_states(
@@ -181,14 +223,8 @@ impl<'a> Repairs<'a> {
                 .arg(-1)
                 .query_async(&mut self.gate.conn())
                 .await?;
-            for chunk in open.chunks(500) {
-                let records: Vec<String> = chunk.iter().map(|&no| k.reservation(no)).collect();
-                let _: () = redis::cmd("DEL")
-                    .arg(records)
-                    .query_async(&mut self.gate.conn())
-                    .await?;
-            }
-            let mut keys = k.buckets(layout.buckets);
+            let mut keys: Vec<String> = open.iter().map(|&no| k.reservation(no)).collect();
+            keys.extend(k.buckets(layout.buckets));
             keys.extend([
                 k.meta(),
                 k.requests(),
@@ -197,30 +233,39 @@ impl<'a> Repairs<'a> {
                 k.lent(),
                 k.dry(),
             ]);
-            let _: () = redis::cmd("DEL")
-                .arg(keys)
-                .query_async(&mut self.gate.conn())
-                .await?;
+            let mut writes = Writes::default();
+            for chunk in keys.chunks(500) {
+                writes.cmd(chunk, command("DEL", chunk));
+            }
+            self.fenced(&k.fence(), writes).await?;
         }
         let base = self.gate.keys(activity_id);
         // A waiting room's queue, unlinked: its hashes can hold a million
         // tickets, freed off Redis's main thread. (Answers and join counts
         // expire on their own.)
-        let _: () = redis::cmd("UNLINK")
-            .arg(&[
-                base.room(),
-                base.room_users(),
-                base.room_tickets(),
-                base.room_states(),
-                base.room_active(),
-                base.room_offers(),
-            ])
-            .query_async(&mut self.gate.conn())
-            .await?;
-        redis::cmd("DEL")
-            .arg(&[base.meta(), base.restoring()])
-            .query_async(&mut self.gate.conn())
-            .await
+        let room = [
+            base.room(),
+            base.room_users(),
+            base.room_tickets(),
+            base.room_states(),
+            base.room_active(),
+            base.room_offers(),
+        ];
+        let mut writes = Writes::default();
+        writes.cmd(
+            &room,
+            std::iter::once("UNLINK".to_owned())
+                .chain(room.iter().cloned())
+                .collect(),
+        );
+        let gone = [base.meta(), base.restoring()];
+        writes.cmd(
+            &gone,
+            std::iter::once("DEL".to_owned())
+                .chain(gone.iter().cloned())
+                .collect(),
+        );
+        self.fenced(&base.fence(), writes).await
     }
 
     /// Drops an order from the open index (its record is gone).
@@ -259,13 +304,14 @@ impl<'a> Repairs<'a> {
         for (shard, share) in shares.into_iter().enumerate() {
             self.restore_shard(r, shard, share).await?;
         }
+        let base = self.gate.keys(r.spec.activity_id);
+        let mut writes = Writes::default();
         if layout.is_sharded() {
-            self.gate.write_base_meta(&r.spec).await?;
+            writes.on(&base.meta(), base_meta_command(&base.meta(), &r.spec));
         }
-        let _: () = redis::cmd("DEL")
-            .arg(self.gate.keys(r.spec.activity_id).restoring())
-            .query_async(&mut self.gate.conn())
-            .await?;
+        let restoring = base.restoring();
+        writes.on(&restoring, command("DEL", [&restoring]));
+        self.fenced(&base.fence(), writes).await?;
         // Sold-out flags of the activity's past go.
         redis::cmd("PUBLISH")
             .arg(self.gate.returned())
@@ -277,9 +323,8 @@ impl<'a> Repairs<'a> {
     async fn restore_shard(&self, r: &Restore, shard: usize, units: i64) -> RedisResult<()> {
         let layout = r.spec.layout;
         let k = self.gate.shard_keys(r.spec.activity_id, layout, shard);
-        let ttl = self.gate.reservation_ttl_secs();
-        let mut pipe = redis::pipe();
-        pipe.atomic();
+        let ttl = self.gate.reservation_ttl_secs().to_string();
+        let mut w = Writes::default();
         let mut stale = k.buckets(layout.buckets);
         stale.extend([
             k.requests(),
@@ -289,9 +334,15 @@ impl<'a> Repairs<'a> {
             k.lent(),
             k.dry(),
         ]);
-        pipe.cmd("DEL").arg(stale).ignore();
+        w.cmd(
+            &stale,
+            std::iter::once("DEL".to_owned())
+                .chain(stale.iter().cloned())
+                .collect(),
+        );
         for (b, share) in split_evenly(units, layout.buckets).into_iter().enumerate() {
-            pipe.cmd("SET").arg(k.bucket(b)).arg(share).ignore();
+            let bucket = k.bucket(b);
+            w.on(&bucket, command("SET", [bucket.clone(), share.to_string()]));
         }
         let buyers: Vec<&RestoredOrder> = r
             .orders
@@ -299,14 +350,12 @@ impl<'a> Repairs<'a> {
             .filter(|o| layout.shard_of_user(o.user_id) == shard)
             .collect();
         for chunk in buyers.chunks(500) {
-            let mut requests = redis::cmd("HSET");
-            requests.arg(k.requests());
+            let mut hset = vec!["HSET".to_owned(), k.requests()];
             for o in chunk {
-                requests
-                    .arg(format!("{}:{}", o.user_id, o.request_id))
-                    .arg(o.order_no);
+                hset.push(format!("{}:{}", o.user_id, o.request_id));
+                hset.push(o.order_no.to_string());
             }
-            pipe.add_command(requests).ignore();
+            w.on(&k.requests(), hset);
         }
         for o in r
             .orders
@@ -319,45 +368,59 @@ impl<'a> Repairs<'a> {
                 RestoredState::Settled => continue,
             };
             let key = k.reservation(o.order_no);
-            pipe.cmd("HSET")
-                .arg(&key)
-                .arg(&[
-                    ("user", o.user_id.to_string()),
-                    ("qty", o.quantity.to_string()),
-                    ("alloc", format!("0:{}", o.quantity)),
-                    ("req", o.request_id.clone()),
-                    ("status", status.to_owned()),
-                    ("ts", o.reserved_at_ms.to_string()),
-                ])
-                .ignore();
-            pipe.cmd("EXPIRE").arg(&key).arg(ttl).ignore();
+            let mut hset = vec!["HSET".to_owned(), key.clone()];
+            for (field, value) in [
+                ("user", o.user_id.to_string()),
+                ("qty", o.quantity.to_string()),
+                ("alloc", format!("0:{}", o.quantity)),
+                ("req", o.request_id.clone()),
+                ("status", status.to_owned()),
+                ("ts", o.reserved_at_ms.to_string()),
+            ] {
+                hset.push(field.to_owned());
+                hset.push(value);
+            }
+            w.on(&key, hset);
+            w.on(&key, command("EXPIRE", [&key, &ttl]));
         }
         let mut held: std::collections::BTreeMap<i64, i64> = std::collections::BTreeMap::new();
         for o in buyers.iter().filter(|o| o.holds) {
             *held.entry(o.user_id).or_default() += i64::from(o.quantity);
         }
         for chunk in held.into_iter().collect::<Vec<_>>().chunks(500) {
-            pipe.cmd("HSET").arg(k.holdings()).arg(chunk).ignore();
+            let mut hset = vec!["HSET".to_owned(), k.holdings()];
+            for (user, units) in chunk {
+                hset.push(user.to_string());
+                hset.push(units.to_string());
+            }
+            w.on(&k.holdings(), hset);
         }
-        pipe.cmd("HSET")
-            .arg(k.meta())
-            .arg("start_ms")
-            .arg(r.spec.start_ms)
-            .arg("end_ms")
-            .arg(r.spec.end_ms)
-            .arg("limit")
-            .arg(r.spec.per_user_limit)
-            .arg("price")
-            .arg(r.spec.price_cents)
-            .arg("buckets")
-            .arg(layout.buckets)
-            // The acceptance count restarts below zero (minus now): no
-            // count an instance read before the loss matches one after, so
-            // its sold-out fast path reads the restored buyers again.
-            .arg("accepted")
-            .arg(-chrono::Utc::now().timestamp_millis())
-            .ignore();
-        pipe.query_async(&mut self.gate.conn()).await
+        let meta = k.meta();
+        w.on(
+            &meta,
+            [
+                "HSET",
+                &meta,
+                "start_ms",
+                &r.spec.start_ms.to_string(),
+                "end_ms",
+                &r.spec.end_ms.to_string(),
+                "limit",
+                &r.spec.per_user_limit.to_string(),
+                "price",
+                &r.spec.price_cents.to_string(),
+                "buckets",
+                &layout.buckets.to_string(),
+                // The acceptance count restarts below zero (minus now): no
+                // count an instance read before the loss matches one after,
+                // so its sold-out fast path reads the restored buyers again.
+                "accepted",
+                &(-chrono::Utc::now().timestamp_millis()).to_string(),
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        );
+        self.fenced(&k.fence(), w).await
     }
 
     /// Whether every shard of a sharded activity still has its meta (a
@@ -378,6 +441,28 @@ impl<'a> Repairs<'a> {
         }
         Ok(true)
     }
+}
+
+/// The HSET of a sharded activity's base meta (window, limit, price,
+/// layout), as warm-up writes it.
+fn base_meta_command(key: &str, spec: &WarmSpec) -> Vec<String> {
+    [
+        "HSET".to_owned(),
+        key.to_owned(),
+        "start_ms".into(),
+        spec.start_ms.to_string(),
+        "end_ms".into(),
+        spec.end_ms.to_string(),
+        "limit".into(),
+        spec.per_user_limit.to_string(),
+        "price".into(),
+        spec.price_cents.to_string(),
+        "buckets".into(),
+        spec.layout.buckets.to_string(),
+        "shards".into(),
+        spec.layout.shards.to_string(),
+    ]
+    .to_vec()
 }
 
 /// A lost activity, as the database knows it (see [`Repairs::restore`]).

@@ -62,10 +62,11 @@ impl Reconciler {
         &self,
         activity_id: ActivityId,
         cutoff: &Cutoff,
+        fence: i64,
     ) -> anyhow::Result<Report> {
         let mut report = Report::new(activity_id);
         let since = self
-            .repairs()
+            .repairs(fence)
             .restoring_since(activity_id, self.clock.now_ms())
             .await?;
         report.consistent = false;
@@ -94,7 +95,7 @@ impl Reconciler {
         let Some(restore) = restore else {
             return Ok(report);
         };
-        self.repairs().restore(&restore).await?;
+        self.repairs(fence).restore(&restore).await?;
         self.switch_admission(activity_id, &[Mode::Restoring], Mode::Redis)
             .await?;
         self.metrics

@@ -30,18 +30,19 @@ impl Reconciler {
         activity_id: ActivityId,
         layout: Layout,
         cutoff: &Cutoff,
+        fence: i64,
         report: &mut Report,
     ) -> anyhow::Result<()> {
         if !cutoff.proven {
             return Ok(());
         }
         for order_no in self
-            .repairs()
+            .repairs(fence)
             .open_before(activity_id, layout, cutoff.before_ms)
             .await?
         {
             let Some(r) = self.gate.reservation(activity_id, layout, order_no).await? else {
-                self.repairs()
+                self.repairs(fence)
                     .forget_open(activity_id, layout, order_no)
                     .await?;
                 report.repaired.push(format!(
@@ -62,7 +63,7 @@ impl Reconciler {
                 VoidClaim::Claimed => {}
                 VoidClaim::Refused => continue,
                 VoidClaim::Gone => {
-                    self.repairs()
+                    self.repairs(fence)
                         .forget_open(activity_id, layout, order_no)
                         .await?;
                     continue;

@@ -1,6 +1,7 @@
 //! PostgreSQL through Diesel: the connection pool, embedded migrations and
 //! the helper that keeps synchronous Diesel calls off the async workers.
 
+pub mod fenced;
 pub mod notes;
 pub mod redis_conn;
 pub mod schema;

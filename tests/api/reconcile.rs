@@ -106,7 +106,7 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
 
     // The accepted purchase's reservation records the acknowledgement.
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
-    let open = seckill::reconcile::repairs::Repairs::new(&gate)
+    let open = seckill::reconcile::repairs::Repairs::reading(&gate)
         .open_before(
             ActivityId::new(activity),
             seckill::admission::Layout::single(1),
@@ -531,9 +531,9 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
         .query_async(&mut conn)
         .await
         .unwrap();
-    // What is left expires by itself: reservation records, and purchase
+    // What is left expires by itself: reservation records, purchase
     // tokens handed out to attempts that were not accepted (a retry takes
-    // a new one), which live a minute.
+    // a new one), which live a minute, and the reconcile fence (a day).
     for key in &left {
         let ttl_ms: i64 = redis::cmd("PTTL")
             .arg(key)
@@ -541,8 +541,9 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
             .await
             .unwrap();
         assert!(
-            (key.contains(":res:") || key.contains(":token:")) && ttl_ms > 0,
-            "only reservation records and tokens, each with a TTL, remain: {key} (PTTL {ttl_ms}) of {left:?}"
+            (key.contains(":res:") || key.contains(":token:") || key.ends_with(":fence"))
+                && ttl_ms > 0,
+            "only reservation records, tokens and the fence, each with a TTL, remain: {key} (PTTL {ttl_ms}) of {left:?}"
         );
     }
     let view = json(
@@ -936,6 +937,37 @@ async fn a_lease_dropped_mid_run_is_given_back_and_a_newer_holder_fences_the_old
     )
     .await;
     assert!(again.token() > first, "each holding has a larger token");
+
+    // The older holder did not know it lost the lease (a pause): its
+    // writes to an activity the newer one claimed are refused.
+    let activity = app.live_activity(5, 1, 1).await;
+    let (id, layout) = (
+        ActivityId::new(activity),
+        seckill::admission::Layout::single(1),
+    );
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    use seckill::reconcile::repairs::Repairs;
+    Repairs::new(&gate, again.token())
+        .claim(id, layout)
+        .await
+        .unwrap();
+    let stale = Repairs::new(&gate, first);
+    let refused = stale.remove_activity(id, layout).await;
+    assert!(refused.is_err(), "an older token removed the activity");
+    assert!(stale.claim(id, layout).await.is_err());
+    let repaired = stale.repair(id, layout, 5, 3).await;
+    assert!(repaired.is_err(), "an older token repaired: {repaired:?}");
+    assert!(gate.is_warm(id).await.unwrap());
+    assert_eq!(app.stats(activity).await["redis_available"], 5);
+    // The newer holder writes.
+    assert_eq!(
+        Repairs::new(&gate, again.token())
+            .repair(id, layout, 5, 4)
+            .await
+            .unwrap(),
+        Some(-1)
+    );
+
     // Held past three lifetimes: renewed, never lost.
     tokio::time::sleep(3 * ttl).await;
     assert!(again.holds());
