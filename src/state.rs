@@ -425,6 +425,7 @@ impl AppState {
         ConsumerDeps {
             db: self.pg.db.clone(),
             gate: self.redis.gate.clone(),
+            coupons: self.redis.coupons.clone(),
             producer: self.kafka.producer.clone(),
             topics: self.kafka.topics.clone(),
             settings: self.settings.clone(),

@@ -23,6 +23,7 @@ use tokio::sync::{Notify, Semaphore};
 
 use super::fallback::{Decided, Declined, Fallback, Route};
 use super::gate::Meta as ActivityMeta;
+use super::gate::Unsent;
 use super::limits::{Limits, retry_secs};
 use super::publish::{Confirmation, Published, Publisher};
 use super::soldout::SoldOut;
@@ -114,8 +115,8 @@ pub enum Refusal {
         /// Answered from the in-process flag, Redis not asked.
         from_memory: bool,
     },
-    /// The buyer holds no such coupon (400).
-    CouponInvalid,
+    /// The coupon cannot back this order (400): why.
+    CouponInvalid(&'static str),
     /// Back-pressure (503 BUSY); says which, and in how many seconds a
     /// retry may find room.
     Busy(&'static str, u32),
@@ -163,7 +164,7 @@ impl Refusal {
             Self::Invalid(_)
             | Self::NotActive
             | Self::SoldOut { .. }
-            | Self::CouponInvalid
+            | Self::CouponInvalid(_)
             | Self::LimitExceeded
             | Self::InvalidToken => None,
         }
@@ -178,7 +179,7 @@ impl Refusal {
             Self::RateLimited(..)
                 | Self::Busy(..)
                 | Self::WritesRefused(_)
-                | Self::CouponInvalid
+                | Self::CouponInvalid(_)
                 | Self::SoldOut { from_memory: true }
         )
     }
@@ -201,7 +202,7 @@ impl Refusal {
             Self::InvalidToken => "invalid_token",
             Self::NumberTaken => "number_taken",
             Self::Pending(_) => "pending",
-            Self::Invalid(_) | Self::CouponInvalid | Self::Unavailable(_) => return None,
+            Self::Invalid(_) | Self::CouponInvalid(_) | Self::Unavailable(_) => return None,
         })
     }
 }
@@ -215,6 +216,8 @@ struct Reserved {
     now_ms: i64,
     /// When the script was called (a sold-out flag is asked at this moment).
     started: Instant,
+    /// The activity's unit price (a coupon's minimum is checked on it).
+    price_cents: i64,
 }
 
 /// What the pipeline needs; built once per process, shared by every HTTP
@@ -333,7 +336,9 @@ impl Admitter {
         if meta.is_open(now_ms) && self.sold_out.refuses(p.activity_id, p.user_id.get()) {
             return Err(Refusal::SoldOut { from_memory: true });
         }
-        self.holds_coupon(p).await?;
+        if p.coupon_id.is_some_and(|c| c.get() < 1) {
+            return Err(Refusal::CouponInvalid("no such coupon"));
+        }
         self.not_overloaded(now_ms)?;
         let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
             return Err(Refusal::Busy(
@@ -375,6 +380,7 @@ impl Admitter {
                 order_no,
                 now_ms,
                 started,
+                price_cents: meta.price_cents,
             },
             permit,
         )
@@ -395,9 +401,15 @@ impl Admitter {
             order_no,
             now_ms,
             started,
+            price_cents,
         } = at;
         match admission {
             Admission::Accepted(order_no) => {
+                if let Some(coupon_id) = p.coupon_id {
+                    let amount = price_cents.saturating_mul(i64::from(p.quantity));
+                    self.hold_coupon(p, coupon_id, layout, order_no, amount, now_ms)
+                        .await?;
+                }
                 let event = OrderRequested {
                     event_id: order_no.to_string(),
                     order_no: OrderNo::new(order_no),
@@ -408,7 +420,17 @@ impl Admitter {
                     coupon_id: p.coupon_id,
                     reserved_at_ms: now_ms,
                 };
-                match self.publisher.publish(event, layout, permit).await {
+                let published = self.publisher.publish(event, layout, permit).await;
+                if let (Published::NotDelivered(_), Some(coupon_id)) = (&published, p.coupon_id) {
+                    // Nothing was kept: the coupon is free again. A hold
+                    // left behind (Redis failing now) is freed by
+                    // reconciliation once the order is known never to be.
+                    let _ = self
+                        .coupons
+                        .unhold(coupon_id, p.user_id.get(), order_no)
+                        .await;
+                }
+                match published {
                     Published::Delivered => Ok(Admitted::Accepted(OrderNo::new(order_no))),
                     Published::NotDelivered(PublishError::QueueFull) => {
                         Err(Refusal::Busy("the order queue is full; retry shortly", 1))
@@ -477,7 +499,9 @@ impl Admitter {
                 Declined::TooMany => Refusal::Invalid("quantity exceeds the per-user limit"),
                 Declined::LimitExceeded => Refusal::LimitExceeded,
                 Declined::SoldOut => Refusal::SoldOut { from_memory: false },
-                Declined::CouponInvalid => Refusal::CouponInvalid,
+                Declined::CouponInvalid => {
+                    Refusal::CouponInvalid("the coupon cannot back this order")
+                }
                 Declined::NotInFallback => {
                     Refusal::Degraded("the sale is moving between Redis and the database", 1)
                 }
@@ -528,23 +552,57 @@ impl Admitter {
         Refusal::Restoring
     }
 
-    /// A cheap membership check; the coupon is locked (or the order fails)
-    /// in the order-creating transaction.
-    async fn holds_coupon(&self, p: &Purchase) -> Result<(), Refusal> {
-        let Some(coupon_id) = p.coupon_id else {
-            return Ok(());
+    /// Holds the buyer's coupon for the order just reserved, or refuses
+    /// the purchase and gives the reservation back (never published:
+    /// nothing was kept). Decided here, before the 202, so that an order
+    /// whose coupon is used, backs another order, has expired or does not
+    /// reach its minimum is refused, never FAILED after its 202 (I4). The
+    /// database's conditional lock stays the last guard.
+    async fn hold_coupon(
+        &self,
+        p: &Purchase,
+        coupon_id: CouponId,
+        layout: Layout,
+        order_no: i64,
+        amount_cents: i64,
+        now_ms: i64,
+    ) -> Result<(), Refusal> {
+        let held = self
+            .coupons
+            .hold(coupon_id, p.user_id.get(), order_no, amount_cents, now_ms)
+            .await;
+        let why = match held {
+            Ok(decided) => match decided.refusal() {
+                None => return Ok(()),
+                Some(why) => Refusal::CouponInvalid(why),
+            },
+            Err(e) => Refusal::ReserveFailed(e.into()),
         };
-        let holds = coupon_id.get() >= 1
-            && self
-                .coupons
-                .holds(coupon_id, p.user_id.get())
-                .await
-                .map_err(|e| Refusal::Unavailable(e.into()))?;
-        if holds {
-            Ok(())
-        } else {
-            Err(Refusal::CouponInvalid)
+        // Not published, so no one else can have sent it: it goes, and its
+        // request id with it, and the buyer's purchase token comes back (a
+        // refused purchase never uses one up). If Redis fails here too, the
+        // reservation stays open and reconciliation voids it once provably
+        // unsent.
+        match self
+            .gate
+            .release_unsent(p.activity_id, order_no, layout)
+            .await
+        {
+            Ok(Unsent::Released) => {
+                if let Some(token) = p.token.as_deref().filter(|t| is_client_key(t)) {
+                    let ttl = self.settings.admission.token_ttl_secs.as_secs();
+                    let _ = self
+                        .gate
+                        .issue_token(p.activity_id, layout, p.user_id.get(), token, ttl)
+                        .await;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, order_no, "release after a refused coupon failed")
+            }
         }
+        Err(why)
     }
 
     /// Back-pressure before Redis is touched: a 202 now would stay

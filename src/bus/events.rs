@@ -79,6 +79,10 @@ pub struct StockReleased {
     pub shards: i32,
     /// `CANCELLED` or `CLOSED`.
     pub reason: String,
+    /// The coupon the order held, freed in Redis too (absent in events
+    /// written before coupons were held at admission).
+    #[serde(default)]
+    pub coupon_id: Option<CouponId>,
 }
 
 /// `order.paid`: for downstream systems (fulfilment, notifications).

@@ -23,6 +23,60 @@ pub enum Claim {
     Unknown,
 }
 
+/// Whether a buyer's coupon can back an order (`lua/use.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    /// Held for the order now.
+    Held,
+    /// Redis does not hold the batch (lost, or never warmed).
+    Unknown,
+    /// The buyer never claimed one.
+    NotHeld,
+    /// Past `valid_until`.
+    Expired,
+    /// The order's amount is below the coupon's minimum.
+    BelowMinimum,
+    /// It backs another order, live or paid.
+    InUse,
+}
+
+impl Use {
+    /// Why the coupon cannot back the order, in words; `None` when held.
+    pub fn refusal(self) -> Option<&'static str> {
+        Some(match self {
+            Self::Held => return None,
+            Self::Unknown => "the coupon batch is unknown",
+            Self::NotHeld => "you hold no coupon of this batch",
+            Self::Expired => "the coupon has expired",
+            Self::BelowMinimum => "the order is below the coupon's minimum amount",
+            Self::InUse => "the coupon already backs another order",
+        })
+    }
+}
+
+impl TryFrom<i64> for Use {
+    type Error = redis::RedisError;
+
+    /// An unknown code is an error, never a default.
+    fn try_from(code: i64) -> Result<Self, Self::Error> {
+        Ok(match code {
+            0 => Self::Held,
+            1 => Self::Unknown,
+            2 => Self::NotHeld,
+            3 => Self::Expired,
+            4 => Self::BelowMinimum,
+            5 => Self::InUse,
+            other => {
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "unknown reply of use.lua",
+                    other.to_string(),
+                )));
+            }
+        })
+    }
+}
+
 /// Keys of one coupon batch.
 pub struct CouponKeys {
     base: String,
@@ -36,7 +90,7 @@ impl CouponKeys {
         }
     }
 
-    /// Hash: remaining, valid_until_ms.
+    /// Hash: remaining, valid_until_ms, min_amount.
     pub fn meta(&self) -> String {
         format!("{}meta", self.base)
     }
@@ -57,6 +111,14 @@ impl CouponKeys {
         format!("{}unconfirmed", self.base)
     }
 
+    /// Hash user → the order_no the user's coupon backs (locked by a live
+    /// order, or used by a paid one): admission holds it here before a
+    /// 202 (`lua/use.lua`), so an order that could not use it is refused
+    /// then, never FAILED after its 202.
+    pub fn uses(&self) -> String {
+        format!("{}uses", self.base)
+    }
+
     /// When the batch was first seen lost (unix ms), until it is restored.
     pub fn lost(&self) -> String {
         format!("{}lost", self.base)
@@ -69,12 +131,30 @@ impl CouponKeys {
     }
 }
 
+/// A lost batch as the database knows it ([`CouponGate::restore`]).
+pub struct Restored<'a> {
+    /// The batch.
+    pub coupon_id: CouponId,
+    /// Coupons left to claim.
+    pub remaining: i64,
+    /// Its end, unix ms.
+    pub valid_until_ms: i64,
+    /// The least order amount it applies to (cents).
+    pub min_amount_cents: i64,
+    /// Every claim: (user, request id).
+    pub claims: &'a [(i64, String)],
+    /// Every coupon backing an order, LOCKED or USED: (user, order_no).
+    pub holds: &'a [(i64, i64)],
+}
+
 /// Coupon scripts over the shared multiplexed connection.
 pub struct CouponGate {
     conn: RedisConn,
     prefix: String,
     claim: Script,
     unclaim: Script,
+    hold: Script,
+    unhold: Script,
 }
 
 impl CouponGate {
@@ -85,6 +165,8 @@ impl CouponGate {
             prefix: prefix.to_owned(),
             claim: Script::new(include_str!("lua/claim.lua")),
             unclaim: Script::new(include_str!("lua/unclaim.lua")),
+            hold: Script::new(include_str!("lua/use.lua")),
+            unhold: Script::new(include_str!("lua/unuse.lua")),
         }
     }
 
@@ -99,6 +181,7 @@ impl CouponGate {
         coupon_id: CouponId,
         total: i32,
         valid_until_ms: i64,
+        min_amount_cents: i64,
     ) -> RedisResult<()> {
         redis::cmd("HSET")
             .arg(self.keys(coupon_id).meta())
@@ -106,6 +189,76 @@ impl CouponGate {
             .arg(total)
             .arg("valid_until_ms")
             .arg(valid_until_ms)
+            .arg("min_amount")
+            .arg(min_amount_cents)
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// Holds the buyer's coupon for `order_no` if it can back it
+    /// (`lua/use.lua`): claimed, valid at `now_ms`, `amount_cents` at
+    /// least its minimum, and backing no other order.
+    pub async fn hold(
+        &self,
+        coupon_id: CouponId,
+        user_id: i64,
+        order_no: i64,
+        amount_cents: i64,
+        now_ms: i64,
+    ) -> RedisResult<Use> {
+        let k = self.keys(coupon_id);
+        let code: i64 = self
+            .hold
+            .key(k.meta())
+            .key(k.claimants())
+            .key(k.uses())
+            .arg(user_id)
+            .arg(order_no)
+            .arg(amount_cents)
+            .arg(now_ms)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Use::try_from(code)
+    }
+
+    /// Frees the coupon held for `order_no` (nothing kept, or the order
+    /// FAILED, was cancelled or closed); a later order's hold stays.
+    pub async fn unhold(
+        &self,
+        coupon_id: CouponId,
+        user_id: i64,
+        order_no: i64,
+    ) -> RedisResult<bool> {
+        let freed: i64 = self
+            .unhold
+            .key(self.keys(coupon_id).uses())
+            .arg(user_id)
+            .arg(order_no)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(freed == 1)
+    }
+
+    /// Every hold of the batch: (user, order_no).
+    pub async fn holds_of(&self, coupon_id: CouponId) -> RedisResult<Vec<(i64, i64)>> {
+        redis::cmd("HGETALL")
+            .arg(self.keys(coupon_id).uses())
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// Holds `user_id`'s coupon for `order_no` unless it holds one already
+    /// (the database's LOCKED or USED coupons, which Redis missed).
+    pub async fn hold_if_free(
+        &self,
+        coupon_id: CouponId,
+        user_id: i64,
+        order_no: i64,
+    ) -> RedisResult<bool> {
+        redis::cmd("HSETNX")
+            .arg(self.keys(coupon_id).uses())
+            .arg(user_id)
+            .arg(order_no)
             .query_async(&mut self.conn.clone())
             .await
     }
@@ -128,18 +281,13 @@ impl CouponGate {
     /// fenced with the reconcile lease token `fence` (a run that lost its
     /// lease restores nothing over a newer one's): every claim's user and
     /// request id (a replay answers as before, a holder cannot claim
-    /// twice), then the meta with what is left.
-    pub async fn restore(
-        &self,
-        coupon_id: CouponId,
-        remaining: i64,
-        valid_until_ms: i64,
-        claims: &[(i64, String)],
-        fence: i64,
-    ) -> RedisResult<()> {
-        let k = self.keys(coupon_id);
+    /// twice), every coupon backing an order, then the meta with what is
+    /// left.
+    pub async fn restore(&self, b: &Restored<'_>, fence: i64) -> RedisResult<()> {
+        let k = self.keys(b.coupon_id);
+        let claims = b.claims;
         let mut w = Writes::default();
-        let stale = [k.claimants(), k.requests(), k.unconfirmed()];
+        let stale = [k.claimants(), k.requests(), k.unconfirmed(), k.uses()];
         w.cmd(&stale, command("DEL", &stale));
         for chunk in claims.chunks(500) {
             w.on(
@@ -156,6 +304,19 @@ impl CouponGate {
             }
             w.on(&k.requests(), hset);
         }
+        for chunk in b.holds.chunks(500) {
+            w.on(
+                &k.uses(),
+                command(
+                    "HSET",
+                    std::iter::once(k.uses()).chain(
+                        chunk
+                            .iter()
+                            .flat_map(|(u, o)| [u.to_string(), o.to_string()]),
+                    ),
+                ),
+            );
+        }
         w.on(
             &k.meta(),
             command(
@@ -163,9 +324,11 @@ impl CouponGate {
                 [
                     k.meta(),
                     "remaining".into(),
-                    remaining.max(0).to_string(),
+                    b.remaining.max(0).to_string(),
                     "valid_until_ms".into(),
-                    valid_until_ms.to_string(),
+                    b.valid_until_ms.to_string(),
+                    "min_amount".into(),
+                    b.min_amount_cents.to_string(),
                 ],
             ),
         );

@@ -232,7 +232,10 @@ pub struct BatchSnapshot {
     pub coupon_id: CouponId,
     pub remaining: i64,
     pub valid_until_ms: i64,
+    pub min_amount_cents: i64,
     pub claims: Vec<(i64, String)>,
+    /// Every coupon backing an order (LOCKED or USED): (user, order_no).
+    pub holds: Vec<(i64, i64)>,
 }
 
 /// The ids of the batches still valid at `now`.
@@ -257,6 +260,22 @@ pub fn snapshot(conn: &mut PgConn, coupon_id: CouponId) -> QueryResult<Option<Ba
         coupon_id,
         remaining: i64::from(coupon.total) - i64::from(claimed),
         valid_until_ms: coupon.valid_until.timestamp_millis(),
+        min_amount_cents: coupon.min_amount_cents,
         claims,
+        holds: holds(conn, coupon_id)?,
     }))
+}
+
+/// The batch's coupons backing an order, LOCKED by a live one or USED by a
+/// paid one: (user, order_no).
+pub fn holds(conn: &mut PgConn, coupon_id: CouponId) -> QueryResult<Vec<(i64, i64)>> {
+    let rows: Vec<(i64, Option<i64>)> = user_coupons::table
+        .filter(user_coupons::coupon_id.eq(coupon_id))
+        .filter(user_coupons::status.eq_any(["LOCKED", "USED"]))
+        .select((user_coupons::user_id, user_coupons::order_no))
+        .load(conn)?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(user, order_no)| Some((user, order_no?)))
+        .collect())
 }

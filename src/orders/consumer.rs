@@ -47,6 +47,8 @@ pub struct ConsumerDeps {
     pub db: PgPool,
     /// Reservations to mark.
     pub gate: Arc<RedisGate>,
+    /// Coupons held for orders (freed when an order is released).
+    pub coupons: Arc<crate::coupons::gate::CouponGate>,
     /// For dead letters.
     pub producer: Producer,
     /// Topic names.

@@ -64,6 +64,22 @@ async fn release(deps: &ConsumerDeps, m: &OwnedMessage, shutdown: &CancellationT
         quantity: e.quantity,
     };
     let layout = e.layout();
+    if let Some(coupon_id) = e.coupon_id {
+        // The coupon the order held is free for the buyer's next order
+        // (the database returned it to UNUSED in the same transaction);
+        // freed before the units, so a buyer who sees them back finds it
+        // free too.
+        let freed = runner::retry("Redis coupon release", shutdown, || async {
+            Ok(deps
+                .coupons
+                .unhold(coupon_id, e.user_id, e.order_no.get())
+                .await?)
+        })
+        .await;
+        if freed.is_none() {
+            return false;
+        }
+    }
     let released = runner::retry("Redis release", shutdown, || async {
         Ok(deps
             .gate

@@ -12,7 +12,7 @@ use diesel::sql_types::{Array, BigInt, Text};
 use super::OrderStatus;
 use crate::bus::events::StockReleased;
 use crate::coupons::repo as coupons;
-use crate::domain::{ActivityId, UserId};
+use crate::domain::{ActivityId, CouponId, UserId};
 use crate::ids::OrderNo;
 use crate::outbox;
 use crate::stock::{self, Units};
@@ -28,6 +28,9 @@ pub struct Releasable {
     /// Its buyer.
     #[diesel(sql_type = BigInt)]
     pub user_id: i64,
+    /// The coupon it holds, if any.
+    #[diesel(sql_type = diesel::sql_types::Nullable<BigInt>)]
+    pub coupon_id: Option<CouponId>,
 }
 
 #[derive(QueryableByName)]
@@ -102,6 +105,7 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
             buckets: layouts.get(&u.activity_id).map_or(1, |l| l.0),
             shards: layouts.get(&u.activity_id).map_or(1, |l| l.1),
             reason: to.status().as_str().to_owned(),
+            coupon_id: w.coupon_id,
         };
         let key = u.order_no.to_string();
         outbox::enqueue(conn, outbox::STOCK_RELEASED, &key, &event)?;
@@ -116,7 +120,7 @@ pub fn close_overdue(conn: &mut PgConn, limit: i64) -> QueryResult<Vec<i64>> {
         // The literal state (not a parameter) lets the planner use the
         // partial index `orders_waiting_deadline`.
         let overdue: Vec<Releasable> = diesel::sql_query(format!(
-            "SELECT order_no, activity_id, user_id, quantity FROM orders \
+            "SELECT order_no, activity_id, user_id, quantity, coupon_id FROM orders \
              WHERE status = {} AND pay_deadline < now() \
              ORDER BY pay_deadline LIMIT $1 FOR UPDATE SKIP LOCKED",
             OrderStatus::WaitingPay.sql()
@@ -160,7 +164,7 @@ pub fn lock_for_user(
         status: OrderStatus,
     }
     let row: Option<Row> = diesel::sql_query(
-        "SELECT order_no, activity_id, user_id, quantity, status FROM orders \
+        "SELECT order_no, activity_id, user_id, quantity, coupon_id, status FROM orders \
          WHERE order_no = $1 AND user_id = $2 FOR UPDATE",
     )
     .bind::<BigInt, _>(order_no.get())

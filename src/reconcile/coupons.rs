@@ -19,6 +19,7 @@
 use crate::bus::events::CouponClaimed;
 use crate::coupons::repo;
 use crate::domain::CouponId;
+use crate::orders::OrderStatus;
 use crate::store;
 
 use super::Reconciler;
@@ -36,6 +37,7 @@ impl Reconciler {
         for id in ids {
             if self.coupons.is_warm(id).await? {
                 self.resend_unconfirmed_claims(id).await?;
+                self.sync_holds(id).await?;
             } else {
                 lost.push(id);
             }
@@ -57,7 +59,17 @@ impl Reconciler {
             let snapshot = store::snapshot(&self.db, move |conn| repo::snapshot(conn, id)).await?;
             let Some(b) = snapshot else { continue };
             self.coupons
-                .restore(b.coupon_id, b.remaining, b.valid_until_ms, &b.claims, fence)
+                .restore(
+                    &crate::coupons::gate::Restored {
+                        coupon_id: b.coupon_id,
+                        remaining: b.remaining,
+                        valid_until_ms: b.valid_until_ms,
+                        min_amount_cents: b.min_amount_cents,
+                        claims: &b.claims,
+                        holds: &b.holds,
+                    },
+                    fence,
+                )
                 .await?;
             self.count("repair", "coupon_batch_restored");
             tracing::warn!(
@@ -72,6 +84,46 @@ impl Reconciler {
 }
 
 impl Reconciler {
+    /// Brings the batch's holds in Redis (which coupon backs which order,
+    /// decided at admission) in line with the database: a coupon the
+    /// database has LOCKED or USED (an order of the database fallback, a
+    /// hold lost with a Redis call) is held for its order; a hold whose
+    /// order is FAILED, CANCELLED or CLOSED (its release lost, a crash
+    /// between the hold and the publish) is freed. A hold whose order the
+    /// database does not know yet is left: its event may still come.
+    async fn sync_holds(&self, coupon_id: CouponId) -> anyhow::Result<()> {
+        let in_redis = self.coupons.holds_of(coupon_id).await?;
+        let order_nos: Vec<i64> = in_redis.iter().map(|&(_, o)| o).collect();
+        let (in_db, statuses) = store::snapshot(&self.db, move |conn| {
+            Ok((
+                repo::holds(conn, coupon_id)?,
+                crate::orders::repo::statuses(conn, &order_nos)?,
+            ))
+        })
+        .await?;
+        let held: std::collections::HashMap<i64, i64> = in_redis.iter().copied().collect();
+        for &(user, order_no) in &in_db {
+            if !held.contains_key(&user)
+                && self.coupons.hold_if_free(coupon_id, user, order_no).await?
+            {
+                self.count("repair", "coupon_hold_added");
+            }
+        }
+        for (user, order_no) in in_redis {
+            let settled = matches!(
+                statuses.get(&order_no),
+                Some(OrderStatus::Failed | OrderStatus::Cancelled | OrderStatus::Closed)
+            );
+            if settled
+                && !in_db.contains(&(user, order_no))
+                && self.coupons.unhold(coupon_id, user, order_no).await?
+            {
+                self.count("repair", "coupon_hold_freed");
+            }
+        }
+        Ok(())
+    }
+
     /// Sends again each claim of batch `coupon_id` made more than the
     /// publish window ago and still unconfirmed; a delivered one is
     /// confirmed. A send that fails stays for the next run.

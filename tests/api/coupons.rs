@@ -238,37 +238,28 @@ async fn an_order_with_a_coupon_is_discounted_locks_it_uses_it_on_pay_and_a_seco
         app.order_retrying(1, activity, &first),
         app.order_retrying(1, activity, &second)
     );
-    assert_eq!((sa, sb), (202, 202));
+    // Decided at admission: one is taken, the other refused before any
+    // 202, never FAILED after one (I4).
+    let mut answers = [(sa, a), (sb, b)];
+    answers.sort_by_key(|(status, _)| *status);
+    let [(taken, holder), (refused, why)] = answers;
+    assert_eq!((taken, refused), (202, 400), "{holder} {why}");
+    assert_eq!(why["code"], "COUPON_INVALID", "{why}");
     let stats = app
         .wait_for_stats(activity, 30, |s| {
-            s["reservations_open"] == 0 && s["orders"]["FAILED"] == 1
+            s["reservations_open"] == 0 && s["orders"]["WAITING_PAY"] == 1
         })
         .await;
-    assert_eq!(stats["orders"]["WAITING_PAY"], 1);
-
-    let mut orders = Vec::new();
-    for body in [&a, &b] {
-        let no = body["order_no"].as_str().unwrap();
-        orders.push(
-            json(
-                app.get(&format!("/api/v1/orders/{no}"), Some(&app.user_token(1)))
-                    .await,
-            )
+    assert_eq!(stats["orders"]["FAILED"], 0, "{stats}");
+    let no = holder["order_no"].as_str().unwrap();
+    let holder = json(
+        app.get(&format!("/api/v1/orders/{no}"), Some(&app.user_token(1)))
             .await,
-        );
-    }
-    let holder = orders
-        .iter()
-        .find(|o| o["status"] == "WAITING_PAY")
-        .expect("one order holds it");
-    let loser = orders
-        .iter()
-        .find(|o| o["status"] == "FAILED")
-        .expect("the other failed");
+    )
+    .await;
     assert_eq!(holder["amount_cents"], 9900 - 1500);
     assert_eq!(holder["coupon_id"], coupon);
-    assert_eq!(loser["failure_reason"], "COUPON_UNAVAILABLE");
-    // I1: the failed order's unit is back in Redis; the DB never moved it.
+    // I1: the refused purchase's unit is back in Redis; the DB never moved it.
     assert_eq!(stats["redis_available"], 9);
     assert_eq!(stats["db_available"], 9);
     assert_eq!(stats["db_locked"], 1);
@@ -286,31 +277,52 @@ async fn an_order_with_a_coupon_is_discounted_locks_it_uses_it_on_pay_and_a_seco
     assert_eq!(app.notify(body, Some(&sig)).await.status(), 200);
     assert_eq!(mine(&app, 1).await[0]["status"], "USED");
     assert_eq!(coupon_stats(&app, coupon).await["user_coupons"]["USED"], 1);
+
+    // Used: another order with it is refused at admission too.
+    let other = app.live_activity(10, 1, 1).await;
+    let (status, body) = buy_with_coupon(&app, 1, other, coupon, "o3").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("COUPON_INVALID")),
+        "{body}"
+    );
+    assert_eq!(app.stats(other).await["redis_available"], 10);
 }
 
 #[tokio::test]
-async fn below_the_minimum_amount_the_order_fails_and_keeps_its_coupon_free() {
+async fn below_the_minimum_amount_a_purchase_is_refused_at_admission_and_keeps_its_coupon_free() {
     let app = spawn_app().await;
     let coupon = create_coupon(&app, 5, 500, 100_000, 3600).await;
     assert_eq!(claim(&app, 1, coupon, "c").await.0, 202);
-    claims_written(&app, coupon, 1).await;
     let activity = app.live_activity(10, 1, 1).await;
+    // 9,900 cents is below the coupon's 100,000: refused before any 202,
+    // never accepted and then FAILED (I4).
     let (status, body) = buy_with_coupon(&app, 1, activity, coupon, "o").await;
-    assert_eq!(status, 202);
-    let stats = app
-        .wait_for_stats(activity, 30, |s| {
-            s["orders"]["FAILED"] == 1 && s["reservations_open"] == 0
-        })
-        .await;
-    assert_eq!(stats["redis_available"], 10);
-    let no = body["order_no"].as_str().unwrap();
-    let order = json(
-        app.get(&format!("/api/v1/orders/{no}"), Some(&app.user_token(1)))
-            .await,
-    )
-    .await;
-    assert_eq!(order["failure_reason"], "COUPON_UNAVAILABLE");
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("COUPON_INVALID")),
+        "{body}"
+    );
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("minimum")
+            || body.to_string().contains("minimum"),
+        "{body}"
+    );
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["redis_available"], 10, "nothing reserved: {stats}");
+    assert_eq!(stats["reservations_open"], 0);
+    assert_eq!(stats["orders"]["FAILED"], 0);
+    claims_written(&app, coupon, 1).await;
     assert_eq!(mine(&app, 1).await[0]["status"], "UNUSED");
+    // The request id was not kept: the same one buys without the coupon.
+    let token = app.purchase_token(1, activity).await;
+    let (status, body) = app
+        .order_retrying(1, activity, &json!({"request_id": "o", "token": token}))
+        .await;
+    assert_eq!(status, 202, "{body}");
 }
 
 #[tokio::test]
@@ -525,4 +537,60 @@ async fn a_coupon_batch_redis_lost_is_restored_and_issues_exactly_what_is_left()
     }
     assert_eq!(issued, 7, "the 7 left, no more");
     claims_written(&app, coupon, 10).await;
+}
+
+#[tokio::test]
+async fn reconciliation_frees_a_hold_whose_order_failed_and_holds_what_the_database_locked() {
+    let app = spawn_app_with(|s| s.reconcile.enabled = false).await;
+    let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
+    for user in [1, 2] {
+        assert_eq!(claim(&app, user, coupon, "c").await.0, 202);
+    }
+    claims_written(&app, coupon, 2).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let gate = seckill::coupons::gate::CouponGate::new(
+        seckill::store::redis_conn::RedisClient::new(&app.settings.redis)
+            .unwrap()
+            .connect_lazy()
+            .unwrap(),
+        &app.settings.redis.key_prefix,
+    );
+    let id = seckill::domain::CouponId::new(coupon);
+    // User 1's coupon is held for an order that ended FAILED (its process
+    // died between the hold and the publish, say): the row says so.
+    let (status, bought) = buy_with_coupon(&app, 1, activity, coupon, "o").await;
+    assert_eq!(status, 202, "{bought}");
+    app.drained(activity, 1).await;
+    let order_no: i64 = bought["order_no"].as_str().unwrap().parse().unwrap();
+    app.execute(&format!(
+        "UPDATE orders SET status = 'FAILED', failure_reason = 'TEST' WHERE order_no = {order_no}"
+    ))
+    .await;
+    app.execute(&format!(
+        "UPDATE user_coupons SET status = 'UNUSED', order_no = NULL WHERE order_no = {order_no}"
+    ))
+    .await;
+    // User 2's coupon the database locked (an order of the fallback),
+    // unknown to Redis.
+    app.execute(&format!(
+        "UPDATE user_coupons SET status = 'LOCKED', order_no = 4242 WHERE user_id = 2 AND coupon_id = {coupon}"
+    ))
+    .await;
+    let mut holds = gate.holds_of(id).await.unwrap();
+    holds.sort();
+    assert_eq!(holds, vec![(1, order_no)]);
+
+    crate::reconcile::reconcile(&app).await;
+    assert_eq!(gate.holds_of(id).await.unwrap(), vec![(2, 4242)]);
+    // User 1 buys with the coupon again (elsewhere: the FAILED order's
+    // unit and limit were changed behind Redis's back); user 2 cannot.
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, body) = buy_with_coupon(&app, 1, activity, coupon, "again").await;
+    assert_eq!(status, 202, "{body}");
+    let (status, body) = buy_with_coupon(&app, 2, activity, coupon, "two").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("COUPON_INVALID")),
+        "{body}"
+    );
 }

@@ -51,6 +51,8 @@ pub struct Meta {
     pub per_user_limit: i32,
     /// Buckets and shards.
     pub layout: Layout,
+    /// Unit price, cents (a coupon's minimum is checked against it).
+    pub price_cents: i64,
 }
 
 impl Meta {
@@ -176,10 +178,11 @@ impl RedisGate {
             Option<i32>,
             Option<usize>,
             Option<usize>,
+            Option<i64>,
         );
-        let (start, end, limit, buckets, shards): Fields = redis::cmd("HMGET")
+        let (start, end, limit, buckets, shards, price): Fields = redis::cmd("HMGET")
             .arg(self.keys(activity_id).meta())
-            .arg(&["start_ms", "end_ms", "limit", "buckets", "shards"])
+            .arg(&["start_ms", "end_ms", "limit", "buckets", "shards", "price"])
             .query_async(&mut self.conn.clone())
             .await?;
         Ok(match (start, end, limit, buckets) {
@@ -188,6 +191,7 @@ impl RedisGate {
                 end_ms,
                 per_user_limit,
                 layout: Layout::new(buckets, shards.unwrap_or(1)),
+                price_cents: price.unwrap_or(0),
             }),
             _ => None,
         })

@@ -98,11 +98,12 @@ pub async fn create(
     let st = state.clone();
     let coupon = store::run(&state.pg.db, move |conn| {
         repo::create(conn, &new, |c| {
-            rt.block_on(
-                st.redis
-                    .coupons
-                    .warm(c.id, c.total, c.valid_until.timestamp_millis()),
-            )?;
+            rt.block_on(st.redis.coupons.warm(
+                c.id,
+                c.total,
+                c.valid_until.timestamp_millis(),
+                c.min_amount_cents,
+            ))?;
             Ok(())
         })
     })

@@ -179,9 +179,7 @@ fn answer(refusal: Refusal) -> ApiError {
         }
         Refusal::Degraded(why, _) => ApiError::new(RetryLater, why),
         Refusal::SoldOut { .. } => ApiError::new(ErrorCode::SoldOut, "sold out"),
-        Refusal::CouponInvalid => {
-            ApiError::new(ErrorCode::CouponInvalid, "you hold no such coupon")
-        }
+        Refusal::CouponInvalid(why) => ApiError::new(ErrorCode::CouponInvalid, why),
         Refusal::Busy(why, _) => ApiError::new(Busy, why),
         Refusal::WritesRefused(_) => ApiError::new(
             RetryLater,
