@@ -18,16 +18,68 @@ use crate::config::PostgresSettings;
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 /// Pooled PostgreSQL connections.
-pub type PgPool = Pool<ConnectionManager<PgConnection>>;
+pub type PgPool = Pool<Connections>;
 /// One connection checked out of [`PgPool`].
-pub type PooledConn = PooledConnection<ConnectionManager<PgConnection>>;
+pub type PooledConn = PooledConnection<Connections>;
+
+/// Diesel's connection manager, whose check of a connection before it is
+/// handed out also asks whether the server is still the primary: after a
+/// failover (postgres.url naming the pair, `target_session_attrs=read-
+/// write`), a connection to a node that was demoted is dropped and a new
+/// one goes to whichever node takes writes now. The public-reads pool
+/// takes a standby's answers too.
+#[derive(Debug)]
+pub struct Connections {
+    inner: ConnectionManager<PgConnection>,
+    writes: bool,
+}
+
+impl diesel::r2d2::ManageConnection for Connections {
+    type Connection = PgConnection;
+    type Error = diesel::r2d2::Error;
+
+    fn connect(&self) -> Result<PgConnection, Self::Error> {
+        self.inner.connect()
+    }
+
+    fn is_valid(&self, conn: &mut PgConnection) -> Result<(), Self::Error> {
+        if !self.writes {
+            return self.inner.is_valid(conn);
+        }
+        #[derive(diesel::QueryableByName)]
+        struct Recovery {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            standby: bool,
+        }
+        use diesel::RunQueryDsl;
+        let r: Recovery = diesel::sql_query("SELECT pg_is_in_recovery() AS standby")
+            .get_result(conn)
+            .map_err(diesel::r2d2::Error::QueryError)?;
+        if r.standby {
+            return Err(diesel::r2d2::Error::QueryError(
+                diesel::result::Error::DatabaseError(
+                    diesel::result::DatabaseErrorKind::ReadOnlyTransaction,
+                    Box::new("the server is a standby now (a failover demoted it)".to_owned()),
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn has_broken(&self, conn: &mut PgConnection) -> bool {
+        self.inner.has_broken(conn)
+    }
+}
 /// What repositories take: any PostgreSQL connection (a pooled one derefs to it).
 pub type PgConn = PgConnection;
 
 /// Builds the pool without connecting: the server starts (and reports "not
 /// ready") while PostgreSQL is down, and connects when it comes back.
 pub fn pool(settings: &PostgresSettings) -> PgPool {
-    let manager = ConnectionManager::<PgConnection>::new(settings.url.expose_secret());
+    let manager = Connections {
+        inner: ConnectionManager::new(settings.url.expose_secret()),
+        writes: true,
+    };
     Pool::builder()
         .max_size(settings.pool_size)
         .min_idle(Some(0))
@@ -42,9 +94,10 @@ pub fn pool(settings: &PostgresSettings) -> PgPool {
 pub fn public_pool(settings: &PostgresSettings) -> PgPool {
     let url = settings.url.expose_secret();
     let sep = if url.contains('?') { '&' } else { '?' };
-    let manager = ConnectionManager::<PgConnection>::new(format!(
-        "{url}{sep}application_name={PUBLIC_READS}"
-    ));
+    let manager = Connections {
+        inner: ConnectionManager::new(format!("{url}{sep}application_name={PUBLIC_READS}")),
+        writes: false,
+    };
     Pool::builder()
         .max_size(settings.public_pool_size.max(1))
         .min_idle(Some(0))
@@ -72,13 +125,16 @@ pub struct Unavailable(#[from] diesel::r2d2::PoolError);
 /// them, and they answer 500 as before).
 pub fn is_transient(error: &anyhow::Error) -> bool {
     use diesel::result::{DatabaseErrorKind, Error as DieselError};
-    const TRANSIENT: [&str; 6] = [
+    const TRANSIENT: [&str; 8] = [
         "deadlock detected",
         "could not serialize access",
         "canceling statement due to statement timeout",
         "terminating connection due to administrator command",
         "the database system is shutting down",
         "the database system is starting up",
+        // A write that reached a node demoted by a failover.
+        "in a read-only transaction",
+        "the database system is in recovery mode",
     ];
     error.chain().any(|cause| {
         if cause.downcast_ref::<Unavailable>().is_some() {
@@ -91,6 +147,7 @@ pub fn is_transient(error: &anyhow::Error) -> bool {
                     DatabaseErrorKind::SerializationFailure
                         | DatabaseErrorKind::ClosedConnection
                         | DatabaseErrorKind::UnableToSendCommand
+                        | DatabaseErrorKind::ReadOnlyTransaction
                 ) || TRANSIENT.iter().any(|m| info.message().contains(m))
             }
             Some(DieselError::BrokenTransactionManager) => true,
