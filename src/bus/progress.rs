@@ -95,7 +95,12 @@ impl GroupProgress {
     /// to be restarted, as for any other client.
     pub fn heal(&self, supervision: &super::runner::Supervision, stall: Duration) {
         let failing_for = super::watchdog::elapsed(&self.failing_since);
-        if stall.is_zero() || failing_for < stall || supervision.probe.answering_for() < stall {
+        // Judged like the consumers: only over a window in which the
+        // cluster answered and took writes (two brokers of three down, it
+        // answers, and its group coordinators may not).
+        let probe = &supervision.probe;
+        let working_for = probe.answering_for().min(probe.writable_for());
+        if stall.is_zero() || failing_for < stall || working_for < stall {
             return;
         }
         let in_a_row = self.heals_in_a_row.load(Ordering::Relaxed);

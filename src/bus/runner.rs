@@ -326,7 +326,13 @@ impl Watch<'_> {
                 0 => None,
                 since => Some(Duration::from_millis((now_ms() - since).max(0) as u64)),
             };
-            let answering_for = self.supervision.probe.answering_for();
+            // A consumer commits its offsets (writes to the group's offsets
+            // topic): while the cluster refuses writes (too few in-sync
+            // replicas) nothing can be committed, and a new client would
+            // fare no better. It is blamed only for a window in which the
+            // cluster answered and took writes.
+            let probe = &self.supervision.probe;
+            let answering_for = probe.answering_for().min(probe.writable_for());
             let client = consumer.context().observed(answering_for);
             let works = client.coordinator_down_for.is_zero() && self.marks.current_progressed();
             let verdict = verdict(self.stall, client, waiting_for, busy);

@@ -14,7 +14,8 @@
 //!
 //! - none of its broker connections is up (the client's own statistics),
 //!
-//! and the broker has been answering for that whole window. That is judged
+//! and the broker has been answering, and taking writes (a commit is one),
+//! for that whole window. That is judged
 //! from outside every long-lived client, by [`super::probe::BrokerProbe`]:
 //! a fresh client on a fresh connection each second. A client is blamed
 //! only for what it fails to do with a broker that works; the judge is
@@ -277,7 +278,9 @@ pub fn verdict(
         if blame {
             Verdict::Rebuild(why)
         } else {
-            Verdict::Stalled(format!("{why}; the broker has not been answering"))
+            Verdict::Stalled(format!(
+                "{why}; the broker has not been answering (or taking writes)"
+            ))
         }
     };
     if client.coordinator_down_for >= stall {
