@@ -5,11 +5,19 @@
 # touch the services the other tests use, and one at a time. The broker's
 # data starts empty on every run.
 #
-#   scripts/chaos.sh [--redis-cluster] [--seed N] [cargo test filter...]
+#   scripts/chaos.sh [--redis-cluster | --replicated] [--seed N] [cargo test filter...]
 #   scripts/chaos.sh --build-only
 #
 # --redis-cluster  Redis is a 3-master cluster (ports 7390..7392) instead of
 #                  one server; the Redis faults hit its masters.
+# --replicated     the engines of a real deployment, on a set of their own
+#                  (.services-chaos-r): Kafka as three brokers and three
+#                  controllers (9392, 9402, 9412; replication 3,
+#                  min.insync.replicas 2) and PostgreSQL as a primary and a
+#                  synchronous standby under pg_auto_failover (5436, 5437;
+#                  monitor 5438), reached by a multi-host URL. The broker
+#                  and PostgreSQL faults hit one broker (a partition's
+#                  leader) or one node.
 # --seed N         the seed of the randomized fault test (nemesis); without
 #                  it, a new seed per run, printed first. Replay a failure:
 #                  scripts/chaos.sh nemesis --seed N
@@ -31,6 +39,14 @@ while [ $# -gt 0 ]; do
     --seed) export SECKILL_NEMESIS_SEED=${2:?--seed N}; shift 2 ;;
     --seed=*) export SECKILL_NEMESIS_SEED=${1#--seed=}; shift ;;
     --redis-cluster) export SECKILL__REDIS__MODE=cluster; shift ;;
+    --replicated)
+      export SECKILL_SERVICES_DIR=${SECKILL_CHAOS_SERVICES_DIR:-$ROOT/.services-chaos-r}
+      export SECKILL__REDIS__URL=${SECKILL_CHAOS_REDIS_URL:-redis://127.0.0.1:6590}
+      export SECKILL__POSTGRES__URL=${SECKILL_CHAOS_POSTGRES_URL:-postgres://seckill:seckill@127.0.0.1:5436,127.0.0.1:5437/seckill?target_session_attrs=read-write&connect_timeout=3}
+      export SECKILL__KAFKA__BROKERS=${SECKILL_CHAOS_KAFKA:-127.0.0.1:9392,127.0.0.1:9402,127.0.0.1:9412}
+      export SECKILL__KAFKA__REPLICATION_FACTOR=3 SECKILL__KAFKA__MIN_INSYNC_REPLICAS=2
+      export SECKILL_CHAOS_LOGS=${SECKILL_CHAOS_LOGS:-$ROOT/target/chaos/replicated}
+      shift ;;
     --build-only) build_only=1; shift ;;
     *) filters+=("$1"); shift ;;
   esac
@@ -59,7 +75,7 @@ fi
 export SECKILL_CHAOS_BIN=$ROOT/target/chaos/seckill-under-test
 
 scripts/services.sh stop kafka
-rm -rf "$SECKILL_SERVICES_DIR/kafka/data"
+rm -rf "$SECKILL_SERVICES_DIR/kafka/data" "$SECKILL_SERVICES_DIR"/kafka-cluster/*/data
 scripts/services.sh up
 
 # Databases of fault tests that crashed.

@@ -6,12 +6,24 @@
 #   scripts/services.sh up --redis-cluster
 #                                    also a 3-master Redis Cluster (Redis port + 1000..1002);
 #                                    `scripts/services.sh cluster-url` prints its redis.url
+#   scripts/services.sh up --kafka-cluster
+#                                    Kafka as three brokers and three KRaft controllers
+#                                    (replication 3, min.insync.replicas 2) instead of one
+#                                    broker; kafka.brokers lists the three addresses
+#                                    (scripts/services.d/kafka-cluster.sh)
+#   scripts/services.sh up --pg-ha   PostgreSQL as a primary and a synchronous standby under
+#                                    pg_auto_failover instead of one server; postgres.url
+#                                    names both (scripts/services.d/pg-ha.sh)
 #   scripts/services.sh forget PREFIX  unlink the Redis keys under PREFIX (SCAN, not KEYS)
 #   scripts/services.sh down         stop what this script started (nothing else)
 #   scripts/services.sh stop NAME    stop one of them: redis, postgres or kafka
 #   scripts/services.sh start NAME   start one of them (redis, redis-cluster, postgres, kafka)
-#                                    without touching, or waiting on, the others
+#                                    without touching, or waiting on, the others;
+#                                    `start|stop kafka-broker N` one broker of the cluster,
+#                                    `start|stop pg-node N` one node of the HA pair
 #   scripts/services.sh status       where each listens, where its log is
+#   scripts/services.sh pid kafka-broker N | pg-node N
+#                                    the pid (group, for a node) a fault test signals
 #
 # SECKILL_SERVICES_DIR puts the data elsewhere and the SECKILL__* address
 # overrides move the ports: scripts/chaos.sh runs a second set this way.
@@ -301,6 +313,12 @@ log.retention.hours=24
 offsets.retention.minutes=1440
 delete.topic.enable=true
 EOF
+  kafka_log_config
+}
+
+# The brokers' log configuration (every node, single or cluster, reads it).
+kafka_log_config() {
+  mkdir -p "$KAFKA_DIR"
   cat >"$KAFKA_DIR/log4j2.properties" <<'EOF'
 status = warn
 appender.out.type = Console
@@ -414,6 +432,13 @@ kafka_down() {
   kafka_stop "$KAFKA_CONTROLLER_DIR"
 }
 
+# The replicated variants, chosen by `up --kafka-cluster` / `--pg-ha` or by
+# addresses that name three brokers / two PostgreSQL hosts.
+# shellcheck source=services.d/kafka-cluster.sh
+. "$ROOT/scripts/services.d/kafka-cluster.sh"
+# shellcheck source=services.d/pg-ha.sh
+. "$ROOT/scripts/services.d/pg-ha.sh"
+
 # --------------------------------------------------------------- report ----
 status() {
   pg_paths
@@ -421,6 +446,8 @@ status() {
   redis_ping && r=up || r=down
   pg_ready 2>/dev/null && p=up || p=down
   kafka_port_open && k=up || k=down
+  if [ "$KAFKA_MODE" = cluster ]; then kafka_cluster_status; fi
+  if [ "$PG_MODE" = ha ]; then pg_ha_status; fi
   printf '%-10s %-5s %-22s %s\n' service state listens log
   printf '%-10s %-5s %-22s %s\n' redis "$r" "$REDIS_HOST:$REDIS_PORT" "$REDIS_DIR/redis.log"
   printf '%-10s %-5s %-22s %s\n' postgres "$p" "$PG_HOST:$PG_PORT" "$PGLOG"
@@ -434,19 +461,34 @@ status() {
 
 case "${1:-}" in
   up)
+    shift
+    want_redis_cluster=
+    for flag in "$@"; do
+      case "$flag" in
+        --redis-cluster) want_redis_cluster=1 ;;
+        --kafka-cluster) KAFKA_FORCE_CLUSTER=1 ;;
+        --pg-ha) PG_FORCE_HA=1 ;;
+        *) echo "unknown flag $flag" >&2; exit 2 ;;
+      esac
+    done
     install_missing
     load_settings
+    [ -z "${KAFKA_FORCE_CLUSTER:-}" ] || KAFKA_MODE=cluster
+    [ -z "${PG_FORCE_HA:-}" ] || PG_MODE=ha
     mkdir -p "$STATE"
     redis_up
     # The cluster too when asked, or when the configuration uses one.
-    if [ "${2:-}" = --redis-cluster ] || [ "$REDIS_MODE" = cluster ]; then redis_cluster_up; fi
-    pg_up
-    kafka_up
+    if [ -n "$want_redis_cluster" ] || [ "$REDIS_MODE" = cluster ]; then redis_cluster_up; fi
+    if [ "$PG_MODE" = ha ]; then pg_ha_up; else pg_up; fi
+    if [ "$KAFKA_MODE" = cluster ]; then kafka_cluster_up; else kafka_up; fi
     status
     ;;
   install)
     install_missing
     kafka_fetch
+    # pg_auto_failover, for `up --pg-ha` (the suite's replicated lane).
+    pg_paths
+    pg_ha_install
     ;;
   cluster-url)
     load_settings
@@ -469,7 +511,9 @@ case "${1:-}" in
   down)
     load_settings
     kafka_down
+    kafka_cluster_down
     pg_down
+    pg_ha_down
     redis_cluster_down
     redis_down
     log "stopped"
@@ -481,9 +525,11 @@ case "${1:-}" in
     case "${2:-}" in
       redis) redis_up ;;
       redis-cluster) redis_cluster_up ;;
-      postgres) pg_up ;;
-      kafka) kafka_up ;;
-      *) echo "usage: $0 start redis|redis-cluster|postgres|kafka" >&2; exit 2 ;;
+      postgres) if [ "$PG_MODE" = ha ]; then pg_ha_up; else pg_up; fi ;;
+      kafka) if [ "$KAFKA_MODE" = cluster ]; then kafka_cluster_up; else kafka_up; fi ;;
+      kafka-broker) kafka_cluster_broker start "${3:-}" ;;
+      pg-node) pg_ha_node start "${3:-}" ;;
+      *) echo "usage: $0 start redis|redis-cluster|postgres|kafka|kafka-broker N|pg-node N" >&2; exit 2 ;;
     esac
     ;;
   stop)
@@ -491,17 +537,29 @@ case "${1:-}" in
     case "${2:-}" in
       redis) redis_down ;;
       redis-cluster) redis_cluster_down ;;
-      postgres) pg_down ;;
-      kafka) kafka_down ;;
-      *) echo "usage: $0 stop redis|postgres|kafka" >&2; exit 2 ;;
+      postgres) if [ "$PG_MODE" = ha ]; then pg_ha_down; else pg_down; fi ;;
+      kafka) if [ "$KAFKA_MODE" = cluster ]; then kafka_cluster_down; else kafka_down; fi ;;
+      kafka-broker) kafka_cluster_broker stop "${3:-}" ;;
+      pg-node) pg_ha_node stop "${3:-}" ;;
+      *) echo "usage: $0 stop redis|postgres|kafka|kafka-broker N|pg-node N" >&2; exit 2 ;;
     esac
     ;;
   status)
     load_settings
     status
     ;;
+  pid)
+    # pid kafka-broker N | pg-node N: the process (a broker) or process
+    # group (a node's keeper and its PostgreSQL) a fault test signals.
+    load_settings
+    case "${2:-}" in
+      kafka-broker) cat "$(cluster_node_dir "broker-${3:?N}")/kafka.pid" ;;
+      pg-node) pg_ha_paths; cat "$PGHA_DIR/node${3:?N}/keeper.pid" ;;
+      *) echo "usage: $0 pid kafka-broker N|pg-node N" >&2; exit 2 ;;
+    esac
+    ;;
   *)
-    echo "usage: $0 up [--redis-cluster]|install|down|start NAME|stop NAME|status|cluster-url" >&2
+    echo "usage: $0 up [--redis-cluster] [--kafka-cluster] [--pg-ha]|install|down|start NAME|stop NAME|status|cluster-url" >&2
     exit 2
     ;;
 esac

@@ -43,9 +43,14 @@ def main():
     redis = urlsplit(cfg["redis"]["url"].split(",")[0].strip())
     cluster = cfg["redis"].get("mode") == "cluster"
     redis_port = (redis.port or 6379) - (1000 if cluster else 0)
-    pg = urlsplit(cfg["postgres"]["url"])
-    broker = cfg["kafka"]["brokers"].split(",")[0].strip()
-    kafka_host, kafka_port = broker.rsplit(":", 1)
+    # A multi-host URL (the highly available pair, `up --pg-ha`) names the
+    # primary first and its standby second.
+    pg_url = cfg["postgres"]["url"]
+    pg_hosts = pg_url.split("@", 1)[1].split("/", 1)[0] if "@" in pg_url else ""
+    pg = urlsplit(pg_url.replace(pg_hosts, pg_hosts.split(",")[0], 1) if pg_hosts else pg_url)
+    pg_ports = [h.rsplit(":", 1)[1] for h in pg_hosts.split(",") if ":" in h]
+    brokers = [b.strip() for b in cfg["kafka"]["brokers"].split(",") if b.strip()]
+    kafka_host, kafka_port = brokers[0].rsplit(":", 1)
     out = {
         "REDIS_HOST": redis.hostname or "127.0.0.1",
         "REDIS_PORT": str(redis_port),
@@ -57,8 +62,14 @@ def main():
         "PG_USER": pg.username or "seckill",
         "PG_PASSWORD": pg.password or "",
         "PG_DB": pg.path.lstrip("/") or "seckill",
+        # `up --pg-ha`: the two nodes' ports (the URL's), the monitor's next.
+        "PG_HA_PORTS": " ".join(pg_ports),
+        "PG_MODE": "ha" if len(pg_ports) == 2 else "single",
         "KAFKA_HOST": kafka_host,
         "KAFKA_PORT": kafka_port,
+        # Three addresses: the replicated cluster (`up --kafka-cluster`).
+        "KAFKA_BROKERS": ",".join(brokers),
+        "KAFKA_MODE": "cluster" if len(brokers) == 3 else "single",
         "KAFKA_CONTROLLER_PORT": str(int(kafka_port) + 1),
         # A third listener for fault tests, advertised one port higher, where
         # a test's fault-injecting proxy listens (tests/common/wire.rs).

@@ -52,6 +52,16 @@ fn seckill_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_seckill")))
 }
 
+/// Sends `sig` to every process of group `pgid` (a node's keeper and
+/// its PostgreSQL).
+pub fn signal_group(pgid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{sig}"), "--".to_owned(), format!("-{pgid}")])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill -{sig} -- -{pgid}");
+}
+
 /// Sends `sig` (STOP, CONT, KILL) to `pid`.
 pub fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill")
@@ -71,6 +81,11 @@ pub struct Services {
     redis_ports: Vec<u16>,
     /// Redis is a cluster.
     pub cluster: bool,
+    /// The brokers' addresses: one, or the three of the replicated
+    /// cluster (`scripts/chaos.sh --replicated`).
+    brokers: String,
+    /// PostgreSQL's ports: one, or the highly available pair's.
+    pg_ports: Vec<u16>,
 }
 
 impl Services {
@@ -92,12 +107,123 @@ impl Services {
             })
             .collect();
         let cluster = settings.redis.mode == seckill::config::RedisMode::Cluster;
+        let url = settings.postgres.url.expose_secret();
+        let hosts = url
+            .split_once('@')
+            .and_then(|(_, rest)| rest.split_once('/'))
+            .map_or("", |(hosts, _)| hosts);
+        let pg_ports = hosts
+            .split(',')
+            .filter_map(|h| h.rsplit_once(':')?.1.parse().ok())
+            .collect();
         Self {
             root,
             state,
             redis_ports,
             cluster,
+            brokers: settings.kafka.brokers.clone(),
+            pg_ports,
         }
+    }
+
+    /// Whether these are the replicated services: three brokers and a
+    /// PostgreSQL pair that fails over (`scripts/chaos.sh --replicated`).
+    pub fn replicated(&self) -> bool {
+        self.brokers.split(',').count() == 3 && self.pg_ports.len() == 2
+    }
+
+    /// `scripts/services.sh pid WHAT N`.
+    async fn pid_of(&self, what: &str, n: usize) -> u32 {
+        let script = self.root.join("scripts/services.sh");
+        let (what, n) = (what.to_owned(), n.to_string());
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(script).args(["pid", &what, &n]).output()
+        })
+        .await
+        .unwrap()
+        .expect("services.sh runs");
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("no pid: {}", String::from_utf8_lossy(&out.stderr)))
+    }
+
+    /// The process id of broker `n` (1..=3) of the replicated cluster.
+    pub async fn broker_pid(&self, n: usize) -> u32 {
+        self.pid_of("kafka-broker", n).await
+    }
+
+    /// Starts broker `n` again (with its data) and waits until it serves.
+    pub async fn start_broker(&self, n: usize) {
+        self.script(&["start", "kafka-broker", &n.to_string()])
+            .await;
+    }
+
+    /// The broker (1..=3) that leads partition `partition` of `topic`, as
+    /// a fresh client sees it; `None` while it has no leader.
+    pub async fn leader_of(&self, topic: &str, partition: i32) -> Option<usize> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let (brokers, topic) = (self.brokers.clone(), topic.to_owned());
+        tokio::task::spawn_blocking(move || {
+            let client: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("log_level", "2")
+                .create()
+                .ok()?;
+            let metadata = client
+                .fetch_metadata(Some(&topic), Duration::from_secs(10))
+                .ok()?;
+            let leader = metadata
+                .topics()
+                .first()?
+                .partitions()
+                .iter()
+                .find(|p| p.id() == partition)?
+                .leader();
+            usize::try_from(leader).ok().filter(|n| (1..=3).contains(n))
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// The process group of PostgreSQL node `n` (1 or 2): its keeper and
+    /// its PostgreSQL; SIGKILL to it is the node dying.
+    pub async fn pg_node_group(&self, n: usize) -> u32 {
+        self.pid_of("pg-node", n).await
+    }
+
+    /// Starts PostgreSQL node `n` again; it rejoins the pair (a demoted
+    /// primary comes back as the standby).
+    pub async fn start_pg_node(&self, n: usize) {
+        self.script(&["start", "pg-node", &n.to_string()]).await;
+    }
+
+    /// The node (1 or 2) that takes writes now, if one does.
+    pub async fn pg_primary(&self) -> Option<usize> {
+        for (i, port) in self.pg_ports.iter().enumerate() {
+            let url = format!("postgres://postgres@127.0.0.1:{port}/postgres?connect_timeout=3");
+            let primary = tokio::task::spawn_blocking(move || {
+                use diesel::{Connection, RunQueryDsl};
+                #[derive(diesel::QueryableByName)]
+                struct R {
+                    #[diesel(sql_type = diesel::sql_types::Bool)]
+                    standby: bool,
+                }
+                let mut conn = diesel::PgConnection::establish(&url).ok()?;
+                let r: R = diesel::sql_query("SELECT pg_is_in_recovery() AS standby")
+                    .get_result(&mut conn)
+                    .ok()?;
+                Some(!r.standby)
+            })
+            .await
+            .ok()
+            .flatten();
+            if primary == Some(true) {
+                return Some(i + 1);
+            }
+        }
+        None
     }
 
     /// How many Redis servers there are (the cluster's masters).
@@ -303,6 +429,63 @@ impl Chaos {
         };
         chaos.restart_server().await;
         chaos
+    }
+
+    /// This test's topic prefix.
+    pub(crate) fn topic_prefix(&self) -> &str {
+        &self.settings.kafka.topic_prefix
+    }
+
+    /// An order of `user` in `activity`, accepted and written, with its
+    /// payment created: the payment as `POST .../pay` answered it.
+    pub(crate) async fn paid_order_intent(&self, activity: i64, user: i64) -> Value {
+        let sale = Sale::of(self, activity, 1, 0);
+        let bought = sale.buyer(user).await;
+        let order_no = bought.order_no.expect("the order accepted");
+        let jwt = self.user(user);
+        let deadline = Instant::now() + SETTLE_WITHIN;
+        loop {
+            let res = self
+                .client
+                .post(self.url(&format!("/api/v1/orders/{order_no}/pay")))
+                .bearer_auth(&jwt)
+                .send()
+                .await;
+            if let Ok(res) = res
+                && res.status() == 200
+            {
+                return res.json().await.expect("a payment");
+            }
+            assert!(Instant::now() < deadline, "order {order_no} never payable");
+            pause().await;
+        }
+    }
+
+    /// One signed SUCCESS callback for `payment`, as the provider sends
+    /// it: its status (0 when no answer came).
+    pub(crate) async fn notify_success(&self, payment: &Value) -> u16 {
+        let body = serde_json::to_vec(&json!({
+            "payment_no": payment["payment_no"], "order_no": payment["order_no"],
+            "amount_cents": payment["amount_cents"], "status": "SUCCESS",
+            "provider_txn_id": format!("txn-{}", payment["payment_no"].as_str().unwrap_or("")),
+            "paid_at": chrono::Utc::now(),
+        }))
+        .expect("json");
+        let t = chrono::Utc::now().timestamp();
+        let signature =
+            seckill::payments::signature::sign(self.notify_secret().as_bytes(), t, &body);
+        match self
+            .client
+            .post(self.url("/api/v1/payments/notify"))
+            .header("content-type", "application/json")
+            .header("X-Pay-Signature", signature)
+            .body(body)
+            .send()
+            .await
+        {
+            Ok(res) => res.status().as_u16(),
+            Err(_) => 0,
+        }
     }
 
     pub(crate) fn url(&self, path: &str) -> String {
@@ -683,11 +866,12 @@ impl Chaos {
         );
         // I2: no buyer over the limit (1).
         assert_eq!(
-            self.count(
+            self.count(&format!(
                 "SELECT count(*) AS n FROM (SELECT user_id FROM orders \
-                 WHERE status IN ('WAITING_PAY', 'PAID') GROUP BY user_id \
-                 HAVING sum(quantity) > 1) o"
-            )
+                 WHERE status IN ('WAITING_PAY', 'PAID') AND activity_id = {} GROUP BY user_id \
+                 HAVING sum(quantity) > 1) o",
+                sale.activity
+            ))
             .await,
             0
         );
@@ -703,8 +887,12 @@ impl Chaos {
         );
         assert_eq!(
             locked,
-            self.count("SELECT COALESCE(sum(quantity), 0)::bigint AS n FROM orders WHERE status = 'WAITING_PAY'")
-                .await,
+            self.count(&format!(
+                "SELECT COALESCE(sum(quantity), 0)::bigint AS n FROM orders \
+                 WHERE status = 'WAITING_PAY' AND activity_id = {}",
+                sale.activity
+            ))
+            .await,
             "locked = Σ WAITING_PAY"
         );
         assert_eq!(stats["redis_available"], stats["db_available"], "{stats}");

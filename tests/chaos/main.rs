@@ -10,6 +10,7 @@
 mod db;
 mod harness;
 mod nemesis;
+mod replicated;
 mod room;
 
 use std::time::{Duration, Instant};

@@ -59,6 +59,22 @@ pub enum Fault {
     RedisFlushed { node: usize },
     /// PostgreSQL stopped (fast shutdown) and started `down` later.
     PostgresRestarted { down: Duration },
+    /// The replicated lane: SIGKILL to the broker leading the order
+    /// topic's partition 0; started again `down` later.
+    LeaderKilled { down: Duration },
+    /// The replicated lane: SIGSTOP to that leader.
+    LeaderPaused { pause: Duration },
+    /// The replicated lane: SIGKILL to the two brokers that do not lead
+    /// it (writes refused: too few in-sync replicas); both started again
+    /// `down` later.
+    TwoBrokersDown { down: Duration },
+    /// The replicated lane: SIGKILL to the PostgreSQL primary's node (its
+    /// keeper and PostgreSQL); the standby takes over; the node is started
+    /// again `down` later and rejoins as the standby.
+    PrimaryKilled { down: Duration },
+    /// The replicated lane: SIGKILL to the standby's node; started again
+    /// `down` later.
+    StandbyKilled { down: Duration },
 }
 
 /// The process a fault hits: faults on one target take turns.
@@ -74,11 +90,17 @@ impl Fault {
     fn target(self) -> Target {
         match self {
             Self::ServerKilled { .. } => Target::Server,
-            Self::BrokerPaused { .. } | Self::BrokerKilled { .. } => Target::Broker,
+            Self::BrokerPaused { .. }
+            | Self::BrokerKilled { .. }
+            | Self::LeaderKilled { .. }
+            | Self::LeaderPaused { .. }
+            | Self::TwoBrokersDown { .. } => Target::Broker,
             Self::RedisPaused { .. } | Self::RedisKilled { .. } | Self::RedisFlushed { .. } => {
                 Target::Redis
             }
-            Self::PostgresRestarted { .. } => Target::Postgres,
+            Self::PostgresRestarted { .. }
+            | Self::PrimaryKilled { .. }
+            | Self::StandbyKilled { .. } => Target::Postgres,
         }
     }
 
@@ -88,16 +110,55 @@ impl Fault {
             Self::ServerKilled { down }
             | Self::BrokerKilled { down }
             | Self::RedisKilled { down, .. }
-            | Self::PostgresRestarted { down } => down + Duration::from_secs(3),
-            Self::BrokerPaused { pause } | Self::RedisPaused { pause, .. } => pause,
+            | Self::PostgresRestarted { down }
+            | Self::LeaderKilled { down }
+            | Self::TwoBrokersDown { down }
+            | Self::PrimaryKilled { down }
+            | Self::StandbyKilled { down } => down + Duration::from_secs(3),
+            Self::BrokerPaused { pause }
+            | Self::RedisPaused { pause, .. }
+            | Self::LeaderPaused { pause } => pause,
             Self::RedisFlushed { .. } => Duration::from_secs(1),
         }
     }
 
-    fn random(rng: &mut fastrand::Rng, redis_nodes: usize) -> Self {
+    fn random(rng: &mut fastrand::Rng, redis_nodes: usize, replicated: bool) -> Self {
         let secs =
             |rng: &mut fastrand::Rng, lo: u64, hi: u64| Duration::from_secs(rng.u64(lo..=hi));
         let node = rng.usize(..redis_nodes);
+        if replicated {
+            // The engines of a real deployment: one broker or one
+            // PostgreSQL node at a time, besides the server and Redis.
+            return match rng.u32(..11) {
+                0 | 1 => Self::ServerKilled {
+                    down: secs(rng, 1, 3),
+                },
+                2 => Self::LeaderPaused {
+                    pause: secs(rng, 12, 30),
+                },
+                3 => Self::LeaderKilled {
+                    down: secs(rng, 2, 8),
+                },
+                4 => Self::TwoBrokersDown {
+                    down: secs(rng, 10, 25),
+                },
+                5 => Self::RedisPaused {
+                    node,
+                    pause: secs(rng, 4, 12),
+                },
+                6 => Self::RedisKilled {
+                    node,
+                    down: secs(rng, 2, 8),
+                },
+                7 => Self::RedisFlushed { node },
+                8 | 9 => Self::PrimaryKilled {
+                    down: secs(rng, 3, 10),
+                },
+                _ => Self::StandbyKilled {
+                    down: secs(rng, 3, 10),
+                },
+            };
+        }
         match rng.u32(..9) {
             0 | 1 => Self::ServerKilled {
                 down: secs(rng, 1, 3),
@@ -135,7 +196,7 @@ pub struct Planned {
 /// once on one process, every target hit at least once, and at least two
 /// faults overlapping (a seed whose draw misses any of that draws again,
 /// from the same generator, so the seed still decides everything).
-pub fn schedule(seed: u64, redis_nodes: usize) -> Vec<Planned> {
+pub fn schedule(seed: u64, redis_nodes: usize, replicated: bool) -> Vec<Planned> {
     let mut rng = fastrand::Rng::with_seed(seed);
     loop {
         let mut planned = Vec::new();
@@ -143,7 +204,7 @@ pub fn schedule(seed: u64, redis_nodes: usize) -> Vec<Planned> {
         let mut at = Duration::from_secs(rng.u64(5..=10));
         while at < SPAN {
             for _ in 0..6 {
-                let fault = Fault::random(&mut rng, redis_nodes);
+                let fault = Fault::random(&mut rng, redis_nodes, replicated);
                 let free = busy_until.get(&fault.target()).is_none_or(|&t| t <= at);
                 if free {
                     busy_until.insert(fault.target(), at + fault.lasts() + Duration::from_secs(2));
@@ -154,10 +215,13 @@ pub fn schedule(seed: u64, redis_nodes: usize) -> Vec<Planned> {
             at += Duration::from_secs(rng.u64(10..=18));
         }
         let targets: HashSet<Target> = planned.iter().map(|p| p.fault.target()).collect();
-        let fenced = planned
-            .iter()
-            .any(|p| matches!(p.fault, Fault::BrokerPaused { .. }));
-        if targets.len() == 4 && fenced && overlaps(&planned) > 0 {
+        let has = |f: fn(&Fault) -> bool| planned.iter().any(|p| f(&p.fault));
+        let fenced = has(|f| matches!(f, Fault::BrokerPaused { .. } | Fault::LeaderPaused { .. }));
+        // The replicated lane hits the leader and the primary each time.
+        let replicated_faults = !replicated
+            || (has(|f| matches!(f, Fault::LeaderKilled { .. } | Fault::TwoBrokersDown { .. }))
+                && has(|f| matches!(f, Fault::PrimaryKilled { .. })));
+        if targets.len() == 4 && fenced && replicated_faults && overlaps(&planned) > 0 {
             return planned;
         }
     }
@@ -584,17 +648,69 @@ async fn apply(chaos: &Chaos, fault: Fault) {
             tokio::time::sleep(down).await;
             services.start("postgres").await;
         }
+        Fault::LeaderKilled { down } => {
+            let n = leader(chaos).await;
+            eprintln!("nemesis: broker {n} leads; SIGKILL");
+            signal(services.broker_pid(n).await, "KILL");
+            tokio::time::sleep(down).await;
+            services.start_broker(n).await;
+        }
+        Fault::LeaderPaused { pause } => {
+            let n = leader(chaos).await;
+            eprintln!("nemesis: broker {n} leads; SIGSTOP");
+            let pid = services.broker_pid(n).await;
+            signal(pid, "STOP");
+            let _resume = OnDrop(move || signal(pid, "CONT"));
+            tokio::time::sleep(pause).await;
+        }
+        Fault::TwoBrokersDown { down } => {
+            let keep = leader(chaos).await;
+            let others: Vec<usize> = (1..=3).filter(|n| *n != keep).collect();
+            eprintln!("nemesis: brokers {others:?} SIGKILL; broker {keep} left alone");
+            for &n in &others {
+                signal(services.broker_pid(n).await, "KILL");
+            }
+            tokio::time::sleep(down).await;
+            for &n in &others {
+                services.start_broker(n).await;
+            }
+        }
+        Fault::PrimaryKilled { down } | Fault::StandbyKilled { down } => {
+            let Some(primary) = services.pg_primary().await else {
+                eprintln!("nemesis: no PostgreSQL primary to hit now; fault skipped");
+                return;
+            };
+            let node = if matches!(fault, Fault::PrimaryKilled { .. }) {
+                primary
+            } else {
+                3 - primary
+            };
+            eprintln!("nemesis: PostgreSQL node {node} (primary: {primary}) SIGKILL");
+            crate::harness::signal_group(services.pg_node_group(node).await, "KILL");
+            tokio::time::sleep(down).await;
+            services.start_pg_node(node).await;
+        }
     }
+}
+
+/// The broker leading partition 0 of the run's order topic (broker 1 when
+/// none is known: a fault still hits a broker).
+async fn leader(chaos: &Chaos) -> usize {
+    let topic = format!("{}order.requested", chaos.topic_prefix());
+    chaos.services.leader_of(&topic, 0).await.unwrap_or(1)
 }
 
 /// The run: the schedule over the sale, then the checker.
 pub async fn run(chaos: &Chaos) {
     let seed = seed();
-    let plan = schedule(seed, chaos.services.redis_nodes());
+    let replicated = chaos.services.replicated();
+    let plan = schedule(seed, chaos.services.redis_nodes(), replicated);
     let replay = format!(
         "seed {seed}: replay with scripts/chaos.sh{} nemesis --seed {seed}",
         if chaos.services.cluster {
             " --redis-cluster"
+        } else if replicated {
+            " --replicated"
         } else {
             ""
         }

@@ -15,7 +15,23 @@ pub async fn create_database(base: &SecretString, name: &str) -> SecretString {
             .execute(&mut admin)
             .expect("create the test database");
         let url = database_url(&base, &name);
-        let mut conn = PgConnection::establish(&url).expect("connect to the test database");
+        // On a primary with a standby (a multi-host URL), libpq may try
+        // the standby first, and one that has not replayed the CREATE yet
+        // refuses the connection for good ("does not exist") instead of
+        // passing to the next host: ask again until it has.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut conn = loop {
+            match PgConnection::establish(&url) {
+                Ok(conn) => break conn,
+                Err(e)
+                    if e.to_string().contains("does not exist")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+                Err(e) => panic!("connect to the test database: {e}"),
+            }
+        };
         seckill::store::migrate_up(&mut conn).expect("migrations apply");
         SecretString::from(url)
     })
@@ -32,10 +48,15 @@ pub fn drop_database(url: &str, name: &str) {
     }
 }
 
-/// `base` with its database name replaced by `name`.
+/// `base` with its database name replaced by `name`, its parameters
+/// (`?target_session_attrs=read-write` of a multi-host URL) kept.
 pub fn database_url(base: &str, name: &str) -> String {
-    let (server, _) = base.rsplit_once('/').expect("postgres url has a database");
-    format!("{server}/{name}")
+    let (path, query) = match base.split_once('?') {
+        Some((path, query)) => (path, format!("?{query}")),
+        None => (base, String::new()),
+    };
+    let (server, _) = path.rsplit_once('/').expect("postgres url has a database");
+    format!("{server}/{name}{query}")
 }
 
 /// Runs `query` with a connection of its own to the database at `url`, on

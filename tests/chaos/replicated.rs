@@ -1,0 +1,398 @@
+//! Fault tests on the engines of a real deployment (`scripts/chaos.sh
+//! --replicated`): Kafka with three brokers, replication factor 3 and
+//! `min.insync.replicas` 2, and a PostgreSQL primary with a synchronous
+//! standby under pg_auto_failover, reached through a multi-host URL. Each
+//! hits one broker or one node of them mid-sale, then checks the same
+//! invariants as every other fault test, and that the server never had to
+//! be restarted.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::harness::{self, Chaos, Fault, Sale, signal, signal_group};
+
+/// How long after a fault healed the instance must sell again (a 202 to a
+/// new buyer) in these tests: what the issue promises is 30 s; this is
+/// sized for a loaded 2-core host three times slower, and each test prints
+/// what it took.
+const SELLS_AGAIN_WITHIN: Duration = Duration::from_secs(120);
+
+/// The replicated services, or a clear refusal to run on the others.
+async fn start(name: &str) -> Chaos {
+    let chaos = Chaos::start(name).await;
+    assert!(
+        chaos.services.replicated(),
+        "{name} needs the replicated services: run it with scripts/chaos.sh --replicated"
+    );
+    chaos
+}
+
+/// The order topic of this test's server.
+fn order_topic(chaos: &Chaos) -> String {
+    format!("{}order.requested", chaos.topic_prefix())
+}
+
+/// The broker leading partition 0 of the order topic, waiting for one.
+async fn leader(chaos: &Chaos) -> usize {
+    let topic = order_topic(chaos);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(n) = chaos.services.leader_of(&topic, 0).await {
+            return n;
+        }
+        assert!(Instant::now() < deadline, "{topic}[0] has no leader");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// An activity of its own with more units than any test sells, for
+/// [`sells_again`]: the sale under test sells out, and a buyer who hears
+/// SOLD_OUT says nothing of whether the broker takes writes again.
+async fn spare_activity(chaos: &Chaos) -> i64 {
+    Sale::new(chaos, 0, 100_000).await.activity
+}
+
+/// Seconds until a new buyer (from `user` on) of `activity` (a
+/// [`spare_activity`]) is accepted; panics past [`SELLS_AGAIN_WITHIN`]. A
+/// server that exits by itself fails the test: none of these faults may
+/// cost a restart.
+async fn sells_again(chaos: &Chaos, activity: i64, mut user: i64) -> f64 {
+    let from = Instant::now();
+    loop {
+        assert!(
+            chaos.server_exited().is_none(),
+            "the server exited by itself; see {}",
+            chaos.logs()
+        );
+        let asked = Instant::now();
+        let status = chaos.purchase_once(activity, user).await;
+        if status == 202 {
+            return from.elapsed().as_secs_f64();
+        }
+        eprintln!(
+            "{:.1}s after the fault: a new buyer's purchase answered {status} in {:.1}s",
+            from.elapsed().as_secs_f64(),
+            asked.elapsed().as_secs_f64()
+        );
+        user += 1;
+        assert!(
+            from.elapsed() < SELLS_AGAIN_WITHIN,
+            "not selling {}s after the fault healed; see {}",
+            SELLS_AGAIN_WITHIN.as_secs(),
+            chaos.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// The leader of the order topic's partition SIGKILLed in the middle of the
+/// burst, started again 10 s later: no 202 lost or duplicated, and buying
+/// goes on (its partitions get a new leader from the in-sync replicas)
+/// without a restart of the server.
+#[tokio::test]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn the_partition_leader_killed_mid_sale_loses_and_duplicates_nothing() {
+    let chaos = start("leader_killed").await;
+    let spare = spare_activity(&chaos).await;
+    let sale = Sale::new(&chaos, 2000, 1500).await;
+    let outcome = sale
+        .run_with_fault(Fault::At(0.3), || async {
+            let n = leader(&chaos).await;
+            eprintln!("leader_killed: broker {n} leads; SIGKILL");
+            signal(chaos.services.broker_pid(n).await, "KILL");
+            let after = sells_again(&chaos, spare, 900_000).await;
+            eprintln!("leader_killed: a new buyer accepted {after:.1}s after the kill");
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            chaos.services.start_broker(n).await;
+        })
+        .await;
+    chaos.settle_and_check(&sale, &outcome).await;
+    assert!(
+        chaos.server_exited().is_none(),
+        "no restart: {}",
+        chaos.logs()
+    );
+}
+
+/// The leader stopped (SIGSTOP) for 30 s: fenced by the controllers while
+/// it is away, its partitions led by another broker; the same outcome as
+/// the kill.
+#[tokio::test]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn the_partition_leader_paused_thirty_seconds_loses_and_duplicates_nothing() {
+    let chaos = start("leader_paused").await;
+    let spare = spare_activity(&chaos).await;
+    let sale = Sale::new(&chaos, 2000, 1500).await;
+    let outcome = sale
+        .run_with_fault(Fault::At(0.3), || async {
+            let n = leader(&chaos).await;
+            let pid = chaos.services.broker_pid(n).await;
+            eprintln!("leader_paused: broker {n} leads; SIGSTOP for 30 s");
+            signal(pid, "STOP");
+            let _resume = harness::OnDrop(move || signal(pid, "CONT"));
+            let after = sells_again(&chaos, spare, 900_000).await;
+            eprintln!("leader_paused: a new buyer accepted {after:.1}s after the stop");
+            let rest = Duration::from_secs(30).saturating_sub(Duration::from_secs_f64(after));
+            tokio::time::sleep(rest).await;
+        })
+        .await;
+    chaos.settle_and_check(&sale, &outcome).await;
+    assert!(
+        chaos.server_exited().is_none(),
+        "no restart: {}",
+        chaos.logs()
+    );
+}
+
+/// Two of three brokers down: the one left leads every partition alone,
+/// below `min.insync.replicas`, and refuses every write. Purchases answer
+/// 503 RETRY_LATER with a Retry-After, nothing is accepted, readiness says
+/// why, and the instance does not restart itself (for three times the
+/// stall window and more). Once the brokers are back it sells again.
+#[tokio::test]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn two_brokers_down_refuse_purchases_without_a_restart_loop_and_it_sells_again_after() {
+    let chaos = start("two_brokers_down").await;
+    let spare = spare_activity(&chaos).await;
+    let sale = Sale::new(&chaos, 600, 400).await;
+    let outcome = sale
+        .run_with_fault(Fault::At(0.3), || async {
+            let keep = leader(&chaos).await;
+            let down: Vec<usize> = (1..=3).filter(|n| *n != keep).collect();
+            for &n in &down {
+                signal(chaos.services.broker_pid(n).await, "KILL");
+            }
+            eprintln!("two_brokers_down: brokers {down:?} killed; broker {keep} left");
+            let killed = Instant::now();
+            // The controllers fence the dead brokers (their sessions end)
+            // and the survivor's in-sync replicas shrink to itself.
+            let refused = loop {
+                let res = chaos
+                    .client()
+                    .get(chaos.url("/health/ready"))
+                    .send()
+                    .await
+                    .ok();
+                if let Some(res) = res {
+                    let body = res.text().await.unwrap_or_default();
+                    if body.contains("refuse writes") {
+                        break body;
+                    }
+                }
+                assert!(
+                    killed.elapsed() < Duration::from_secs(120),
+                    "readiness never said the brokers refuse writes"
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            };
+            eprintln!(
+                "two_brokers_down: readiness at {:.1}s: {refused}",
+                killed.elapsed().as_secs_f64()
+            );
+            // 90 s more: well past three rebuild windows (10 s each) and
+            // the liveness grace, with purchases refused all along.
+            let mut refusals = 0;
+            while killed.elapsed() < Duration::from_secs(90) {
+                assert!(
+                    chaos.server_exited().is_none(),
+                    "the server exited while the brokers refused writes; see {}",
+                    chaos.logs()
+                );
+                let (status, retry_after, body) = purchase(&chaos, spare, 800_000 + refusals).await;
+                assert_eq!(status, 503, "accepted with two brokers down: {body}");
+                assert_eq!(body["code"], "RETRY_LATER", "{body}");
+                assert!(retry_after.is_some_and(|s| s >= 1), "{body}");
+                refusals += 1;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            assert_eq!(
+                chaos.log_lines_with("cannot heal"),
+                0,
+                "the instance gave up: {}",
+                chaos.logs()
+            );
+            eprintln!("two_brokers_down: {refusals} purchases refused 503 RETRY_LATER, no restart");
+            for &n in &down {
+                chaos.services.start_broker(n).await;
+            }
+            let after = sells_again(&chaos, spare, 900_000).await;
+            eprintln!("two_brokers_down: sells again {after:.1}s after the brokers were back");
+        })
+        .await;
+    chaos.settle_and_check(&sale, &outcome).await;
+}
+
+/// One purchase, not retried: status, Retry-After, body.
+async fn purchase(chaos: &Chaos, activity: i64, user: i64) -> (u16, Option<u64>, Value) {
+    let jwt = chaos.user(user);
+    let token = chaos
+        .client()
+        .get(chaos.url(&format!("/api/v1/activities/{activity}/token")))
+        .bearer_auth(&jwt)
+        .send()
+        .await
+        .expect("token answered")
+        .json::<Value>()
+        .await
+        .unwrap_or(Value::Null)["token"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let res = chaos
+        .client()
+        .post(chaos.url(&format!("/api/v1/activities/{activity}/orders")))
+        .bearer_auth(&jwt)
+        .json(&json!({"request_id": format!("refused-{user}"), "token": token}))
+        .send()
+        .await
+        .expect("purchase answered");
+    let status = res.status().as_u16();
+    let retry_after = res
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    (status, retry_after, res.json().await.unwrap_or(Value::Null))
+}
+
+/// The PostgreSQL primary SIGKILLed (its keeper and PostgreSQL: the node
+/// dying) while the consumers write a burst's orders: the standby takes
+/// over, and the consumers, the closer, the relay and the reconciler go on
+/// there through the multi-host URL. A payment callback sent during the
+/// switch answers 503 (the provider retries) or, once the standby took
+/// over, 200, never anything else, and the order is paid exactly once.
+#[tokio::test]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicates_nothing() {
+    let chaos = Chaos::start_with("primary_killed", |env| {
+        // Small batches: the drain takes long enough to be interrupted.
+        env.push(("SECKILL__ORDERS__BATCH_SIZE", "5".into()));
+        env.push(("SECKILL__POSTGRES__TIMEOUT_MS", "1000".into()));
+    })
+    .await;
+    assert!(
+        chaos.services.replicated(),
+        "run with scripts/chaos.sh --replicated"
+    );
+    // An order paid during the switch: made, and its payment created,
+    // before the fault.
+    let paying = Sale::new(&chaos, 0, 10).await;
+    let payment = chaos.paid_order_intent(paying.activity, 700_000).await;
+    let spare = spare_activity(&chaos).await;
+    let sale = Sale::new(&chaos, 2000, 1500).await;
+    let outcome = sale
+        .run_with_fault(Fault::At(0.3), || async {
+            let primary = chaos.services.pg_primary().await.expect("a primary");
+            let standby = 3 - primary;
+            eprintln!("primary_killed: node {primary} is the primary; SIGKILL to its group");
+            signal_group(chaos.services.pg_node_group(primary).await, "KILL");
+            let killed = Instant::now();
+            // A callback during the switch: 503 until the standby took
+            // over (the provider retries), then 200.
+            let mut answers = Vec::new();
+            loop {
+                let status = chaos.notify_success(&payment).await;
+                answers.push(status);
+                if status == 200 {
+                    break;
+                }
+                // 503 while no primary takes writes; no answer or a 408 on
+                // a starved host, retried as a provider does.
+                assert!(
+                    matches!(status, 503 | 408 | 0),
+                    "a callback during the switch: {answers:?}"
+                );
+                assert!(
+                    killed.elapsed() < Duration::from_secs(180),
+                    "no failover in 180 s: {answers:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            let promoted = chaos.services.pg_primary().await;
+            eprintln!(
+                "primary_killed: node {promoted:?} takes writes {:.1}s after the kill; callbacks {answers:?}",
+                killed.elapsed().as_secs_f64()
+            );
+            assert_eq!(promoted, Some(standby), "the standby took over");
+            let after = sells_again(&chaos, spare, 900_000).await;
+            eprintln!("primary_killed: a new buyer accepted {after:.1}s later");
+            chaos.services.start_pg_node(primary).await;
+        })
+        .await;
+    chaos.settle_and_check(&sale, &outcome).await;
+    // The payment applied once: PAID, one SUCCESS payment, the unit sold.
+    assert_eq!(
+        chaos
+            .count(&format!(
+                "SELECT count(*) AS n FROM orders WHERE order_no = {} AND status = 'PAID'",
+                payment["order_no"].as_str().unwrap()
+            ))
+            .await,
+        1
+    );
+    assert_eq!(
+        chaos
+            .count(&format!(
+                "SELECT count(*) AS n FROM payments WHERE order_no = {} AND status = 'SUCCESS'",
+                payment["order_no"].as_str().unwrap()
+            ))
+            .await,
+        1
+    );
+    assert!(
+        chaos.server_exited().is_none(),
+        "no restart: {}",
+        chaos.logs()
+    );
+}
+
+/// The standby killed mid-sale: the primary goes on. With synchronous
+/// replication, commits would wait for the lost standby for ever; the
+/// monitor turns synchronous replication off (wait_primary) after its
+/// health checks fail, and writes go on, held on one node until the
+/// standby is back. What that trade costs is measured here: how long
+/// commits waited before the primary went on alone.
+#[tokio::test]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn the_postgres_standby_killed_the_primary_goes_on() {
+    let chaos = start("standby_killed").await;
+    let spare = spare_activity(&chaos).await;
+    let sale = Sale::new(&chaos, 2000, 1500).await;
+    let outcome = sale
+        .run_with_fault(Fault::At(0.3), || async {
+            let primary = chaos.services.pg_primary().await.expect("a primary");
+            let standby = 3 - primary;
+            eprintln!("standby_killed: node {standby} is the standby; SIGKILL to its group");
+            signal_group(chaos.services.pg_node_group(standby).await, "KILL");
+            // A write that must commit on both nodes: it waits for the lost
+            // standby until the monitor turns synchronous replication off.
+            let written = Instant::now();
+            chaos
+                .count(
+                    "WITH w AS (INSERT INTO consume_log (consumer, event_id) \
+                     VALUES ('standby-killed', gen_random_uuid()::text) RETURNING 1) \
+                     SELECT count(*) AS n FROM w",
+                )
+                .await;
+            let waited = written.elapsed().as_secs_f64();
+            let after = sells_again(&chaos, spare, 900_000).await;
+            eprintln!(
+                "standby_killed: a commit right after the kill waited {waited:.1}s; \
+                 a new buyer accepted {after:.1}s after it"
+            );
+            assert_eq!(
+                chaos.services.pg_primary().await,
+                Some(primary),
+                "the primary stays the primary"
+            );
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            chaos.services.start_pg_node(standby).await;
+        })
+        .await;
+    chaos.settle_and_check(&sale, &outcome).await;
+    assert!(
+        chaos.server_exited().is_none(),
+        "no restart: {}",
+        chaos.logs()
+    );
+}
