@@ -102,7 +102,14 @@ redis_ping() { [ "$(redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" ping 2>/dev/null
 
 redis_up() {
   mkdir -p "$REDIS_DIR"
-  if redis_ping; then log "redis already answers on $REDIS_HOST:$REDIS_PORT"; return; fi
+  if redis_ping; then
+    log "redis already answers on $REDIS_HOST:$REDIS_PORT"
+    # Its pid file may be gone (a stop that timed out): the fault tests
+    # signal it by that file, so it is written again from the server's word.
+    [ -f "$REDIS_DIR/redis.pid" ] || redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" info server 2>/dev/null \
+      | sed -n 's/^process_id:\([0-9]*\).*/\1/p' >"$REDIS_DIR/redis.pid"
+    return
+  fi
   # No RDB/AOF: Redis holds a cache of the database's stock figures that
   # warm-up and reconciliation rebuild, and tests want it fast.
   redis-server --bind "$REDIS_HOST" --port "$REDIS_PORT" --daemonize yes \
