@@ -35,6 +35,8 @@ done
 . scripts/bench-common.sh
 bench_setup bench-replicated --bin seckill
 trap 'cleanup; scripts/services.sh forget "$RUN:" >/dev/null 2>&1 || true' EXIT
+# Each topology has a database of its own (activity ids start at 1 in
+# both): their Redis keys and topics are kept apart by prefix too.
 
 SINGLE_KAFKA=$KAFKA_HOST:$KAFKA_PORT
 SINGLE_PG=$SECKILL__POSTGRES__URL
@@ -64,7 +66,7 @@ topology() {
   local name=$1 first=$6
   local env=(env SECKILL__KAFKA__BROKERS="$2" SECKILL__POSTGRES__URL="$3"
     SECKILL__KAFKA__REPLICATION_FACTOR="$4" SECKILL__KAFKA__MIN_INSYNC_REPLICAS="$5"
-    SECKILL__KAFKA__TOPIC_PREFIX="$RUN.$name.")
+    SECKILL__KAFKA__TOPIC_PREFIX="$RUN.$name." SECKILL__REDIS__KEY_PREFIX="$RUN:$name:")
   say "$name: admission, $USERS buyers, $STOCK units, concurrency $CONC"
   start "serve-$name" 18080 "${env[@]}" SECKILL__APP__PORT=18080 $BIN serve
   local ours
