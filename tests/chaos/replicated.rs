@@ -46,6 +46,15 @@ async fn leader(chaos: &Chaos) -> usize {
     }
 }
 
+/// None of these faults may cost a restart of the server.
+fn assert_never_restarted(chaos: &Chaos) {
+    assert!(
+        chaos.server_exited().is_none(),
+        "the server exited by itself: {}",
+        chaos.logs()
+    );
+}
+
 /// An activity of its own with more units than any test sells, for
 /// [`sells_again`]: the sale under test sells out, and a buyer who hears
 /// SOLD_OUT says nothing of whether the broker takes writes again.
@@ -60,11 +69,7 @@ async fn spare_activity(chaos: &Chaos) -> i64 {
 async fn sells_again(chaos: &Chaos, activity: i64, mut user: i64) -> f64 {
     let from = Instant::now();
     loop {
-        assert!(
-            chaos.server_exited().is_none(),
-            "the server exited by itself; see {}",
-            chaos.logs()
-        );
+        assert_never_restarted(chaos);
         let asked = Instant::now();
         let status = chaos.purchase_once(activity, user).await;
         if status == 202 {
@@ -134,11 +139,7 @@ async fn leader_hit(name: &str, sig: &'static str, hold: Duration) {
         })
         .await;
     chaos.settle_and_check(&sale, &outcome).await;
-    assert!(
-        chaos.server_exited().is_none(),
-        "no restart: {}",
-        chaos.logs()
-    );
+    assert_never_restarted(&chaos);
 }
 
 /// Two of three brokers down: the one left leads every partition alone,
@@ -346,11 +347,7 @@ async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicat
             .await,
         1
     );
-    assert!(
-        chaos.server_exited().is_none(),
-        "no restart: {}",
-        chaos.logs()
-    );
+    assert_never_restarted(&chaos);
 }
 
 /// The standby killed mid-sale: the primary goes on. With synchronous
@@ -397,9 +394,5 @@ async fn the_postgres_standby_killed_the_primary_goes_on() {
         })
         .await;
     chaos.settle_and_check(&sale, &outcome).await;
-    assert!(
-        chaos.server_exited().is_none(),
-        "no restart: {}",
-        chaos.logs()
-    );
+    assert_never_restarted(&chaos);
 }
