@@ -33,7 +33,7 @@ fn setup(rt: &tokio::runtime::Runtime) -> Option<(Arc<RedisGate>, i64, i64)> {
         gate.warmup(&spec(ActivityId::new(1), 0)).await.ok()?;
         // Activity 2: effectively unlimited stock (the accept path).
         gate.warmup(&spec(ActivityId::new(2), i32::MAX)).await.ok()?;
-        gate.issue_token(ActivityId::new(1), seckill::admission::Layout::single(1), 42, "bench", 3600).await.ok()?;
+        gate.issue_token(ActivityId::new(1), seckill::admission::Layout::single(1), 42, "bench", 3600, None).await.ok()?;
         Some((Arc::new(gate), 1, 2))
     })
 }
@@ -93,6 +93,7 @@ fn gate(c: &mut Criterion) {
                     n,
                     &token,
                     60,
+                    None,
                 )
                 .await
                 .unwrap();

@@ -207,11 +207,21 @@ metrics! {
         "Queue passes checked by the purchase-token route, by outcome",
         &["outcome"],
     );
-    /// Proof-of-work answers, by outcome (accepted, wrong, expired, replayed).
+    /// Proof-of-work answers, by outcome (accepted, wrong, expired,
+    /// replayed, too_easy: its challenge was made for a much lower join
+    /// rate than the one at the join).
     room_pow: IntCounterVec = counters(
         "waiting_room_pow_total",
         "Proof-of-work answers to join a waiting room, by outcome",
         &["outcome"],
+    );
+    /// Rooms read from the database by the routes' cache: `row` one
+    /// room's row, `index` the list of activities with a room (an id not
+    /// in it is answered without a query).
+    room_lookups: IntCounterVec = counters(
+        "waiting_room_lookups_total",
+        "Waiting-room reads from the database by the routes' cache: one room's row, or the index of rooms",
+        &["source"],
     );
     /// Offers of released units by event (made, taken, expired).
     room_offers: IntCounterVec = counters(
@@ -292,9 +302,10 @@ impl Metrics {
             ),
             (
                 &metrics.room_pow,
-                &["accepted", "wrong", "expired", "replayed"][..],
+                &["accepted", "wrong", "expired", "replayed", "too_easy"][..],
             ),
             (&metrics.room_offers, &["made", "taken", "expired"][..]),
+            (&metrics.room_lookups, &["row", "index"][..]),
         ] {
             for label in labels {
                 counter.with_label_values(&[label]);

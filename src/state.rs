@@ -272,6 +272,7 @@ impl Sale {
         let rooms = Arc::new(Rooms::new(
             RoomGate::new(gate),
             p.pg.db.clone(),
+            p.pg.public.clone(),
             settings.auth.jwt_secret.expose_secret().as_bytes(),
             settings.waiting_room.challenge_ttl_secs,
             metrics.clone(),

@@ -593,7 +593,7 @@ impl Admitter {
                     let ttl = self.settings.admission.token_ttl_secs.as_secs();
                     let _ = self
                         .gate
-                        .issue_token(p.activity_id, layout, p.user_id.get(), token, ttl)
+                        .issue_token(p.activity_id, layout, p.user_id.get(), token, ttl, None)
                         .await;
                 }
             }

@@ -24,20 +24,43 @@ struct Bucket {
 pub struct KeyedLimiter<K> {
     rate_per_sec: f64,
     burst: f64,
-    buckets: Mutex<HashMap<K, Bucket>>,
+    /// The most keys one generation holds.
+    max_keys: usize,
+    buckets: Mutex<Generations<K>>,
 }
 
-/// Above this many keys, idle (full) buckets are dropped so that a flood of
-/// distinct IPs cannot grow the map without bound.
+/// The buckets in two generations: a key is looked up in the current one,
+/// then moved up from the previous one. When the current one is full the
+/// previous one, every key not used since it was the current one, is
+/// dropped whole. So a flood of distinct keys (IPv6 addresses) costs O(1)
+/// per request and holds at most twice `max_keys`, and a key in use keeps
+/// its bucket; a forgotten key starts again with a full burst, which a key
+/// idle that long would mostly have refilled to anyway.
+struct Generations<K> {
+    current: HashMap<K, Bucket>,
+    previous: HashMap<K, Bucket>,
+}
+
+/// The most keys of a generation, by default: a flood of distinct IPs
+/// cannot grow the map without bound.
 const MAX_KEYS: usize = 100_000;
 
 impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
     /// `rate_per_sec = 0` turns the limiter off.
     pub fn new(rate_per_sec: u32, burst: u32) -> Self {
+        Self::holding(rate_per_sec, burst, MAX_KEYS)
+    }
+
+    /// A limiter whose generations hold at most `max_keys` keys each.
+    fn holding(rate_per_sec: u32, burst: u32, max_keys: usize) -> Self {
         Self {
             rate_per_sec: f64::from(rate_per_sec),
             burst: f64::from(burst.max(1)),
-            buckets: Mutex::new(HashMap::new()),
+            max_keys: max_keys.max(1),
+            buckets: Mutex::new(Generations {
+                current: HashMap::new(),
+                previous: HashMap::new(),
+            }),
         }
     }
 
@@ -47,16 +70,21 @@ impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
         if self.rate_per_sec <= 0.0 {
             return Ok(());
         }
-        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        if buckets.len() >= MAX_KEYS && !buckets.contains_key(&key) {
-            let (rate, burst) = (self.rate_per_sec, self.burst);
-            buckets
-                .retain(|_, b| b.tokens + now.duration_since(b.last).as_secs_f64() * rate < burst);
+        let mut g = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        if !g.current.contains_key(&key) {
+            let kept = g.previous.remove(&key);
+            if g.current.len() >= self.max_keys {
+                g.previous = std::mem::take(&mut g.current);
+            }
+            g.current.insert(
+                key,
+                kept.unwrap_or(Bucket {
+                    tokens: self.burst,
+                    last: now,
+                }),
+            );
         }
-        let bucket = buckets.entry(key).or_insert(Bucket {
-            tokens: self.burst,
-            last: now,
-        });
+        let bucket = g.current.get_mut(&key).expect("inserted above");
         let refill = now.saturating_duration_since(bucket.last).as_secs_f64() * self.rate_per_sec;
         bucket.tokens = (bucket.tokens + refill).min(self.burst);
         bucket.last = now;
@@ -73,6 +101,13 @@ impl<K: Eq + Hash + Copy> KeyedLimiter<K> {
     /// Takes one token for `key` now.
     pub fn try_acquire(&self, key: K) -> Result<(), Duration> {
         self.try_acquire_at(key, Instant::now())
+    }
+
+    /// Keys held, in both generations.
+    #[cfg(test)]
+    fn keys(&self) -> usize {
+        let g = self.buckets.lock().unwrap();
+        g.current.len() + g.previous.len()
     }
 }
 
@@ -122,6 +157,31 @@ mod tests {
         let t0 = Instant::now();
         assert!(limiter.try_acquire_at(1, t0).is_ok());
         assert_eq!(limiter.try_acquire_at(1, t0), Err(Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn a_flood_of_distinct_keys_stays_bounded_and_a_busy_key_stays_limited() {
+        let limiter = KeyedLimiter::holding(1, 2, 1_000);
+        let t0 = Instant::now();
+        // A busy key: its burst spent.
+        assert!(limiter.try_acquire_at(u32::MAX, t0).is_ok());
+        assert!(limiter.try_acquire_at(u32::MAX, t0).is_ok());
+        // Ten times as many distinct keys as a generation holds, each
+        // with a bucket in use (not full), while the busy key goes on.
+        for k in 0..10_000u32 {
+            assert!(limiter.try_acquire_at(k, t0).is_ok(), "key {k}'s first");
+            assert!(limiter.keys() <= 2_000, "{} keys", limiter.keys());
+            if k % 500 == 0 {
+                assert!(
+                    limiter.try_acquire_at(u32::MAX, t0).is_err(),
+                    "the busy key is still limited after {k} others"
+                );
+            }
+        }
+        // A key of the flood, used once and not since: forgotten.
+        assert!(limiter.try_acquire_at(0, t0).is_ok());
+        assert!(limiter.try_acquire_at(0, t0).is_ok());
+        assert!(limiter.try_acquire_at(0, t0).is_err());
     }
 
     #[test]

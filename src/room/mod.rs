@@ -20,7 +20,8 @@ pub mod pow;
 pub mod repo;
 mod ticket;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -224,7 +225,7 @@ impl From<anyhow::Error> for RoomError {
     }
 }
 
-/// What is known of an activity's room.
+/// What is known of an existing activity's room.
 #[derive(Clone)]
 enum Known {
     /// The activity exists and has no room: true for good (a room is
@@ -232,8 +233,16 @@ enum Known {
     NoRoom,
     /// Its room, as read then.
     Room(Instant, Arc<repo::LiveRoom>),
-    /// No such activity, then: it may be created since, with a room.
-    Unknown(Instant),
+}
+
+/// The activities that have a room, read as a whole: an id not among them
+/// is answered "no room" without a query, however many random ids a
+/// client makes up.
+struct Index {
+    read_at: Instant,
+    /// [`Rooms::forget`]'s generation when it was read.
+    generation: u64,
+    ids: HashSet<ActivityId>,
 }
 
 /// The waiting rooms of every activity: what the routes and the admitter
@@ -245,10 +254,18 @@ pub struct Rooms {
     passes: pass::Passes,
     challenge_ttl: Duration,
     metrics: Metrics,
-    /// Whether each activity seen has a room (fixed at creation) and its
-    /// settings as read then (rate and epoch may move since: Redis has
-    /// those).
+    /// The small pool of public reads: the rooms' rows are read there, not
+    /// on the pool that orders and payments use.
+    public: PgPool,
+    /// Whether each existing activity seen has a room (fixed at creation)
+    /// and its settings as read then (rate and epoch may move since: Redis
+    /// has those). Only activities that exist are kept.
     known: RwLock<HashMap<ActivityId, Known>>,
+    /// Which activities have a room, read again after [`ROW_TTL`]; one
+    /// caller reads it while the others wait for that read.
+    index: tokio::sync::Mutex<Option<Arc<Index>>>,
+    /// Bumped by [`Rooms::forget`]: an index read before is read again.
+    generation: AtomicU64,
     /// The draw of each closed queue, by activity and epoch.
     draws: Mutex<HashMap<(ActivityId, i64), Arc<Draw>>>,
 }
@@ -265,6 +282,7 @@ impl Rooms {
     pub fn new(
         gate: RoomGate,
         db: PgPool,
+        public: PgPool,
         secret: &[u8],
         challenge_ttl: Duration,
         metrics: Metrics,
@@ -276,24 +294,28 @@ impl Rooms {
             passes: pass::Passes::new(&derive(secret, "seckill/queue-pass/v1")),
             challenge_ttl,
             metrics,
+            public,
             known: RwLock::default(),
+            index: tokio::sync::Mutex::default(),
+            generation: AtomicU64::new(0),
             draws: Mutex::default(),
         }
     }
 
     /// The room of `activity` with its window, `None` without one (or
-    /// without such an activity). Whether an existing activity has a room
-    /// never changes: "none" is read once per process, so an activity
-    /// without one costs a map lookup on its token route. A room's row is
-    /// read again after [`ROW_TTL`] (its end and whether its queue was
-    /// opened can move), an unknown activity after [`ROW_TTL`] too.
+    /// without such an activity). Whether an activity has a room never
+    /// changes: "none" is read once per process for an existing activity,
+    /// so one without a room costs a map lookup on its token route, and an
+    /// id without a room is answered from the index of rooms, with no
+    /// query of its own. A room's row is read again after [`ROW_TTL`] (its
+    /// end and whether its queue was opened can move).
     pub async fn room(&self, activity: ActivityId) -> anyhow::Result<Option<Arc<repo::LiveRoom>>> {
         self.lookup(activity, false).await
     }
 
     /// The room of an activity known to exist (the token route, once Redis
-    /// holds it warm): an earlier "no such activity" is not believed, or a
-    /// lookup made before its creation would let its tokens go without a
+    /// holds it warm): the index is not believed, or one read before its
+    /// creation on another instance would let its tokens go without a
     /// pass.
     pub async fn room_of_existing(
         &self,
@@ -316,10 +338,13 @@ impl Rooms {
         match cached {
             Some(Known::NoRoom) => return Ok(None),
             Some(Known::Room(at, room)) if at.elapsed() < ROW_TTL => return Ok(Some(room)),
-            Some(Known::Unknown(at)) if !exists && at.elapsed() < ROW_TTL => return Ok(None),
             _ => {}
         }
-        let (found, exists) = store::run(&self.db, move |conn| {
+        if !exists && !self.indexed().await?.ids.contains(&activity) {
+            return Ok(None);
+        }
+        self.metrics.room_lookups.with_label_values(&["row"]).inc();
+        let (found, exists) = store::run(&self.public, move |conn| {
             let found = repo::find_live(conn, activity)?;
             let exists =
                 found.is_some() || crate::activities::repo::find(conn, activity)?.is_some();
@@ -330,13 +355,39 @@ impl Rooms {
         let known = match (&found, exists) {
             (Some(room), _) => Known::Room(Instant::now(), room.clone()),
             (None, true) => Known::NoRoom,
-            (None, false) => Known::Unknown(Instant::now()),
+            // No such activity (deleted since): nothing kept.
+            (None, false) => return Ok(None),
         };
         self.known
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(activity, known);
         Ok(found)
+    }
+
+    /// The index of rooms, read again when older than [`ROW_TTL`] or
+    /// read before a room was created here.
+    async fn indexed(&self) -> anyhow::Result<Arc<Index>> {
+        let mut index = self.index.lock().await;
+        let generation = self.generation.load(Ordering::Acquire);
+        if let Some(i) = index
+            .as_ref()
+            .filter(|i| i.generation == generation && i.read_at.elapsed() < ROW_TTL)
+        {
+            return Ok(i.clone());
+        }
+        self.metrics
+            .room_lookups
+            .with_label_values(&["index"])
+            .inc();
+        let ids = store::run(&self.public, |conn| Ok(repo::ids(conn)?)).await?;
+        let fresh = Arc::new(Index {
+            read_at: Instant::now(),
+            generation,
+            ids: ids.into_iter().collect(),
+        });
+        *index = Some(fresh.clone());
+        Ok(fresh)
     }
 
     async fn require(&self, activity: ActivityId) -> Result<Arc<repo::LiveRoom>, RoomError> {
@@ -405,7 +456,7 @@ impl Rooms {
         now: DateTime<Utc>,
     ) -> Result<(bool, TicketView), RoomError> {
         let room = self.require(activity).await?;
-        let expires_at = self
+        let solved = self
             .puzzles
             .check(answer, activity, user, now)
             .map_err(|refusal| {
@@ -422,7 +473,15 @@ impl Rooms {
                     }
                 })
             })?;
-        let ttl_ms = (expires_at - now).num_milliseconds();
+        let rate = self.gate.join_rate(activity, now.timestamp()).await?;
+        let base = room.room.pow_difficulty.max(1) as u64;
+        if !pow::hard_enough(solved.maxnumber, base, rate) {
+            self.metrics.room_pow.with_label_values(&["too_easy"]).inc();
+            return Err(RoomError::PowInvalid(
+                "the proof of work's challenge is easier than the room asks now; ask for a new one",
+            ));
+        }
+        let ttl_ms = (solved.expires_at - now).num_milliseconds();
         let joined = self
             .gate
             .join(
@@ -546,17 +605,18 @@ impl Rooms {
         Some(d)
     }
 
-    /// Checks and uses `raw`, the `X-Queue-Pass` of a token request.
+    /// Checks and uses `raw`, the `X-Queue-Pass` of a token request: what
+    /// it was given for (an offer's token buys the one unit held for it).
     pub async fn redeem(
         &self,
         activity: ActivityId,
         user: UserId,
         raw: Option<&str>,
         now: DateTime<Utc>,
-    ) -> Result<(), RoomError> {
+    ) -> Result<pass::Kind, RoomError> {
         let outcome = self.redeem_outcome(activity, user, raw, now).await;
         let label = match &outcome {
-            Ok(()) => "used",
+            Ok(_) => "used",
             Err(RoomError::PassRequired) => "missing",
             Err(RoomError::PassInvalid(why)) => why_label(why),
             Err(RoomError::SoldOut) => "sold_out",
@@ -576,7 +636,7 @@ impl Rooms {
         user: UserId,
         raw: Option<&str>,
         now: DateTime<Utc>,
-    ) -> Result<(), RoomError> {
+    ) -> Result<pass::Kind, RoomError> {
         let raw = raw
             .filter(|r| !r.is_empty())
             .ok_or(RoomError::PassRequired)?;
@@ -602,7 +662,7 @@ impl Rooms {
                 if p.kind == pass::Kind::Offer {
                     self.metrics.room_offers.with_label_values(&["taken"]).inc();
                 }
-                Ok(())
+                Ok(p.kind)
             }
             Redeemed::SoldOut => Err(RoomError::SoldOut),
             Redeemed::Expired => Err(RoomError::PassInvalid(EXPIRED)),
@@ -610,6 +670,16 @@ impl Rooms {
             Redeemed::OldEpoch | Redeemed::NoRoom => Err(RoomError::PassInvalid(LOST)),
             Redeemed::NotHeld => Err(RoomError::PassInvalid(NOT_HELD)),
         }
+    }
+
+    /// `user` bought in `activity`'s sale (a purchase was accepted): if it
+    /// has a room, their ticket leaves the waitlist for good and an offer
+    /// it used stops holding a unit.
+    pub async fn bought(&self, activity: ActivityId, user: UserId) -> anyhow::Result<()> {
+        if self.room_of_existing(activity).await?.is_some() {
+            self.gate.bought(activity, user).await?;
+        }
+        Ok(())
     }
 
     /// Sets the admission rate and cap of a room, in the database and in
@@ -650,6 +720,8 @@ impl Rooms {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&activity);
+        // A room created here is in this instance's next index at once.
+        self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     pub(crate) fn gate(&self) -> &RoomGate {

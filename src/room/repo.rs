@@ -54,6 +54,13 @@ pub fn find(conn: &mut PgConn, id: ActivityId) -> QueryResult<Option<RoomRow>> {
         .optional()
 }
 
+/// Every activity that has a room.
+pub fn ids(conn: &mut PgConn) -> QueryResult<Vec<ActivityId>> {
+    waiting_rooms::table
+        .select(waiting_rooms::activity_id)
+        .load(conn)
+}
+
 /// The rooms of these activities.
 pub fn find_many(conn: &mut PgConn, ids: &[ActivityId]) -> QueryResult<Vec<RoomRow>> {
     waiting_rooms::table

@@ -72,12 +72,21 @@ impl TicketView {
         let state = match (&view.state[..], held) {
             ("L", _) => TicketState::Left,
             ("E", _) => TicketState::Expired,
-            // Sold out: an unused pass no longer buys; the ticket waits
-            // for a unit to come back.
-            (_, Some((Kind::Admitted, false, _))) if view.sold_out => TicketState::SoldOut,
-            (_, Some((_, _, exp))) if now_ms >= exp => TicketState::Expired,
-            (_, Some((Kind::Admitted, _, _))) => TicketState::Admitted,
-            (_, Some((Kind::Offer, _, _))) => TicketState::Offered,
+            // It bought: its pass or offer did its work, and stays shown
+            // as used, never as expired.
+            (_, Some(h)) if h.use_ == Use::Bought => h.kind.state(),
+            // Sold out: an unused pass no longer buys, and a used one
+            // whose purchase lost the last race bought nothing; the
+            // ticket waits for a unit to come back.
+            (_, Some(h)) if view.sold_out && h.kind == Kind::Admitted => TicketState::SoldOut,
+            // Ran out unused; an offer used without a purchase in its
+            // time is over too.
+            (_, Some(h))
+                if now_ms >= h.expires_ms && (h.kind == Kind::Offer || h.use_ == Use::Unused) =>
+            {
+                TicketState::Expired
+            }
+            (_, Some(h)) => h.kind.state(),
             _ if !view.closed => TicketState::Prequeue,
             _ if view.sold_out => TicketState::SoldOut,
             _ => TicketState::Queued,
@@ -103,6 +112,7 @@ impl TicketView {
             TicketState::Expired | TicketState::Left => 30_000,
         };
         let pass = held.filter(|_| matches!(state, TicketState::Admitted | TicketState::Offered));
+        let pass = pass.map(|h| (h.kind, h.use_ != Use::Unused, h.expires_ms));
         Self {
             ticket: view.ticket,
             state,
@@ -118,17 +128,52 @@ impl TicketView {
     }
 }
 
-/// A held state `A:`/`O:` (unused) or `U:`/`V:` (used) with its expiry.
-fn parse_held(state: &str) -> Option<(Kind, bool, i64)> {
-    let (letter, exp) = state.split_once(':')?;
-    let exp = exp.parse().ok()?;
-    match letter {
-        "A" => Some((Kind::Admitted, false, exp)),
-        "U" => Some((Kind::Admitted, true, exp)),
-        "O" => Some((Kind::Offer, false, exp)),
-        "V" => Some((Kind::Offer, true, exp)),
-        _ => None,
+/// What became of a held pass or offer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Use {
+    Unused,
+    /// It bought a purchase token.
+    Used,
+    /// A purchase made with that token was accepted (`room_bought.lua`).
+    Bought,
+}
+
+/// A held pass or offer.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    kind: Kind,
+    use_: Use,
+    expires_ms: i64,
+}
+
+impl Kind {
+    fn state(self) -> TicketState {
+        match self {
+            Kind::Admitted => TicketState::Admitted,
+            Kind::Offer => TicketState::Offered,
+        }
     }
+}
+
+/// A held state with its expiry: a pass `A:` (unused), `U:` (used), `B:`
+/// (bought); an offer `O:`, `V:`, `D:` likewise.
+fn parse_held(state: &str) -> Option<Held> {
+    let (letter, exp) = state.split_once(':')?;
+    let expires_ms = exp.parse().ok()?;
+    let (kind, use_) = match letter {
+        "A" => (Kind::Admitted, Use::Unused),
+        "U" => (Kind::Admitted, Use::Used),
+        "B" => (Kind::Admitted, Use::Bought),
+        "O" => (Kind::Offer, Use::Unused),
+        "V" => (Kind::Offer, Use::Used),
+        "D" => (Kind::Offer, Use::Bought),
+        _ => return None,
+    };
+    Some(Held {
+        kind,
+        use_,
+        expires_ms,
+    })
 }
 
 #[cfg(test)]
@@ -189,9 +234,10 @@ mod tests {
             TicketState::SoldOut
         );
         assert_eq!(of(&view("A:500", true, true), 100).ahead, Some(6));
+        // Used, and the purchase lost the last race: waitlisted.
         assert_eq!(
             of(&view("U:500", true, true), 100).state,
-            TicketState::Admitted
+            TicketState::SoldOut
         );
         let t = of(&view("O:900", true, true), 100);
         assert_eq!(
@@ -199,7 +245,26 @@ mod tests {
             (TicketState::Offered, Some("O900"))
         );
         assert_eq!(of(&view("", true, true), 100).state, TicketState::SoldOut);
+        // An offer used without a purchase in its time is over.
+        assert_eq!(
+            of(&view("V:900", true, true), 900).state,
+            TicketState::Expired
+        );
         assert_eq!(of(&view("L", true, false), 100).state, TicketState::Left);
         assert_eq!(of(&view("E", true, false), 100).state, TicketState::Expired);
+    }
+
+    #[test]
+    fn a_used_pass_or_offer_never_reads_expired() {
+        // Used before the sell-out, past its expiry: still admitted.
+        let t = of(&view("U:500", true, false), 900);
+        assert_eq!((t.state, t.pass_used), (TicketState::Admitted, Some(true)));
+        // It bought: so it reads, sold out or not, long after.
+        for sold_out in [false, true] {
+            let t = of(&view("B:500", true, sold_out), 10_000);
+            assert_eq!((t.state, t.pass_used), (TicketState::Admitted, Some(true)));
+            let t = of(&view("D:900", true, sold_out), 10_000);
+            assert_eq!((t.state, t.pass_used), (TicketState::Offered, Some(true)));
+        }
     }
 }

@@ -149,6 +149,33 @@ async fn metrics_are_prometheus_text_and_count_requests() {
     );
 }
 
+/// Made-up method tokens, on routes and off them, add no series: each
+/// label value would be kept for the life of the process.
+#[tokio::test]
+async fn made_up_methods_are_counted_under_one_label() {
+    let app = spawn_app().await;
+    for i in 0..50 {
+        let method = reqwest::Method::from_bytes(format!("BREW{i}").as_bytes()).unwrap();
+        for path in ["/health/live", "/no/such/route"] {
+            let res = app
+                .client
+                .request(method.clone(), format!("{}{path}", app.address))
+                .send()
+                .await
+                .unwrap();
+            assert!(res.status().is_client_error(), "{method} {path}");
+        }
+    }
+    let text = app.get("/metrics", None).await.text().await.unwrap();
+    assert!(!text.contains("method=\"BREW"), "{text}");
+    let counted: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("seckill_http_requests_total{") && l.contains("method=\"other\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(counted, 100.0, "{text}");
+}
+
 #[tokio::test]
 async fn every_response_carries_a_request_id_echoed_when_given() {
     let app = spawn_app().await;

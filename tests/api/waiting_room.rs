@@ -21,12 +21,23 @@ impl TestApp {
     /// A warmed activity with a waiting room, its sale `start` seconds from
     /// now; `(id, its public view)`.
     pub(crate) async fn room_activity(&self, stock: i32, start: i64, room: Value) -> (i64, Value) {
+        self.room_activity_limited(stock, start, room, 1).await
+    }
+
+    /// [`TestApp::room_activity`] with `per_user_limit` units a buyer.
+    pub(crate) async fn room_activity_limited(
+        &self,
+        stock: i32,
+        start: i64,
+        room: Value,
+        per_user_limit: i32,
+    ) -> (i64, Value) {
         let now = chrono::Utc::now();
         let body = json!({
             "sku_id": 1001, "name": "Console", "price_cents": 49900, "stock": stock,
             "start_at": now + chrono::Duration::seconds(start),
             "end_at": now + chrono::Duration::seconds(start + 7200),
-            "per_user_limit": 1, "pay_timeout_secs": 900, "waiting_room": room,
+            "per_user_limit": per_user_limit, "pay_timeout_secs": 900, "waiting_room": room,
         });
         let res = self
             .post_json("/api/v1/admin/activities", &body, Some(&self.admin_token()))
@@ -132,6 +143,19 @@ impl TestApp {
                            "token": body["token"]});
         // A delivery not confirmed yet (503 naming the order_no, on a busy
         // host) is retried with the same request_id, as a client does.
+        self.order_retrying(user, activity, &order).await
+    }
+
+    /// Buys `quantity` units with a purchase token already fetched.
+    async fn buy_token(
+        &self,
+        user: i64,
+        activity: i64,
+        token: &Value,
+        quantity: i64,
+    ) -> (u16, Value) {
+        let order = json!({"request_id": uuid::Uuid::new_v4().to_string(),
+                           "token": token, "quantity": quantity});
         self.order_retrying(user, activity, &order).await
     }
 
@@ -534,16 +558,20 @@ async fn a_purchase_token_without_a_good_pass_is_refused_and_changes_nothing() {
 }
 
 /// Two instances admitting at once never admit a ticket twice and
-/// together hold the room's rate.
+/// together hold the room's rate, even when their clocks are 2 s apart
+/// (the bucket's refill time never moves back).
 ///
 /// Admission runs while the 400 join (the sale has started), so the rate
 /// is low enough that a slow host's joins cannot drain the queue before
 /// the measured 50: at 20/s, joins of 15 s left nothing to measure.
 #[tokio::test]
-async fn two_instances_admitting_together_hold_the_rate() {
+async fn two_instances_admitting_together_hold_the_rate_with_clocks_two_seconds_apart() {
     const RATE: i64 = 5;
     const MEASURED: i64 = 50;
     let app = spawn_app().await;
+    // This instance's sale clock runs 2 s ahead of the second's: each
+    // refills the bucket from its own "now".
+    app.clock.advance(Duration::from_secs(2));
     let (id, _) = app.room_activity(1000, -60, room(0, RATE)).await;
     let (_second, second) = app.second_instance().await;
     let users: Vec<i64> = (1..=400).collect();
@@ -705,6 +733,110 @@ async fn released_units_are_offered_to_the_queue_in_order() {
     assert_eq!(stats["redis_available"], 0, "{stats}");
 }
 
+/// The losers of the last race stay on the waitlist: a ticket whose pass
+/// bought a purchase token, but whose purchase found the units gone, reads
+/// SOLD_OUT and is offered the first unit that comes back. A ticket that
+/// bought is passed over, even after it cancels, and its used pass never
+/// reads EXPIRED.
+#[tokio::test]
+async fn a_used_pass_that_lost_the_last_race_is_waitlisted_and_offered_first() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(1, -60, room(0, 200)).await;
+    for u in 1..=3 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    let mut tokens = HashMap::new();
+    for u in 1..=2 {
+        let t = app.ticket_in(u, id, "ADMITTED").await;
+        let (status, body) = app.token_with(u, id, t["pass"].as_str()).await;
+        assert_eq!(status, 200, "{body}");
+        tokens.insert(u, body["token"].clone());
+    }
+    app.ticket_in(3, id, "ADMITTED").await;
+    let (status, body) = app.buy_token(1, id, &tokens[&1], 1).await;
+    assert_eq!(status, 202, "{body}");
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+    let (status, body) = app.buy_token(2, id, &tokens[&2], 1).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("SOLD_OUT")),
+        "{body}"
+    );
+    app.drained(id, 1).await;
+
+    let lost = app.ticket_in(2, id, "SOLD_OUT").await;
+    assert!(lost["pass"].is_null(), "{lost}");
+    app.ticket_in(3, id, "SOLD_OUT").await;
+    let bought = app.ticket(1, id).await;
+    assert_eq!(
+        (bought["state"].as_str(), bought["pass_used"].as_bool()),
+        (Some("ADMITTED"), Some(true)),
+        "{bought}"
+    );
+    // Long past its pass's time, the pass that bought is still used, not
+    // expired.
+    app.clock.advance(Duration::from_secs(601));
+    let bought = app.ticket(1, id).await;
+    assert_eq!(bought["state"], "ADMITTED", "{bought}");
+
+    assert_eq!(app.cancel(1, &order_no).await.status(), 200);
+    let offered = app.ticket_in(2, id, "OFFERED").await;
+    assert_eq!(app.ticket(3, id).await["state"], "SOLD_OUT");
+    assert_eq!(app.ticket(1, id).await["state"], "ADMITTED");
+    let (status, body) = app.buy_with(2, id, offered["pass"].as_str().unwrap()).await;
+    assert_eq!(status, 202, "{body}");
+}
+
+/// An offer that bought stops holding its unit at once, so the next unit
+/// that comes back is offered without waiting for the first offer's time
+/// (600 s here) to run out; and an offer's token buys the one unit held
+/// for it, not up to the per-user limit.
+#[tokio::test]
+async fn a_used_offer_frees_its_hold_at_once_and_buys_one_unit() {
+    let app = spawn_app().await;
+    let settings = json!({"prequeue_secs": 0, "admit_per_sec": 200, "pass_ttl_secs": 600,
+                          "offer_secs": 600, "pow_difficulty": 50});
+    let (id, _) = app.room_activity_limited(2, -60, settings, 2).await;
+    for u in 1..=4 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    let mut orders = HashMap::new();
+    for u in 1..=2 {
+        let t = app.ticket_in(u, id, "ADMITTED").await;
+        let (status, body) = app.buy_with(u, id, t["pass"].as_str().unwrap()).await;
+        assert_eq!(status, 202, "{body}");
+        orders.insert(u, body["order_no"].as_str().unwrap().to_owned());
+    }
+    app.drained(id, 2).await;
+    app.ticket_in(3, id, "SOLD_OUT").await;
+
+    assert_eq!(app.cancel(1, &orders[&1]).await.status(), 200);
+    let offer = app.ticket_in(3, id, "OFFERED").await;
+    let (status, body) = app.token_with(3, id, offer["pass"].as_str()).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, refused) = app.buy_token(3, id, &body["token"], 2).await;
+    assert_eq!(
+        (status, refused["code"].as_str()),
+        (409, Some("LIMIT_EXCEEDED")),
+        "two units with an offer of one: {refused}"
+    );
+    let (status, bought) = app.buy_token(3, id, &body["token"], 1).await;
+    assert_eq!(status, 202, "{bought}");
+    assert_eq!(app.ticket(4, id).await["state"], "SOLD_OUT");
+
+    assert_eq!(app.cancel(2, &orders[&2]).await.status(), 200);
+    // Within the helper's minute, never the offer's 600 s.
+    let offer = app.ticket_in(4, id, "OFFERED").await;
+    let (status, body) = app.buy_with(4, id, offer["pass"].as_str().unwrap()).await;
+    assert_eq!(status, 202, "{body}");
+    let used = app.ticket(3, id).await;
+    assert_eq!(
+        (used["state"].as_str(), used["pass_used"].as_bool()),
+        (Some("OFFERED"), Some(true)),
+        "{used}"
+    );
+}
+
 /// A wrong, forged, foreign, replayed or expired answer is refused; the
 /// difficulty rises while many join and falls back when they stop.
 #[tokio::test]
@@ -775,6 +907,88 @@ async fn the_proof_of_work_is_checked_once_and_its_difficulty_follows_the_join_r
         || async { (difficulty().await == 50).then_some(()) },
     )
     .await;
+}
+
+/// An easy challenge fetched in a quiet second and kept for the rush is
+/// refused there, without spending it; a challenge fetched in the rush
+/// joins. (The rush is the join counter the room reads, set here: a real
+/// one of 500 joins a second is more than a slow host can make.)
+#[tokio::test]
+async fn an_easy_challenge_solved_in_advance_is_refused_in_the_rush() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(10, -60, room(0, 1)).await;
+    let early = app.solved(1, id).await;
+    assert!(
+        early["salt"].as_str().unwrap().contains("&max=50&"),
+        "{early}"
+    );
+
+    let now = seckill::clock::Clock::now(&*app.clock).timestamp();
+    let prefix = &app.settings.redis.key_prefix;
+    let mut rush = redis::pipe();
+    for second in now - 1..now + 30 {
+        rush.cmd("SET")
+            .arg(format!("{prefix}{{a:{id}}}:room:joins:{second}"))
+            .arg(500)
+            .arg("EX")
+            .arg(60)
+            .ignore();
+    }
+    let () = rush.query_async(&mut app.redis()).await.unwrap();
+
+    let (status, body) = app.join_with(1, id, &early).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("POW_INVALID")),
+        "{body}"
+    );
+    assert_eq!(
+        app.metric("seckill_waiting_room_pow_total{outcome=\"too_easy\"}")
+            .await,
+        Some(1)
+    );
+    let fresh = app.solved(1, id).await;
+    assert!(
+        fresh["salt"].as_str().unwrap().contains("&max=550&"),
+        "500 joins a second ask 11 steps: {fresh}"
+    );
+    let (status, body) = app.join_with(1, id, &fresh).await;
+    assert_eq!(status, 201, "{body}");
+}
+
+/// Anyone may ask for the draw of any id: ids without a room (made up, or
+/// an activity without one) are answered from the index of rooms, with no
+/// query each and nothing kept per id.
+#[tokio::test]
+async fn a_draw_asked_for_made_up_ids_costs_no_query_each() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(10, -60, room(0, 1)).await;
+    let plain = app.live_activity(10, 1, 1).await;
+    let rows = "seckill_waiting_room_lookups_total{source=\"row\"}";
+    let indexes = "seckill_waiting_room_lookups_total{source=\"index\"}";
+    // The room's own draw, once its queue is closed.
+    eventually("the draw", Duration::from_secs(60), || async {
+        let res = app
+            .get(&format!("/api/v1/activities/{id}/queue/draw"), None)
+            .await;
+        (res.status() == 200).then_some(())
+    })
+    .await;
+    let rows_before = app.metric(rows).await.unwrap();
+    for i in 0..300 {
+        let other = if i % 10 == 0 { plain } else { 1_000_000 + i };
+        let res = app
+            .get(&format!("/api/v1/activities/{other}/queue/draw"), None)
+            .await;
+        assert_eq!(res.status(), 404, "activity {other}");
+    }
+    assert_eq!(
+        app.metric(rows).await,
+        Some(rows_before),
+        "a row read for an id without a room"
+    );
+    let index_reads = app.metric(indexes).await.unwrap();
+    assert!(index_reads < 30, "{index_reads} reads of the index");
 }
 
 /// The ticket stream pushes the turn: QUEUED first, then ADMITTED.

@@ -283,6 +283,7 @@ pub struct RoomGate {
     admit: Script,
     redeem: Script,
     leave: Script,
+    bought: Script,
 }
 
 impl RoomGate {
@@ -296,6 +297,7 @@ impl RoomGate {
             admit: with_close!("room_admit.lua"),
             redeem: Script::new(include_str!("../lua/room_redeem.lua")),
             leave: Script::new(include_str!("../lua/room_leave.lua")),
+            bought: Script::new(include_str!("../lua/room_bought.lua")),
         }
     }
 
@@ -466,6 +468,23 @@ impl RoomGate {
             .invoke_async(&mut self.gate.conn())
             .await?;
         Ok((code >= 0).then_some(code as u64))
+    }
+
+    /// `user`'s purchase with their ticket's pass or offer was accepted:
+    /// the ticket bought (`room_bought.lua`). True when marked now.
+    pub async fn bought(&self, activity: ActivityId, user: UserId) -> RedisResult<bool> {
+        let k = self.keys(activity);
+        let code: i64 = self
+            .bought
+            .key(k.room())
+            .key(k.room_users())
+            .key(k.room_states())
+            .key(k.room_active())
+            .key(k.room_offers())
+            .arg(user.get())
+            .invoke_async(&mut self.gate.conn())
+            .await?;
+        Ok(code == 1)
     }
 
     /// Joins counted in `second` and the one before it (unix seconds): the

@@ -3,7 +3,7 @@
 -- KEYS[1] meta hash        (start_ms, end_ms, limit; absent until warmed)
 -- KEYS[2] requests hash    ("<user>:<request_id>" -> order_no)
 -- KEYS[3] holdings hash    (user -> live quantity)
--- KEYS[4] purchase token   (string, value = user id)
+-- KEYS[4] purchase token   (string, value = user id, or `<user id>:<most units>`)
 -- KEYS[5] reservation hash of this order_no
 -- KEYS[6] open-reservations zset (order_no scored by reservation time)
 -- KEYS[7] dry marker (sharded activities: every other shard was empty)
@@ -37,7 +37,16 @@ local meta = redis.call('HMGET', KEYS[1], 'start_ms', 'end_ms', 'limit')
 if not meta[1] then return {6, ''} end
 if now < tonumber(meta[1]) or now >= tonumber(meta[2]) then return {5, ''} end
 
-if redis.call('GET', KEYS[4]) ~= user then return {4, ''} end
+-- The token is the user id, or `<user>:<most>` for one that buys at most
+-- that many units (a waiting room's offer holds one).
+local bound = redis.call('GET', KEYS[4])
+local most
+if bound then
+  local u, m = string.match(bound, '^([^:]+):(%d+)$')
+  if u then bound, most = u, tonumber(m) end
+end
+if bound ~= user then return {4, ''} end
+if most and qty > most then return {3, ''} end
 
 local held = tonumber(redis.call('HGET', KEYS[3], user) or '0')
 if held + qty > tonumber(meta[3]) then return {3, ''} end

@@ -12,9 +12,11 @@
 --
 -- Once the units are gone the room is sold out for good. Every ticket that
 -- has not bought is on the waitlist, admitted or not (an admitted pass no
--- longer buys), and each unit that comes back is offered, one open offer
+-- longer buys; a used one whose purchase lost the last race, `U:`, is
+-- there too), and each unit that comes back is offered, one open offer
 -- per unit, to the next of them in queue order: a second pointer,
--- `offering`, walks the order from its start.
+-- `offering`, walks the order from its start. A ticket that bought (`B:`,
+-- `D:`, marked by room_bought.lua) is passed over.
 --
 -- Returns {-1} no room, {-2} the sale is over, {-3, place} the caller's
 -- place is stale, {0, serving} before the start, else {1, place, sold,
@@ -50,7 +52,11 @@ redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 
 local avail = tonumber(ARGV[3])
 local rate = tonumber(r[5])
-local tokens = tonumber(r[9]) + math.max(0, now - tonumber(r[10])) * rate
+-- Instances' clocks differ: the refill time only moves forward, so one
+-- whose clock is behind neither refills nor moves it back for the next
+-- to refill the difference again.
+local tokens_at = math.max(tonumber(r[10]), now)
+local tokens = tonumber(r[9]) + (tokens_at - tonumber(r[10])) * rate
 if tokens > rate * 1000 then tokens = rate * 1000 end
 local n = math.floor(tokens / 1000)
 local active = redis.call('ZCARD', KEYS[3])
@@ -78,7 +84,7 @@ while n > 0 and i <= #ARGV do
   if not st then
     kind, exp = 'A', now + tonumber(r[7])
     if sold then kind, exp = 'O', now + tonumber(r[8]) end
-  elseif sold and string.sub(st, 1, 1) == 'A' then
+  elseif sold and (string.sub(st, 1, 2) == 'A:' or string.sub(st, 1, 2) == 'U:') then
     kind, exp = 'O', now + tonumber(r[8])
   end
   if kind then
@@ -89,7 +95,7 @@ while n > 0 and i <= #ARGV do
     n = n - 1
   end
 end
-redis.call('HSET', KEYS[1], field, place, 'tokens_at', string.format('%d', now),
+redis.call('HSET', KEYS[1], field, place, 'tokens_at', string.format('%d', tokens_at),
   'tokens_m', string.format('%d', tokens - #out * 1000))
 redis.call('HINCRBY', KEYS[1], 'admitted', #out)
 local flag = 0

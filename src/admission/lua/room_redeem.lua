@@ -22,5 +22,8 @@ if st == ARGV[4] .. ':' .. ARGV[5] then
   redis.call('ZREM', KEYS[4], ARGV[1])
   return 1
 end
-if st == 'U:' .. ARGV[5] or st == 'V:' .. ARGV[5] then return -6 end
+local was = string.sub(st or '', 1, 2)
+if string.sub(st or '', 3) == ARGV[5] and (was == 'U:' or was == 'V:' or was == 'B:' or was == 'D:') then
+  return -6
+end
 return -7

@@ -541,6 +541,7 @@ pub async fn token(
     };
     // Warm in Redis, so the activity exists: whether it has a room is read
     // for it, not for an id someone asked about before its creation.
+    let mut most = None;
     if rooms
         .room_of_existing(id)
         .await
@@ -551,16 +552,20 @@ pub async fn token(
             .headers()
             .get(QUEUE_PASS)
             .map(|v| v.to_str().unwrap_or(""));
-        rooms
+        let kind = rooms
             .redeem(id, user.user_id, pass, state.clock.now())
             .await
             .map_err(super::queue::room_error)?;
+        // An offer holds one released unit: its token buys that one.
+        if kind == crate::room::pass::Kind::Offer {
+            most = Some(1);
+        }
     }
     let token = uuid::Uuid::new_v4().simple().to_string();
     state
         .redis
         .gate
-        .issue_token(id, meta.layout, user.user_id.get(), &token, ttl)
+        .issue_token(id, meta.layout, user.user_id.get(), &token, ttl, most)
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
     Ok(HttpResponse::Ok().json(PurchaseToken {

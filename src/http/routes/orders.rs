@@ -142,6 +142,15 @@ pub async fn place(
         }
         Err(refusal) => return Err(refused(refusal)),
     };
+    if !through_database {
+        // A ticket of the activity's waiting room that bought leaves its
+        // waitlist before the buyer hears so (one script call, for rooms
+        // only). A mark that fails leaves a ticket that may be offered a
+        // unit again, nothing more: the purchase stands.
+        if let Err(e) = state.sale.rooms.bought(activity_id, user.user_id).await {
+            tracing::warn!(error = %e, %activity_id, "marking a waiting-room ticket bought failed");
+        }
+    }
     let mut answer = HttpResponse::build(code);
     if through_database {
         // Redis was down: the order was written by the database fallback.
