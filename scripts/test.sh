@@ -94,7 +94,7 @@ tests_lane() {
   # The web console in headless Chromium (screenshots: target/console-screenshots/).
   step browser scripts/browser-test.sh
   # The README's waiting-room quick start, checked.
-  step room-demo scripts/room-demo.sh --buyers 8
+  step room-demo scripts/room-demo.sh --buyers 4 --pow-difficulty 2000000
 }
 
 # faults SET STEP [chaos.sh arguments...]: the fault tests, one at a time

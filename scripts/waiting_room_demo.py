@@ -43,10 +43,14 @@ def call(url, method="GET", body=None, token=None, headers=None):
 
 
 def solve(challenge):
-    target = challenge["challenge"]
-    salt = challenge["salt"].encode()
+    """ALTCHA v1: the number in 0..=maxnumber whose SHA-256 after the salt
+    is the challenge (the salt hashed once, then copied per try)."""
+    target = bytes.fromhex(challenge["challenge"])
+    salted = hashlib.sha256(challenge["salt"].encode())
     for n in range(challenge["maxnumber"] + 1):
-        if hashlib.sha256(salt + str(n).encode()).hexdigest() == target:
+        h = salted.copy()
+        h.update(str(n).encode())
+        if h.digest() == target:
             return n
     raise SystemExit("the challenge has no solution")
 
@@ -55,6 +59,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default="http://127.0.0.1:8080")
     ap.add_argument("--buyers", type=int, default=10)
+    ap.add_argument("--pow-difficulty", type=int, default=50000,
+                    help="the room's pow_difficulty (up to 10,000,000)")
     args = ap.parse_args()
     api = args.url.rstrip("/") + "/api/v1"
 
@@ -67,13 +73,15 @@ def main():
     admin = token(1, admin=True)
     _, listing = call(f"{api}/activities")
     now = dt.datetime.fromisoformat(listing["server_time"].replace("Z", "+00:00"))
-    start = now + dt.timedelta(seconds=20)
+    # Every buyer joins the pre-queue: the start waits for their proofs of
+    # work (about a million hashes a second here, half the range each).
+    start = now + dt.timedelta(seconds=20 + args.buyers * args.pow_difficulty / 1_000_000)
     body = {
         "sku_id": 1001, "name": "Console (waiting room demo)", "price_cents": 49900,
         "stock": 5, "per_user_limit": 1,
         "start_at": start.isoformat(), "end_at": (start + dt.timedelta(hours=1)).isoformat(),
         "waiting_room": {"prequeue_secs": 600, "admit_per_sec": 2, "pass_ttl_secs": 120,
-                         "offer_secs": 60, "pow_difficulty": 50000},
+                         "offer_secs": 60, "pow_difficulty": args.pow_difficulty},
     }
     status, activity = call(f"{api}/admin/activities", "POST", body, admin)
     assert status == 201, (status, activity)
@@ -92,10 +100,10 @@ def main():
         pow_answer = {k: c[k] for k in ("algorithm", "challenge", "salt", "signature")}
         pow_answer["number"] = number
         status, ticket = call(f"{api}/activities/{aid}/queue", "POST", {"pow": pow_answer}, t)
-        assert status == 201, (status, ticket)
+        assert status == 201, (status, ticket, f"number {number} of {c['maxnumber']}")
         tickets[u] = ticket["ticket"]
-        print(f"buyer {u}: proof of work in {took:.2f} s, ticket {ticket['ticket']} "
-              f"({status}, {ticket['state']})")
+        print(f"buyer {u}: proof of work in {took:.2f} s (number {number:,} of "
+              f"{c['maxnumber']:,}), ticket {ticket['ticket']} ({status}, {ticket['state']})")
 
     print("waiting for the start…")
     while True:

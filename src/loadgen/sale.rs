@@ -257,19 +257,51 @@ async fn join(client: &Client, activity: ActivityId, user: i64) -> anyhow::Resul
     let url = client.url_of(user);
     let base = format!("/api/v1/activities/{activity}/queue");
     let challenge = format!("{base}/challenge");
-    let c = retried(|| client.send_to(url, reqwest::Method::GET, &challenge, &jwt, None)).await?;
-    let number = crate::room::pow::solve_parts(
-        c["salt"].as_str().unwrap_or(""),
-        c["challenge"].as_str().unwrap_or(""),
-        c["maxnumber"].as_u64().unwrap_or(0),
-    )
-    .context("no answer to the challenge")?;
-    let pow = json!({"algorithm": c["algorithm"], "challenge": c["challenge"],
-                     "salt": c["salt"], "number": number, "signature": c["signature"]});
-    let body = json!({ "pow": pow });
-    let ticket =
-        retried(|| client.send_to(url, reqwest::Method::POST, &base, &jwt, Some(&body))).await?;
-    Ok(ticket["state"].as_str().unwrap_or("").to_owned())
+    // A challenge fetched as the rush builds may be too easy by the time it
+    // is answered (400 POW_INVALID): a buyer fetches a new one, as the
+    // buyer page does, a few times at most.
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let c =
+            retried(|| client.send_to(url, reqwest::Method::GET, &challenge, &jwt, None)).await?;
+        let number = crate::room::pow::solve_parts(
+            c["salt"].as_str().unwrap_or(""),
+            c["challenge"].as_str().unwrap_or(""),
+            c["maxnumber"].as_u64().unwrap_or(0),
+        )
+        .context("no answer to the challenge")?;
+        let pow = json!({"algorithm": c["algorithm"], "challenge": c["challenge"],
+                         "salt": c["salt"], "number": number, "signature": c["signature"]});
+        let body = json!({ "pow": pow });
+        let answer = retried_or_refused(|| {
+            client.send_to(url, reqwest::Method::POST, &base, &jwt, Some(&body))
+        })
+        .await?;
+        match answer {
+            Ok(ticket) => return Ok(ticket["state"].as_str().unwrap_or("").to_owned()),
+            Err((400, problem)) if problem["code"] == "POW_INVALID" && attempt < 3 => continue,
+            Err((status, problem)) => bail!("{status} {problem}"),
+        }
+    }
+}
+
+/// Like [`retried`], with a non-2xx answer given back to the caller.
+async fn retried_or_refused<F, Fut>(call: F) -> anyhow::Result<Result<Value, (u16, Value)>>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = anyhow::Result<(u16, Value)>>,
+{
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match call().await {
+            Ok((status, body)) if (200..300).contains(&status) => return Ok(Ok(body)),
+            Ok((status, body)) => return Ok(Err((status, body))),
+            Err(_) if attempt < 5 => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// A call that must answer 2xx, tried again when the connection is lost
