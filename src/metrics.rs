@@ -112,6 +112,13 @@ metrics! {
     );
     /// Orders closed by the payment timeout.
     orders_closed: IntCounter = IntCounter::new("orders_closed_total", "Orders closed by timeout");
+    /// Order streams that read their order again (changes may have been
+    /// missed: the subscription was lost, or the stream fell behind its
+    /// own order's changes). Each is one query on the public pool.
+    order_stream_resyncs: IntCounter = IntCounter::new(
+        "order_stream_resyncs_total",
+        "Order event streams that read their order again from the database",
+    );
     /// Reservations given back to Redis from `stock.released`.
     stock_released: IntCounterVec = counters(
         "stock_released_total",

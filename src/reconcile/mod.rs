@@ -43,6 +43,7 @@ use crate::orders::events::OrderEvents;
 use crate::store::notes::Notes;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
+use repairs::Room;
 use void::Cutoff;
 
 /// How old a transfer between shards must be before reconciliation
@@ -357,7 +358,9 @@ impl Reconciler {
         if warm && !self.repairs(fence).shards_warm(id, layout).await? {
             // A shard lost alone: what the other shards hold cannot be
             // trusted beside it, so the activity is restored whole.
-            self.repairs(fence).remove_activity(id, layout).await?;
+            self.repairs(fence)
+                .remove_activity(id, layout, Room::Keep)
+                .await?;
             self.count("repair", "lost_shard_keys_dropped");
             tracing::warn!(
                 activity_id = %id,
@@ -399,7 +402,7 @@ impl Reconciler {
             return Ok(true);
         }
         self.repairs(fence)
-            .remove_activity(activity_id, layout)
+            .remove_activity(activity_id, layout, Room::Keep)
             .await?;
         self.count("repair", "fallback_keys_dropped");
         tracing::warn!(
@@ -459,7 +462,7 @@ impl Reconciler {
             return Ok(());
         }
         self.repairs(fence)
-            .remove_activity(activity_id, layout)
+            .remove_activity(activity_id, layout, Room::Drop)
             .await?;
         self.forget_stock(activity_id);
         store::run(&self.db, move |conn| {

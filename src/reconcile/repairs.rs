@@ -201,13 +201,14 @@ impl<'a> Repairs<'a> {
         Ok(found)
     }
 
-    /// Removes an ended activity's keys (meta, buckets, request and holding
-    /// hashes, open index, transfer records, its waiting room's queue).
-    /// Reservation records expire on their own.
+    /// Removes an activity's sale keys (meta, buckets, request and holding
+    /// hashes, open index, transfer records) and, with [`Room::Drop`], its
+    /// waiting room's queue. Reservation records expire on their own.
     pub async fn remove_activity(
         &self,
         activity_id: ActivityId,
         layout: Layout,
+        room: Room,
     ) -> RedisResult<()> {
         for shard in 0..layout.shards {
             let k = self.gate.shard_keys(activity_id, layout, shard);
@@ -240,24 +241,26 @@ impl<'a> Repairs<'a> {
             self.fenced(&k.fence(), writes).await?;
         }
         let base = self.gate.keys(activity_id);
-        // A waiting room's queue, unlinked: its hashes can hold a million
-        // tickets, freed off Redis's main thread. (Answers and join counts
-        // expire on their own.)
-        let room = [
-            base.room(),
-            base.room_users(),
-            base.room_tickets(),
-            base.room_states(),
-            base.room_active(),
-            base.room_offers(),
-        ];
         let mut writes = Writes::default();
-        writes.cmd(
-            &room,
-            std::iter::once("UNLINK".to_owned())
-                .chain(room.iter().cloned())
-                .collect(),
-        );
+        if room == Room::Drop {
+            // A waiting room's queue, unlinked: its hashes can hold a
+            // million tickets, freed off Redis's main thread. (Answers and
+            // join counts expire on their own.)
+            let room = [
+                base.room(),
+                base.room_users(),
+                base.room_tickets(),
+                base.room_states(),
+                base.room_active(),
+                base.room_offers(),
+            ];
+            writes.cmd(
+                &room,
+                std::iter::once("UNLINK".to_owned())
+                    .chain(room.iter().cloned())
+                    .collect(),
+            );
+        }
         let gone = [base.meta(), base.restoring()];
         writes.cmd(
             &gone,
@@ -503,4 +506,17 @@ pub enum RestoredState {
     Released,
     /// PAID or FAILED: no record needed.
     Settled,
+}
+
+/// Whether [`Repairs::remove_activity`] takes the waiting room's queue too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Room {
+    /// The sale is over: the queue goes with the rest.
+    Drop,
+    /// The sale's keys are restored from the database, and the queue,
+    /// which the database cannot restore (its tickets, passes and draw live
+    /// in Redis only), stays as it is: a shard lost on another master, or
+    /// keys written over by the database fallback, leave it intact. (A
+    /// queue that was itself lost starts its next epoch, the admitter's.)
+    Keep,
 }

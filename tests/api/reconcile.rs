@@ -952,7 +952,9 @@ async fn a_lease_dropped_mid_run_is_given_back_and_a_newer_holder_fences_the_old
         .await
         .unwrap();
     let stale = Repairs::new(&gate, first);
-    let refused = stale.remove_activity(id, layout).await;
+    let refused = stale
+        .remove_activity(id, layout, seckill::reconcile::repairs::Room::Drop)
+        .await;
     assert!(refused.is_err(), "an older token removed the activity");
     assert!(stale.claim(id, layout).await.is_err());
     let repaired = stale.repair(id, layout, 5, 3).await;

@@ -240,6 +240,62 @@ async fn a_thousand_open_streams_cost_no_database_query_while_they_wait() {
     }
 }
 
+/// Defect 9 of issue #41: streams used to hear every order's changes and
+/// fall behind under load, then each re-read its order. 200 streams wait
+/// while 200,000 changes of other orders go by: none reads its order again,
+/// and the next change of their own still reaches each.
+#[tokio::test]
+async fn changes_of_other_orders_cost_the_streams_nothing() {
+    const STREAMS: usize = 200;
+    let app = spawn_app_with(|s| s.orders.streams_per_user = STREAMS).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (_, body) = app.buy(1, activity).await;
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+    eventually("WAITING_PAY", Duration::from_secs(60), || async {
+        (app.order_status(1, &order_no).await == "WAITING_PAY").then_some(())
+    })
+    .await;
+    let mut streams = Vec::with_capacity(STREAMS);
+    for _ in 0..STREAMS / 50 {
+        let opened =
+            futures_util::future::join_all((0..50).map(|_| Stream::of(&app, 1, &order_no))).await;
+        for mut s in opened {
+            assert_eq!(s.status().await, "WAITING_PAY");
+            streams.push(s);
+        }
+    }
+    let resyncs = "seckill_order_stream_resyncs_total";
+    let before = app.metric(resyncs).await.unwrap_or(0);
+
+    // 100 messages of 2,000 changes each, of orders no stream follows,
+    // as another instance's consumer would publish them.
+    let channel = seckill::orders::events::channel(&app.settings.redis.key_prefix);
+    let mut conn = app.redis();
+    for m in 0..100 {
+        let payload = (0..2_000)
+            .map(|i| format!("{}:WAITING_PAY", 1_000_000 + m * 2_000 + i))
+            .collect::<Vec<_>>()
+            .join(",");
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(&channel)
+            .arg(payload)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    // Published after them on the same channel, so heard after them.
+    pay_through_the_mock(&app, 1, &order_no).await;
+    for s in &mut streams {
+        assert_eq!(s.status().await, "PAID");
+        s.ends().await;
+    }
+    assert_eq!(
+        app.metric(resyncs).await.unwrap_or(0),
+        before,
+        "streams read their order again"
+    );
+}
+
 /// Defect 9 of issue #25: one user cannot hold more than
 /// `orders.streams_per_user` streams at once (each one re-reads its order
 /// on a pub/sub reconnect); one more answers 429 with Retry-After, and a

@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::stream::{self, StreamExt};
 use serde_json::{Value, json};
 
-use crate::helpers::{TestApp, eventually, json, spawn_app};
+use crate::helpers::{TestApp, eventually, json, spawn_app, spawn_app_with};
 
 /// A room's settings with `rate` admitted per second and an easy puzzle.
 pub(crate) fn room(prequeue_secs: i64, rate: i64) -> Value {
@@ -845,6 +845,66 @@ async fn a_used_offer_frees_its_hold_at_once_and_buys_one_unit() {
         (Some("OFFERED"), Some(true)),
         "{used}"
     );
+}
+
+/// One shard of a sharded activity lost (the master holding its slots
+/// restarted empty) is restored from the database, and the waiting room's
+/// queue, on an intact master, stays: the same epoch, the same tickets,
+/// and a pass given before buys after.
+#[tokio::test]
+async fn a_shard_lost_beside_an_intact_queue_keeps_the_queue() {
+    let app = spawn_app_with(crate::helpers::restores_quickly).await;
+    let now = chrono::Utc::now();
+    let body = json!({
+        "sku_id": 1001, "name": "Console", "price_cents": 49900, "stock": 12,
+        "start_at": now - chrono::Duration::seconds(60),
+        "end_at": now + chrono::Duration::seconds(7200),
+        "per_user_limit": 1, "buckets": 1, "shards": 3, "waiting_room": room(0, 200),
+    });
+    let res = app
+        .post_json("/api/v1/admin/activities", &body, Some(&app.admin_token()))
+        .await;
+    assert_eq!(res.status(), 201);
+    let id = json(res).await["activity_id"].as_i64().unwrap();
+    app.warmup(id).await;
+    for u in 1..=6 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    let mut passes = HashMap::new();
+    for u in 1..=6 {
+        let t = app.ticket_in(u, id, "ADMITTED").await;
+        passes.insert(u, t["pass"].as_str().unwrap().to_owned());
+    }
+    let epoch = app.room_field(id, "epoch").await;
+
+    let layout = seckill::admission::Layout::new(1, 3);
+    let lost = 1;
+    let pattern = format!("{}{{a:{id}:{lost}.*", app.settings.redis.key_prefix);
+    assert!(app.forget_keys(&pattern).await > 0, "shard {lost} had keys");
+    let report = crate::reconcile::report(&crate::reconcile::reconcile(&app).await, id);
+    println!("reconciled after the shard loss: {report}");
+
+    assert_eq!(app.room_field(id, "epoch").await, epoch, "a new queue");
+    for u in 1..=6 {
+        let t = app.ticket(u, id).await;
+        assert_eq!(
+            (t["ticket"].as_i64(), t["state"].as_str()),
+            (Some(u), Some("ADMITTED")),
+            "user {u}: {t}"
+        );
+    }
+    // A buyer of the lost shard buys with the pass given before the loss.
+    // (The token route answers 503 until the restore is complete, before
+    // it looks at the pass.)
+    let buyer = (1..=6).find(|u| layout.shard_of_user(*u) == lost).unwrap();
+    let token = eventually("a purchase token", Duration::from_secs(90), || async {
+        let (status, body) = app.token_with(buyer, id, Some(&passes[&buyer])).await;
+        assert!(status == 200 || status == 503, "{status} {body}");
+        (status == 200).then_some(body["token"].clone())
+    })
+    .await;
+    let (status, body) = app.buy_token(buyer, id, &token, 1).await;
+    assert_eq!(status, 202, "{body}");
 }
 
 /// A wrong, forged, foreign, replayed or expired answer is refused; the

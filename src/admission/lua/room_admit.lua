@@ -52,10 +52,11 @@ redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 
 local avail = tonumber(ARGV[3])
 local rate = tonumber(r[5])
--- Instances' clocks differ: the refill time only moves forward, so one
--- whose clock is behind neither refills nor moves it back for the next
--- to refill the difference again.
-local tokens_at = math.max(tonumber(r[10]), now)
+-- The bucket refills on Redis's clock, the same for every instance (each
+-- one's sale clock differs: refilled from each caller's own "now", two
+-- instances 2 s apart admitted several times the rate). The refill time
+-- only moves forward, should Redis's clock step back (a failover).
+local tokens_at = math.max(tonumber(r[10]), bucket_clock())
 local tokens = tonumber(r[9]) + (tokens_at - tonumber(r[10])) * rate
 if tokens > rate * 1000 then tokens = rate * 1000 end
 local n = math.floor(tokens / 1000)

@@ -69,7 +69,7 @@ pub async fn order_events(
     let slot = stream_slot(&state, user_id)?;
     // Listening before the first read: a change committed in between is
     // heard, not lost.
-    let mut notes = state.redis.order_events.subscribe();
+    let mut notes = state.redis.order_events.follow(order_no.get());
     let found = find(&state, &state.pg.public, order_no, user_id, None)
         .await?
         .ok_or_else(|| ApiError::not_found("no such order"))?;
@@ -109,10 +109,10 @@ pub async fn order_events(
                     continue;
                 }
                 note = notes.recv() => match note {
-                    Ok(Note::Change(c)) if c.order_no == order_no.get() => Some(c.status),
-                    Ok(Note::Change(_)) => continue,
+                    Ok(Note::Change(c)) => Some(c.status),
                     // Changes may have been missed: read the order again.
                     Ok(Note::Resync) | Err(RecvError::Lagged(_)) => {
+                        state.metrics.order_stream_resyncs.inc();
                         // Every stream hears this at once: spread the reads.
                         tokio::time::sleep(RESYNC_SPREAD.mul_f64(fastrand::f64())).await;
                         match find(&state, &state.pg.public, order_no, user_id, activity).await {
