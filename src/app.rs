@@ -130,11 +130,21 @@ impl Worker {
             ),
             Worker::ProducerWatch => Some(state.kafka.producer.supervise(state.supervision())),
             Worker::RoomAdmitter => s.waiting_room.admitter_enabled.then(|| {
+                let pace = if s.waiting_room.adaptive {
+                    crate::room::admitter::Pace {
+                        lag: state.metrics.order_consumer_lag.clone(),
+                        bound: s.admission.max_consumer_lag,
+                        breaker: Some(state.sale.publisher.clone()),
+                    }
+                } else {
+                    crate::room::admitter::Pace::fixed()
+                };
                 crate::room::admitter::spawn(
                     state.sale.rooms.clone(),
                     state.redis.gate.clone(),
                     state.clock.clone(),
                     s.waiting_room.admit_interval_ms,
+                    pace,
                 )
             }),
             Worker::InstanceLease => Some(state.sale.lease.clone().spawn()),

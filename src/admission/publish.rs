@@ -343,6 +343,13 @@ impl Breaker {
         self.last_expired_ms.fetch_max(now, Ordering::Relaxed);
     }
 
+    /// Whether the last delivery that ended ran out of its budget (no
+    /// positive report since): the broker is not taking purchases.
+    pub fn is_open(&self) -> bool {
+        self.last_expired_ms.load(Ordering::Relaxed)
+            > self.last_delivered_ms.load(Ordering::Relaxed)
+    }
+
     /// Whether a purchase may go on to Redis at `now`.
     pub fn admits(&self, now: i64) -> bool {
         if self.last_expired_ms.load(Ordering::Relaxed)

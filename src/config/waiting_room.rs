@@ -19,6 +19,16 @@ pub struct WaitingRoomSettings {
     pub challenge_ttl_secs: Duration,
     /// Run the admitter inside `serve`.
     pub admitter_enabled: bool,
+    /// Slow admission while the order pipeline is behind: the rate falls
+    /// from the room's own as the order consumers' lag goes from half of
+    /// `admission.max_consumer_lag` to all of it, and stops while the
+    /// broker refuses deliveries; it comes back as they recover.
+    #[serde(default = "adaptive_by_default")]
+    pub adaptive: bool,
+}
+
+fn adaptive_by_default() -> bool {
+    true
 }
 
 impl WaitingRoomSettings {

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use prometheus::IntGauge;
 use tokio_util::sync::CancellationToken;
 
 use super::Rooms;
@@ -36,14 +37,60 @@ pub const LOSS_GRACE: Duration = Duration::from_secs(1);
 /// The most tickets one round looks at.
 const MAX_CANDIDATES: u64 = 2_000;
 
+/// The share of a room's rate admitted while the order consumers are
+/// `lag` messages behind, with purchases refused at `bound` (0: no bound),
+/// in thousandths: all of it up to half the bound, then less in
+/// proportion, none from the bound on (purchases would get 503 BUSY
+/// there), and none while the broker refuses deliveries.
+pub fn share_permille(lag: i64, bound: i64, broker_refuses: bool) -> u32 {
+    if broker_refuses {
+        return 0;
+    }
+    if bound <= 0 || lag <= bound / 2 {
+        return 1000;
+    }
+    if lag >= bound {
+        return 0;
+    }
+    let half = bound - bound / 2;
+    u32::try_from((bound - lag) * 1000 / half.max(1)).unwrap_or(1000)
+}
+
+/// What adaptive admission reads: the order consumers' lag as this
+/// instance samples it, the bound purchases are refused at, and the
+/// broker's breaker.
+pub struct Pace {
+    pub lag: IntGauge,
+    /// `admission.max_consumer_lag`; 0 leaves the rate alone.
+    pub bound: i64,
+    pub breaker: Option<Arc<crate::admission::publish::Publisher>>,
+}
+
+impl Pace {
+    /// Rooms admit at their own rate, whatever the pipeline does.
+    pub fn fixed() -> Self {
+        Self {
+            lag: IntGauge::new("unused", "unused").expect("a valid gauge"),
+            bound: 0,
+            breaker: None,
+        }
+    }
+
+    fn share(&self) -> u32 {
+        let refuses = self.breaker.as_ref().is_some_and(|p| p.breaker.is_open());
+        share_permille(self.lag.get(), self.bound, refuses)
+    }
+}
+
 /// Starts the admitter.
 pub fn spawn(
     rooms: Arc<Rooms>,
     gate: Arc<RedisGate>,
     clock: SharedClock,
     interval: Duration,
+    pace: Pace,
 ) -> WorkerHandle {
-    WorkerHandle::spawn(move |shutdown| run(rooms, gate, clock, interval, shutdown))
+    WorkerHandle::spawn(move |shutdown| run(rooms, gate, clock, interval, pace, shutdown))
 }
 
 struct Admitter {
@@ -51,6 +98,7 @@ struct Admitter {
     gate: Arc<RedisGate>,
     clock: SharedClock,
     interval: Duration,
+    pace: Pace,
     /// When each room was first found missing from Redis.
     missing_since: HashMap<ActivityId, Instant>,
 }
@@ -60,6 +108,7 @@ async fn run(
     gate: Arc<RedisGate>,
     clock: SharedClock,
     interval: Duration,
+    pace: Pace,
     shutdown: CancellationToken,
 ) {
     let mut admitter = Admitter {
@@ -67,6 +116,7 @@ async fn run(
         gate,
         clock,
         interval,
+        pace,
         missing_since: HashMap::new(),
     };
     let mut live: Vec<LiveRoom> = Vec::new();
@@ -139,7 +189,14 @@ impl Admitter {
         let round = self
             .rooms
             .gate()
-            .admit(id, now_ms, view.next_place(), available, &candidates)
+            .admit(
+                id,
+                now_ms,
+                view.next_place(),
+                available,
+                self.pace.share(),
+                &candidates,
+            )
             .await?;
         if let Round::Admitted(a) = round {
             self.record(&label, &a);
@@ -219,5 +276,32 @@ impl Admitter {
         self.rooms.forget(id);
         self.missing_since.remove(&id);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_share_falls_from_half_the_lag_bound_to_none_at_it() {
+        assert_eq!(
+            share_permille(0, 0, false),
+            1000,
+            "no bound: the room's rate"
+        );
+        assert_eq!(share_permille(1_000_000, 0, false), 1000);
+        assert_eq!(share_permille(0, 10_000, false), 1000);
+        assert_eq!(share_permille(5_000, 10_000, false), 1000);
+        assert_eq!(share_permille(7_500, 10_000, false), 500);
+        assert_eq!(share_permille(9_000, 10_000, false), 200);
+        assert_eq!(share_permille(10_000, 10_000, false), 0);
+        assert_eq!(share_permille(50_000, 10_000, false), 0);
+        assert_eq!(share_permille(0, 10_000, true), 0, "the broker refuses");
+        assert_eq!(
+            share_permille(3, 5, false),
+            666,
+            "odd bounds: 2 of the 3 steps left"
+        );
     }
 }

@@ -907,6 +907,70 @@ async fn a_shard_lost_beside_an_intact_queue_keeps_the_queue() {
     assert_eq!(status, 202, "{body}");
 }
 
+/// Adaptive admission: while the order consumers are behind by
+/// `admission.max_consumer_lag`, a room admits no one (its buyers would
+/// only meet 503 BUSY); once they catch up it admits at its rate again.
+#[tokio::test]
+async fn a_room_admits_no_one_while_the_order_consumers_are_behind_and_again_after() {
+    let app = spawn_app_with(|s| {
+        crate::helpers::without_order_consumer(s);
+        s.admission.max_consumer_lag = 4;
+        s.admission.lag_sample_ms = Duration::from_millis(100);
+    })
+    .await;
+    let (id, _) = app.room_activity(100, -60, room(0, 20)).await;
+    let plain = app.live_activity(10, 1, 1).await;
+    let users: Vec<i64> = (1..=300).collect();
+    let joined: Vec<u16> = stream::iter(users)
+        .map(|u| {
+            let app = &app;
+            async move { app.join(u, id).await.0 }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    assert!(joined.iter().all(|&s| s == 201));
+    let field = |name: &'static str| {
+        let app = &app;
+        async move {
+            app.room_field(id, name)
+                .await
+                .and_then(|v| v.parse::<i64>().ok())
+                .unwrap_or(-1)
+        }
+    };
+    eventually("admitting at 20/s", Duration::from_secs(60), || async {
+        (field("rate_now").await == 20 && field("admitted").await > 0).then_some(())
+    })
+    .await;
+
+    // Five orders nobody consumes: the lag passes the bound of 4.
+    for user in 1001..=1005 {
+        let (status, body) = app.buy(user, plain).await;
+        assert!(status == 202 || status == 503, "{status} {body}");
+    }
+    eventually("admission stopped", Duration::from_secs(60), || async {
+        (field("rate_now").await == 0).then_some(())
+    })
+    .await;
+    let stopped = field("admitted").await;
+    // Absence over an interval: a longer one would only prove more.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(field("admitted").await, stopped, "admitted while behind");
+    let stats = app.stats(id).await;
+    assert_eq!(stats["waiting_room"]["admit_per_sec_now"], 0, "{stats}");
+    assert_eq!(stats["waiting_room"]["admit_per_sec"], 20, "{stats}");
+
+    // The consumers catch up: the room's own rate again.
+    let deps = seckill::orders::consumer::ConsumerDeps::connect(app.settings.clone()).unwrap();
+    let consumer = seckill::orders::consumer::spawn(deps).unwrap();
+    eventually("admitting again", Duration::from_secs(60), || async {
+        (field("rate_now").await == 20 && field("admitted").await > stopped).then_some(())
+    })
+    .await;
+    consumer.stop().await;
+}
+
 /// A wrong, forged, foreign, replayed or expired answer is refused; the
 /// difficulty rises while many join and falls back when they stop.
 #[tokio::test]

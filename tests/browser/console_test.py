@@ -451,6 +451,8 @@ def operator_page(driver, main, room):
     wait_for(driver, "the new rate", lambda d: "7 admitted a second" in d.find_element(By.ID, "message").text)
     status, body = call("GET", f"/api/v1/admin/activities/{room}/stats", token=ADMIN)
     assert status == 200 and body["waiting_room"]["admit_per_sec"] == 7, (status, body)
+    # The rate admitting now follows (the order consumers keep up here).
+    wait_for(driver, "admitting at the new rate", lambda d: text(d, room_row + " .rate-now") == "7")
 
     # Create, warm up and end an activity from the forms.
     name = driver.find_element(By.CSS_SELECTOR, '#create-form [name="name"]')

@@ -226,6 +226,9 @@ pub struct RoomFigures {
     /// The admission rate and cap in force (0: no cap).
     pub admit_per_sec: i64,
     pub max_active: i64,
+    /// The rate admitting now: below `admit_per_sec` while the order
+    /// pipeline is behind (adaptive admission), as the last round set it.
+    pub admit_per_sec_now: i64,
 }
 
 impl RedisGate {
@@ -245,6 +248,7 @@ impl RedisGate {
                 "sold",
                 "rate",
                 "max_active",
+                "rate_now",
             ])
             .cmd("ZCARD")
             .arg(k.room_active())
@@ -269,6 +273,7 @@ impl RedisGate {
             sold_out,
             admit_per_sec: at(6).unwrap_or(0),
             max_active: at(7).unwrap_or(0),
+            admit_per_sec_now: at(8).or(at(6)).unwrap_or(0),
         }))
     }
 }
@@ -404,6 +409,7 @@ impl RoomGate {
         now_ms: i64,
         place: u64,
         available: i64,
+        share_permille: u32,
         candidates: &[u64],
     ) -> RedisResult<Round> {
         let k = self.keys(activity);
@@ -414,7 +420,8 @@ impl RoomGate {
             .key(k.room_offers())
             .arg(now_ms)
             .arg(place)
-            .arg(available);
+            .arg(available)
+            .arg(share_permille);
         for &t in candidates {
             call.arg(t);
         }

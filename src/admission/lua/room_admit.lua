@@ -6,8 +6,9 @@
 -- KEYS[1] room   KEYS[2] states   KEYS[3] active   KEYS[4] offers
 -- ARGV[1] now (ms, sale clock)   ARGV[2] the place the caller read as the
 -- next (`serving`, or `offering` once sold out)   ARGV[3] units Redis
--- holds for sale now
--- ARGV[4..] the tickets at places ARGV[2], ARGV[2] + 1, … (the caller
+-- holds for sale now   ARGV[4] the share of the room's rate the order
+-- pipeline takes now, in thousandths (adaptive admission; 1000: all)
+-- ARGV[5..] the tickets at places ARGV[2], ARGV[2] + 1, … (the caller
 --           computes them from the draw)
 --
 -- Once the units are gone the room is sold out for good. Every ticket that
@@ -51,7 +52,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 
 local avail = tonumber(ARGV[3])
-local rate = tonumber(r[5])
+local rate = math.floor(tonumber(r[5]) * math.min(1000, math.max(0, tonumber(ARGV[4]))) / 1000)
 -- The bucket refills on Redis's clock, the same for every instance (each
 -- one's sale clock differs: refilled from each caller's own "now", two
 -- instances 2 s apart admitted several times the rate). The refill time
@@ -74,7 +75,7 @@ end
 
 local seq = tonumber(r[2])
 local out = {}
-local i = 4
+local i = 5
 while n > 0 and i <= #ARGV do
   local t = ARGV[i]
   if tonumber(t) > seq then break end
@@ -97,7 +98,7 @@ while n > 0 and i <= #ARGV do
   end
 end
 redis.call('HSET', KEYS[1], field, place, 'tokens_at', string.format('%d', tokens_at),
-  'tokens_m', string.format('%d', tokens - #out * 1000))
+  'tokens_m', string.format('%d', tokens - #out * 1000), 'rate_now', rate)
 redis.call('HINCRBY', KEYS[1], 'admitted', #out)
 local flag = 0
 if sold then flag = 1 end
