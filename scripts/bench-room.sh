@@ -98,7 +98,7 @@ join_bench() { # ACTIVITY N RANGE: joins of random users in 0..RANGE
   local k="$RUN:{a:$1}:"
   # shellcheck disable=SC2046
   redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" -c "$CONC" -n "$2" -r "$3" --threads 1 $4 \
-    EVALSHA "$JOIN_SHA" 6 $(room_keys "$1") "${k}room:pow:__rand_int__" "${k}room:joins:1" \
+    EVALSHA "$JOIN_SHA" 5 "${k}room" "${k}room:users" "${k}room:st" "${k}room:pow:__rand_int__" "${k}room:joins:1" \
     __rand_int__ 1700000000000 1000
 }
 status_bench() { # ACTIVITY N RANGE
@@ -119,7 +119,7 @@ open_room 900000002
 join_bench 900000002 $((TICKETS * 3)) "$TICKETS" -q >/dev/null
 K="$RUN:{a:900000002}:"
 HELD=$($R HLEN "${K}room:users")
-MEM=$(( $($R MEMORY USAGE "${K}room:users" SAMPLES 0) + $($R MEMORY USAGE "${K}room:tickets" SAMPLES 0) ))
+MEM=$($R MEMORY USAGE "${K}room:users" SAMPLES 0)
 BIG_STATUS=$(status_bench 900000002 200000 "$TICKETS")
 BIG_P99=$(p99 "$BIG_STATUS")
 BIG_RPS=$(rps "$BIG_STATUS")
@@ -141,7 +141,7 @@ print(f"\n| row | measured | ceiling (same run) | share |")
 print(f"|---|---|---|---|")
 print(f"| joins over HTTP (challenge + join, c={conc}) | {joins:,.0f} joins/s (p99 {join['p99_ms']:.1f} ms, {join['failed']} failed) | redis-benchmark room_join.lua {jc:,.0f}/s | {joins/jc:.0%} |")
 print(f"| status reads over HTTP | {status['per_sec']:,.0f}/s (p99 {status['p99_ms']:.1f} ms) | redis-benchmark room_status.lua {sc:,.0f}/s | {status['per_sec']/sc:.0%} |")
-print(f"| {held:,} tickets in one room: memory | {mem/held:.0f} bytes per ticket (users + tickets hashes, {mem/2**20:.0f} MiB) | - | - |")
+print(f"| {held:,} tickets in one room: memory | {mem/held:.0f} bytes per ticket (the users hash, {mem/2**20:.0f} MiB) | - | - |")
 print(f"| {held:,} tickets: status read p99 | redis-benchmark {big_p99} ms at {big_rps:,.0f}/s; over HTTP {big['p99_ms']:.1f} ms at {big['per_sec']:,.0f}/s | the same script on an empty room: {sc:,.0f}/s | - |")
 EOF
 whole_sale

@@ -350,7 +350,6 @@ impl RoomGate {
             .join
             .key(k.room())
             .key(k.room_users())
-            .key(k.room_tickets())
             .key(k.room_states())
             .key(k.room_pow(challenge))
             .key(k.room_joins(now_ms.div_euclid(1000)))
@@ -446,7 +445,7 @@ impl RoomGate {
         let code: i64 = self
             .redeem
             .key(k.room())
-            .key(k.room_tickets())
+            .key(k.room_users())
             .key(k.room_states())
             .key(k.room_active())
             .arg(ticket)

@@ -1,7 +1,7 @@
 -- room_join.lua — take a ticket (after close_prequeue, room_close.lua).
 --
--- KEYS[1] room   KEYS[2] users   KEYS[3] tickets   KEYS[4] states
--- KEYS[5] this proof-of-work answer's marker   KEYS[6] this second's joins
+-- KEYS[1] room   KEYS[2] users   KEYS[3] states
+-- KEYS[4] this proof-of-work answer's marker   KEYS[5] this second's joins
 -- ARGV[1] user   ARGV[2] now (ms, sale clock)   ARGV[3] ms until the
 -- answer's challenge expires
 --
@@ -9,20 +9,21 @@
 -- -1 no room (never opened, or lost), -2 outside pre-queue-to-end,
 -- -3 the answer was accepted before. A user who left gets a new ticket at
 -- the back. Pre-queue tickets extend the commitment to the entrants:
--- commit = sha1hex(commit .. '|' .. ticket .. ':' .. user).
+-- commit = sha1hex(commit .. '|' .. ticket .. ':' .. user). Only user →
+-- ticket is kept: a pass is signed for its user and ticket, and the
+-- user's current ticket is all a redemption needs to check.
 local user, now = ARGV[1], tonumber(ARGV[2])
 local r = redis.call('HMGET', KEYS[1], 'open_ms', 'end_ms')
 if not r[1] then return {-1, 0} end
 if now < tonumber(r[1]) or now >= tonumber(r[2]) then return {-2, 0} end
-if not redis.call('SET', KEYS[5], '1', 'NX', 'PX', ARGV[3]) then return {-3, 0} end
+if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[3]) then return {-3, 0} end
 local closed = close_prequeue(KEYS[1], now)
-redis.call('INCR', KEYS[6])
-redis.call('PEXPIRE', KEYS[6], 5000)
+redis.call('INCR', KEYS[5])
+redis.call('PEXPIRE', KEYS[5], 5000)
 local t = redis.call('HGET', KEYS[2], user)
-if t and redis.call('HGET', KEYS[4], t) ~= 'L' then return {1, tonumber(t)} end
+if t and redis.call('HGET', KEYS[3], t) ~= 'L' then return {1, tonumber(t)} end
 t = redis.call('HINCRBY', KEYS[1], 'seq', 1)
 redis.call('HSET', KEYS[2], user, t)
-redis.call('HSET', KEYS[3], t, user)
 if not closed then
   local c = redis.call('HGET', KEYS[1], 'commit')
   redis.call('HSET', KEYS[1], 'commit', redis.sha1hex(c .. '|' .. t .. ':' .. user))

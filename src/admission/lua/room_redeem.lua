@@ -1,6 +1,6 @@
 -- room_redeem.lua — use a pass, once (its signature was checked before).
 --
--- KEYS[1] room   KEYS[2] tickets   KEYS[3] states   KEYS[4] active
+-- KEYS[1] room   KEYS[2] users   KEYS[3] states   KEYS[4] active
 -- ARGV[1] ticket   ARGV[2] user   ARGV[3] epoch   ARGV[4] kind (A or O)
 -- ARGV[5] the pass's expiry (ms)   ARGV[6] now (ms, sale clock)
 --
@@ -11,7 +11,11 @@
 local r = redis.call('HMGET', KEYS[1], 'epoch', 'sold')
 if not r[1] then return -1 end
 if r[1] ~= ARGV[3] then return -2 end
-if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return -3 end
+-- The user's current ticket: none (not theirs), or another one (they
+-- left, and joined again at the back).
+local held = redis.call('HGET', KEYS[2], ARGV[2])
+if not held then return -3 end
+if held ~= ARGV[1] then return -7 end
 local st = redis.call('HGET', KEYS[3], ARGV[1])
 if st == ARGV[4] .. ':' .. ARGV[5] then
   if tonumber(ARGV[6]) >= tonumber(ARGV[5]) then return -4 end
