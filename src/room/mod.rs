@@ -675,8 +675,24 @@ impl Rooms {
     /// `user` bought in `activity`'s sale (a purchase was accepted): if it
     /// has a room, their ticket leaves the waitlist for good and an offer
     /// it used stops holding a unit.
+    ///
+    /// On the purchase path: an activity without a room costs a map
+    /// lookup, or a look in the index of rooms (one query every
+    /// [`ROW_TTL`] however many buy), never a query of its own. (A
+    /// purchase in a room's sale came with a pass, whose token route read
+    /// the room already.)
     pub async fn bought(&self, activity: ActivityId, user: UserId) -> anyhow::Result<()> {
-        if self.room_of_existing(activity).await?.is_some() {
+        let cached = self
+            .known
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&activity)
+            .map(|k| matches!(k, Known::Room(..)));
+        let has_room = match cached {
+            Some(has) => has,
+            None => self.indexed().await?.ids.contains(&activity),
+        };
+        if has_room {
             self.gate.bought(activity, user).await?;
         }
         Ok(())
