@@ -286,7 +286,8 @@ async fn join(client: &Client, activity: ActivityId, user: i64) -> anyhow::Resul
     }
 }
 
-/// Like [`retried`], with a non-2xx answer given back to the caller.
+/// A call tried again when the connection is lost; a non-2xx answer is
+/// given back to the caller.
 async fn retried_or_refused<F, Fut>(call: F) -> anyhow::Result<Result<Value, (u16, Value)>>
 where
     F: Fn() -> Fut,
@@ -311,15 +312,9 @@ where
     F: Fn() -> Fut,
     Fut: Future<Output = anyhow::Result<(u16, Value)>>,
 {
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        match call().await {
-            Ok((status, body)) if (200..300).contains(&status) => return Ok(body),
-            Ok((status, body)) => bail!("{status} {body}"),
-            Err(_) if attempt < 5 => tokio::time::sleep(Duration::from_millis(100)).await,
-            Err(e) => return Err(e),
-        }
+    match retried_or_refused(call).await? {
+        Ok(body) => Ok(body),
+        Err((status, body)) => bail!("{status} {body}"),
     }
 }
 

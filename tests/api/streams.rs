@@ -179,6 +179,35 @@ async fn a_stream_ends_with_a_timeout_event_when_nothing_final_happens() {
     stream.ends().await;
 }
 
+/// A server whose users may hold `streams` streams each, and user 1's
+/// order there, WAITING_PAY.
+async fn one_waiting_order(streams: usize) -> (TestApp, String) {
+    let app = spawn_app_with(|s| s.orders.streams_per_user = streams).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let (_, body) = app.buy(1, activity).await;
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+    eventually("WAITING_PAY", Duration::from_secs(60), || async {
+        (app.order_status(1, &order_no).await == "WAITING_PAY").then_some(())
+    })
+    .await;
+    (app, order_no)
+}
+
+/// `n` streams of user 1's `order_no`, opened 50 at a time, each reading
+/// WAITING_PAY first (each reads the order once, as it opens).
+async fn open_waiting(app: &TestApp, order_no: &str, n: usize) -> Vec<Stream> {
+    let mut streams = Vec::with_capacity(n);
+    for _ in 0..n.div_ceil(50) {
+        let opened =
+            futures_util::future::join_all((0..50).map(|_| Stream::of(app, 1, order_no))).await;
+        for mut s in opened {
+            assert_eq!(s.status().await, "WAITING_PAY");
+            streams.push(s);
+        }
+    }
+    streams
+}
+
 /// Transactions the test database has run (every statement outside a
 /// transaction is one), as PostgreSQL's statistics count them.
 async fn transactions(app: &TestApp) -> i64 {
@@ -190,14 +219,7 @@ async fn transactions(app: &TestApp) -> i64 {
 async fn a_thousand_open_streams_cost_no_database_query_while_they_wait() {
     const STREAMS: usize = 1000;
     // One user holds them all here: past the per-user cap of a real sale.
-    let app = spawn_app_with(|s| s.orders.streams_per_user = STREAMS).await;
-    let activity = app.live_activity(5, 1, 1).await;
-    let (_, body) = app.buy(1, activity).await;
-    let order_no = body["order_no"].as_str().unwrap().to_owned();
-    eventually("WAITING_PAY", Duration::from_secs(60), || async {
-        (app.order_status(1, &order_no).await == "WAITING_PAY").then_some(())
-    })
-    .await;
+    let (app, order_no) = one_waiting_order(STREAMS).await;
 
     // The same 10 s with no stream open: what the workers query anyway.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -206,15 +228,7 @@ async fn a_thousand_open_streams_cost_no_database_query_while_they_wait() {
     let baseline = transactions(&app).await - start;
 
     // Open them 50 at a time; each reads the order once, as it opens.
-    let mut streams = Vec::with_capacity(STREAMS);
-    for _ in 0..STREAMS / 50 {
-        let opened =
-            futures_util::future::join_all((0..50).map(|_| Stream::of(&app, 1, &order_no))).await;
-        for mut s in opened {
-            assert_eq!(s.status().await, "WAITING_PAY");
-            streams.push(s);
-        }
-    }
+    let mut streams = open_waiting(&app, &order_no, STREAMS).await;
     // PostgreSQL counts a backend's transactions when it next reports
     // (up to 10 s later for an idle one): let the opening settle first.
     tokio::time::sleep(Duration::from_secs(12)).await;
@@ -247,23 +261,8 @@ async fn a_thousand_open_streams_cost_no_database_query_while_they_wait() {
 #[tokio::test]
 async fn changes_of_other_orders_cost_the_streams_nothing() {
     const STREAMS: usize = 200;
-    let app = spawn_app_with(|s| s.orders.streams_per_user = STREAMS).await;
-    let activity = app.live_activity(5, 1, 1).await;
-    let (_, body) = app.buy(1, activity).await;
-    let order_no = body["order_no"].as_str().unwrap().to_owned();
-    eventually("WAITING_PAY", Duration::from_secs(60), || async {
-        (app.order_status(1, &order_no).await == "WAITING_PAY").then_some(())
-    })
-    .await;
-    let mut streams = Vec::with_capacity(STREAMS);
-    for _ in 0..STREAMS / 50 {
-        let opened =
-            futures_util::future::join_all((0..50).map(|_| Stream::of(&app, 1, &order_no))).await;
-        for mut s in opened {
-            assert_eq!(s.status().await, "WAITING_PAY");
-            streams.push(s);
-        }
-    }
+    let (app, order_no) = one_waiting_order(STREAMS).await;
+    let mut streams = open_waiting(&app, &order_no, STREAMS).await;
     let resyncs = "seckill_order_stream_resyncs_total";
     let before = app.metric(resyncs).await.unwrap_or(0);
 

@@ -69,6 +69,16 @@ impl TestApp {
         }
     }
 
+    /// `users` join, 16 at a time, each getting a new ticket (201).
+    async fn join_all(&self, activity: i64, users: std::ops::RangeInclusive<i64>) {
+        let joined: Vec<u16> = stream::iter(users)
+            .map(|u| async move { self.join(u, activity).await.0 })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        assert!(joined.iter().all(|&s| s == 201), "{joined:?}");
+    }
+
     /// A solved challenge of `user` for `activity`, as the join body's `pow`.
     async fn solved(&self, user: i64, activity: i64) -> Value {
         let token = self.user_token(user);
@@ -584,17 +594,8 @@ async fn two_instances_admitting_together_hold_the_rate_with_clocks_two_seconds_
     app.clock.advance(Duration::from_secs(2));
     let (id, _) = app.room_activity(1000, -60, room(0, RATE)).await;
     let (_second, second) = app.second_instance().await;
-    let users: Vec<i64> = (1..=400).collect();
     let joining = std::time::Instant::now();
-    let joined: Vec<u16> = stream::iter(users)
-        .map(|u| {
-            let app = &app;
-            async move { app.join(u, id).await.0 }
-        })
-        .buffer_unordered(16)
-        .collect()
-        .await;
-    assert!(joined.iter().all(|&s| s == 201));
+    app.join_all(id, 1..=400).await;
 
     let admitted = || async {
         app.room_field(id, "admitted")
@@ -920,16 +921,7 @@ async fn a_room_admits_no_one_while_the_order_consumers_are_behind_and_again_aft
     .await;
     let (id, _) = app.room_activity(100, -60, room(0, 20)).await;
     let plain = app.live_activity(10, 1, 1).await;
-    let users: Vec<i64> = (1..=300).collect();
-    let joined: Vec<u16> = stream::iter(users)
-        .map(|u| {
-            let app = &app;
-            async move { app.join(u, id).await.0 }
-        })
-        .buffer_unordered(16)
-        .collect()
-        .await;
-    assert!(joined.iter().all(|&s| s == 201));
+    app.join_all(id, 1..=300).await;
     let field = |name: &'static str| {
         let app = &app;
         async move {

@@ -462,26 +462,26 @@ impl RoomGate {
     /// `user` leaves; the ticket left (`Some(0)`: none held), `None` with
     /// no room.
     pub async fn leave(&self, activity: ActivityId, user: UserId) -> RedisResult<Option<u64>> {
-        let k = self.keys(activity);
-        let code: i64 = self
-            .leave
-            .key(k.room())
-            .key(k.room_users())
-            .key(k.room_states())
-            .key(k.room_active())
-            .key(k.room_offers())
-            .arg(user.get())
-            .invoke_async(&mut self.gate.conn())
-            .await?;
+        let code = self.on_ticket(&self.leave, activity, user).await?;
         Ok((code >= 0).then_some(code as u64))
     }
 
     /// `user`'s purchase with their ticket's pass or offer was accepted:
     /// the ticket bought (`room_bought.lua`). True when marked now.
     pub async fn bought(&self, activity: ActivityId, user: UserId) -> RedisResult<bool> {
+        Ok(self.on_ticket(&self.bought, activity, user).await? == 1)
+    }
+
+    /// A script on `user`'s ticket over the room, its users, states,
+    /// active passes and offers (`room_leave.lua`, `room_bought.lua`).
+    async fn on_ticket(
+        &self,
+        script: &Script,
+        activity: ActivityId,
+        user: UserId,
+    ) -> RedisResult<i64> {
         let k = self.keys(activity);
-        let code: i64 = self
-            .bought
+        script
             .key(k.room())
             .key(k.room_users())
             .key(k.room_states())
@@ -489,8 +489,7 @@ impl RoomGate {
             .key(k.room_offers())
             .arg(user.get())
             .invoke_async(&mut self.gate.conn())
-            .await?;
-        Ok(code == 1)
+            .await
     }
 
     /// Joins counted in `second` and the one before it (unix seconds): the
