@@ -222,6 +222,14 @@ metrics! {
         "Proof-of-work answers to join a waiting room, by outcome",
         &["outcome"],
     );
+    /// Activities read from the database by the admission cache when Redis
+    /// has no meta: `row` one activity's, `index` the list of live ones
+    /// (an id not in it is NOT_ACTIVE without a query).
+    activity_lookups: IntCounterVec = counters(
+        "activity_lookups_total",
+        "Activity reads from the database by the admission cache: one activity's row, or the index of live ones",
+        &["source"],
+    );
     /// Rooms read from the database by the routes' cache: `row` one
     /// room's row, `index` the list of activities with a room (an id not
     /// in it is answered without a query).
@@ -313,6 +321,7 @@ impl Metrics {
             ),
             (&metrics.room_offers, &["made", "taken", "expired"][..]),
             (&metrics.room_lookups, &["row", "index"][..]),
+            (&metrics.activity_lookups, &["row", "index"][..]),
         ] {
             for label in labels {
                 counter.with_label_values(&[label]);

@@ -228,7 +228,7 @@ impl Sale {
             clock: clock.clone(),
             probe: p.kafka.probe.clone(),
         });
-        let activities = Arc::new(ActivityCache::default());
+        let activities = Arc::new(ActivityCache::new(metrics.clone()));
         let sold_out = Arc::new(SoldOut::new(
             a.sold_out_ttl_ms,
             metrics.sold_out_activities.clone(),

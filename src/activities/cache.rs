@@ -8,15 +8,21 @@
 //! reconciler restores it, instead of a NOT_ACTIVE that would send buyers
 //! away. That answer is cached for a second, so a lost Redis costs the
 //! database one query per activity per second, not one per request.
+//!
+//! An id Redis has no meta for, and that is not among the live activities
+//! (read as a whole, at most once a second), is answered NOT_ACTIVE with
+//! no query of its own and nothing kept: made-up ids cost the database
+//! nothing per id, and the cache holds live activities only.
 
-use std::collections::HashMap;
-use std::sync::RwLock;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use super::Lifecycle;
 use crate::admission::RedisGate;
 use crate::clock::Clock;
 use crate::domain::ActivityId;
+use crate::metrics::Metrics;
 use crate::store::{self, PgPool};
 
 /// How long a warm activity's meta is trusted. Windows and limits never
@@ -43,12 +49,45 @@ pub enum Lookup {
 }
 
 /// Process-local cache of [`Lookup`]s.
-#[derive(Default)]
 pub struct ActivityCache {
     entries: RwLock<HashMap<ActivityId, (Instant, Lookup)>>,
+    /// The live activities (not ended), read again after [`ABSENT_TTL`];
+    /// one caller reads while the others wait for that read.
+    live: tokio::sync::Mutex<Option<(Instant, Arc<HashSet<ActivityId>>)>>,
+    metrics: Metrics,
 }
 
 impl ActivityCache {
+    /// An empty cache counting its database reads in `metrics`.
+    pub fn new(metrics: Metrics) -> Self {
+        Self {
+            entries: RwLock::default(),
+            live: tokio::sync::Mutex::default(),
+            metrics,
+        }
+    }
+
+    /// The ids of the activities not ended at `now`, read again when older
+    /// than [`ABSENT_TTL`].
+    async fn live_ids(
+        &self,
+        db: &PgPool,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> anyhow::Result<Arc<HashSet<ActivityId>>> {
+        let mut live = self.live.lock().await;
+        if let Some((_, ids)) = live.as_ref().filter(|(at, _)| at.elapsed() < ABSENT_TTL) {
+            return Ok(ids.clone());
+        }
+        self.metrics
+            .activity_lookups
+            .with_label_values(&["index"])
+            .inc();
+        let ids = store::run(db, move |conn| Ok(super::repo::live_ids(conn, now)?)).await?;
+        let ids = Arc::new(ids.into_iter().collect::<HashSet<_>>());
+        *live = Some((Instant::now(), ids.clone()));
+        Ok(ids)
+    }
+
     /// Where the activity stands: Redis first, the database only when
     /// Redis has no meta for it (and only then is `clock` read, to tell a
     /// live activity Redis lost from one that is over).
@@ -64,7 +103,14 @@ impl ActivityCache {
         }
         let found = match gate.meta(activity_id).await? {
             Some(meta) => Lookup::Warm(meta),
+            None if !self.live_ids(db, clock.now()).await?.contains(&activity_id) => {
+                return Ok(Lookup::NotActive);
+            }
             None => {
+                self.metrics
+                    .activity_lookups
+                    .with_label_values(&["row"])
+                    .inc();
                 let activity =
                     store::run(db, move |conn| Ok(super::repo::find(conn, activity_id)?)).await?;
                 match activity {

@@ -60,6 +60,15 @@ pub fn create(
     })
 }
 
+/// The activities not ended at `now` (their status, or their window).
+pub fn live_ids(conn: &mut PgConn, now: DateTime<Utc>) -> QueryResult<Vec<ActivityId>> {
+    activities::table
+        .filter(activities::status.ne("ENDED"))
+        .filter(activities::end_at.gt(now))
+        .select(activities::id)
+        .load(conn)
+}
+
 /// The activity, if it exists.
 pub fn find(conn: &mut PgConn, id: ActivityId) -> QueryResult<Option<Activity>> {
     activities::table

@@ -214,6 +214,41 @@ async fn assert_not_active(res: reqwest::Response) {
     assert_eq!(json(res).await["code"], "NOT_ACTIVE");
 }
 
+/// Purchases and token requests for made-up activity ids are NOT_ACTIVE
+/// from the index of live activities: no database read per id (issue #41:
+/// the per-activity bucket is keyed by the id, so made-up ids pass it).
+#[tokio::test]
+async fn made_up_activity_ids_are_not_active_without_a_query_each() {
+    let app = spawn_app().await;
+    let live = app.live_activity(10, 1, 1).await;
+    let rows = "seckill_activity_lookups_total{source=\"row\"}";
+    let indexes = "seckill_activity_lookups_total{source=\"index\"}";
+    let rows_before = app.metric(rows).await.unwrap();
+    for i in 0..300 {
+        let id = 2_000_000 + i;
+        let body = json!({"request_id": format!("made-up-{i}")});
+        assert_not_active(app.order(1, id, &body).await).await;
+        if i % 10 == 0 {
+            let res = app
+                .get(
+                    &format!("/api/v1/activities/{id}/token"),
+                    Some(&app.user_token(1)),
+                )
+                .await;
+            assert_not_active(res).await;
+        }
+    }
+    assert_eq!(
+        app.metric(rows).await,
+        Some(rows_before),
+        "a row read per id"
+    );
+    let index_reads = app.metric(indexes).await.unwrap();
+    assert!(index_reads < 60, "{index_reads} reads of the index");
+    // The live activity still sells.
+    assert_eq!(app.buy(1, live).await.0, 202);
+}
+
 #[tokio::test]
 async fn outside_the_sale_window_or_before_warm_up_is_not_active() {
     let app = spawn_app().await;
