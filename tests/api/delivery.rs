@@ -342,6 +342,50 @@ async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_throu
     );
 }
 
+/// A retry of a purchase whose delivery is unknown, after Redis lost its
+/// reservation (flushed, say) before the order's row was written: nothing
+/// can vouch for the order any more, so the answer is 503 RETRY_LATER
+/// naming it, never a 200 PROCESSING for an order that may not exist. (A
+/// randomized fault run found a buyer told 200 for an order that was
+/// never written: Redis flushed while the broker was paused.)
+#[tokio::test]
+async fn a_retry_after_redis_lost_an_unconfirmed_reservation_is_never_answered_200() {
+    let app = spawn_app_with(|s| crate::helpers::kafka_unreachable(s, 60_000)).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let (body, first) = eventually("a purchase kept", Duration::from_secs(60), || async {
+        let token = app.purchase_token(1, activity).await;
+        let body = json!({"request_id": "lost", "token": token});
+        let res = app.order(1, activity, &body).await;
+        let status = res.status().as_u16();
+        let answer = json(res).await;
+        assert_eq!(status, 503, "{answer}");
+        (!answer["order_no"].is_null()).then_some((body, answer))
+    })
+    .await;
+    let order_no = first["order_no"].as_str().unwrap().to_owned();
+    // Redis loses the reservation record; the request's binding stays.
+    let key = format!(
+        "{}{{a:{activity}}}:res:{order_no}",
+        app.settings.redis.key_prefix
+    );
+    let removed: i64 = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut app.redis())
+        .await
+        .unwrap();
+    assert_eq!(removed, 1, "{key}");
+    for _ in 0..3 {
+        let res = app.order(1, activity, &body).await;
+        let status = res.status().as_u16();
+        let answer = json(res).await;
+        assert_eq!(
+            (status, answer["code"].as_str(), answer["order_no"].as_str()),
+            (503, Some("RETRY_LATER"), Some(order_no.as_str())),
+            "{answer}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_purchase_not_confirmed_within_its_budget_keeps_its_order_no_and_a_retry_gets_that_order_once()
  {

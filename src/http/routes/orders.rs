@@ -221,6 +221,11 @@ fn answer(refusal: Refusal) -> ApiError {
 }
 
 /// The status of an order the caller owns: its row, else its reservation.
+/// With neither, its fate is unknown (Redis lost the reservation before the
+/// row was written: the event may be in the broker yet, or never): 503
+/// RETRY_LATER naming it, never a 200 for an order that may not exist.
+/// After the restore the request_id is not bound any more, and a retry
+/// makes the purchase afresh.
 async fn current_status(
     state: &AppState,
     (activity_id, layout): (ActivityId, Layout),
@@ -241,10 +246,11 @@ async fn current_status(
         .reservation(activity_id, layout, order_no.get())
         .await
         .map_err(|e| ApiError::unavailable(e.into()))?;
-    Ok(match reservation {
-        Some(r) if r.released() => OrderStatus::Failed,
-        _ => OrderStatus::Processing,
-    })
+    match reservation {
+        Some(r) if r.released() => Ok(OrderStatus::Failed),
+        Some(_) => Ok(OrderStatus::Processing),
+        None => Err(refused(Refusal::Pending(order_no))),
+    }
 }
 
 /// A purchase's answer.
