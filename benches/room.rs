@@ -1,12 +1,15 @@
 //! The waiting room's CPU work per request, without I/O: a ticket's place
 //! in a drawn pre-queue of a million (and its inverse, the admitter's), a
-//! pass checked on the token route, a proof-of-work answer checked on join.
+//! pass checked on the token route, a proof-of-work answer checked on join;
+//! and, once per queue on each instance, the entrants' Merkle tree built
+//! at the close (200,000 entrants) and a buyer's proof read from it.
 
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use seckill::domain::{ActivityId, UserId};
 use seckill::room::draw::Draw;
+use seckill::room::entrants::{Salts, Tree};
 use seckill::room::pass::{Kind, Pass, Passes};
 use seckill::room::pow::{self, Puzzles};
 
@@ -23,6 +26,29 @@ fn room(c: &mut Criterion) {
         b.iter(|| {
             i = (i + 7_919) % 1_000_000;
             black_box(draw.ticket_at(black_box(i)))
+        })
+    });
+
+    let salts = Salts::new(b"bench key");
+    let users: Vec<i64> = (0..200_000).map(|u| 10_000_000 + u * 13).collect();
+    let mut group = c.benchmark_group("entrants");
+    group.sample_size(10);
+    group.bench_function("tree of 200,000 entrants built (once per queue)", |b| {
+        b.iter(|| {
+            black_box(Tree::build(
+                &salts,
+                ActivityId::new(7),
+                1,
+                black_box(&users),
+            ))
+        })
+    });
+    group.finish();
+    let tree = Tree::build(&salts, ActivityId::new(7), 1, &users);
+    c.bench_function("entrants: a ticket's proof among 200,000", |b| {
+        b.iter(|| {
+            i = (i + 7_919) % 200_000;
+            black_box(tree.proof(black_box(i + 1)))
         })
     });
 

@@ -120,10 +120,19 @@ def main():
     wrong = []
     for u, number in tickets.items():
         if number <= len(where):
-            _, ticket = call(f"{api}/activities/{aid}/queue/me", token=buyers[u])
+            _, ticket = call(f"{api}/activities/{aid}/queue/me?proof=true", token=buyers[u])
             if ticket["position"] != where[number - 1] + 1:
                 wrong.append(f"buyer {u}: ticket {number} is at place {ticket['position']}, "
                              f"the draw puts it at {where[number - 1] + 1}")
+            # Each buyer checks their own ticket was among the committed
+            # entrants, from their proof alone.
+            why = verify_draw.included(number, ticket.get("inclusion") or {"user": u, "salt": "",
+                                       "path": []}, int(draw["entrants"]), draw["commitment"])
+            if why:
+                wrong.append(f"buyer {u}: ticket {number}'s inclusion proof fails: {why}")
+            else:
+                print(f"buyer {u}: ticket {number} proven among the {draw['entrants']} entrants "
+                      f"({len(ticket['inclusion']['path'])} hashes)")
 
     ordered, sold_out = [], []
     pending = dict(buyers)

@@ -228,9 +228,10 @@ impl ActivityKeys {
         format!("{}room:users", self.base)
     }
 
-    /// Hash ticket → user of the room.
-    pub fn room_tickets(&self) -> String {
-        format!("{}room:tickets", self.base)
+    /// List of the users who took the pre-queue tickets, in ticket order:
+    /// what the commitment to the draw is built from.
+    pub fn room_entrants(&self) -> String {
+        format!("{}room:entrants", self.base)
     }
 
     /// Hash ticket → state, for tickets past their turn or gone:
@@ -280,7 +281,7 @@ mod tests {
             k.restoring(),
             k.room(),
             k.room_users(),
-            k.room_tickets(),
+            k.room_entrants(),
             k.room_states(),
             k.room_active(),
             k.room_offers(),

@@ -249,7 +249,7 @@ impl<'a> Repairs<'a> {
             let room = [
                 base.room(),
                 base.room_users(),
-                base.room_tickets(),
+                base.room_entrants(),
                 base.room_states(),
                 base.room_active(),
                 base.room_offers(),

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use prometheus::IntGauge;
 use tokio_util::sync::CancellationToken;
 
-use super::Rooms;
 use super::draw;
 use super::repo::{self, LiveRoom};
+use super::{RoomError, Rooms};
 use crate::activities::layout;
 use crate::admission::RedisGate;
 use crate::admission::gate::room::{Admitted, RoomView, Round};
@@ -182,7 +182,7 @@ impl Admitter {
         // Until the draw is fixed its order is unknown: the first round
         // after the start only closes the pre-queue.
         let candidates = if view.closed {
-            self.candidates(id, &view)
+            self.candidates(id, &view).await?
         } else {
             Vec::new()
         };
@@ -206,17 +206,21 @@ impl Admitter {
 
     /// The tickets at the places from the next one on, as many as about
     /// two rounds admit.
-    fn candidates(&self, id: ActivityId, view: &RoomView) -> Vec<u64> {
-        let draw = self.rooms.draw_of(id, view);
+    async fn candidates(&self, id: ActivityId, view: &RoomView) -> anyhow::Result<Vec<u64>> {
+        let sealed = self.rooms.sealed(id, view).await.map_err(|e| match e {
+            RoomError::Unavailable(e) => e,
+            other => anyhow::anyhow!("room {id}: the draw is not built: {other:?}"),
+        })?;
+        let draw = sealed.as_deref().map(|s| &s.draw);
         let per_round = (view.admit_per_sec.max(1) as u64)
             .saturating_mul(self.interval.as_millis() as u64)
             / 1000;
         let want = (per_round * 2 + 8).min(MAX_CANDIDATES);
         let from = view.next_place();
         let end = view.seq.min(from + want);
-        (from..end)
-            .map(|place| draw::ticket_at(draw.as_deref(), place))
-            .collect()
+        Ok((from..end)
+            .map(|place| draw::ticket_at(draw, place))
+            .collect())
     }
 
     fn record(&self, label: &str, a: &Admitted) {

@@ -3,7 +3,9 @@
 //!
 //! - Buyers answer a proof-of-work challenge ([`pow`]) and take a ticket.
 //!   Tickets taken during the pre-queue are drawn into a random order at
-//!   the start ([`draw`]); later ones follow in the order they came.
+//!   the start ([`draw`]), keyed by a Merkle root over them ([`entrants`])
+//!   that lets each buyer prove their own ticket was drawn; later ones
+//!   follow in the order they came.
 //! - An admitter on every instance ([`admitter`]) admits the next tickets
 //!   at the room's rate through one Redis script, giving each a signed,
 //!   one-time pass ([`pass`]) that the purchase-token route asks for.
@@ -15,6 +17,7 @@
 
 pub mod admitter;
 pub mod draw;
+pub mod entrants;
 pub mod pass;
 pub mod pow;
 pub mod repo;
@@ -37,7 +40,7 @@ use crate::store::{self, PgPool};
 
 use draw::Draw;
 use repo::RoomRow;
-pub use ticket::{TicketState, TicketView};
+pub use ticket::{Inclusion, TicketState, TicketView};
 
 /// The `waiting_room` object of an activity's creation.
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
@@ -179,8 +182,10 @@ pub struct DrawView {
     pub algorithm: &'static str,
     /// The seed, hex; its SHA-256 was published before the pre-queue.
     pub seed: String,
-    /// The chained hash of the pre-queue entrants (`ticket:user`, in join
-    /// order), fixed at the start.
+    /// How the commitment is made (docs/WAITING_ROOM.md).
+    pub commitment_scheme: &'static str,
+    /// The root, hex, of the Merkle tree over the pre-queue entrants (one
+    /// leaf per ticket, in ticket order), fixed at the start.
     pub commitment: String,
     /// Tickets in the draw: numbers 1..=entrants.
     pub entrants: u64,
@@ -266,8 +271,25 @@ pub struct Rooms {
     index: tokio::sync::Mutex<Option<Arc<Index>>>,
     /// Bumped by [`Rooms::forget`]: an index read before is read again.
     generation: AtomicU64,
-    /// The draw of each closed queue, by activity and epoch.
-    draws: Mutex<HashMap<(ActivityId, i64), Arc<Draw>>>,
+    /// The draw of each closed queue, by activity and epoch, the last
+    /// [`SEALED_KEPT`] built.
+    draws: Mutex<Vec<(QueueKey, Arc<Sealed>)>>,
+    /// One draw is built at a time; the others wait and find it built.
+    sealing: tokio::sync::Mutex<()>,
+    salts: entrants::Salts,
+}
+
+/// A queue: its activity and epoch.
+type QueueKey = (ActivityId, i64);
+
+/// How many queues' draws an instance keeps built (a tree is about 64
+/// bytes an entrant); an older one is built again if asked for.
+const SEALED_KEPT: usize = 8;
+
+/// A closed queue's draw and the tree of its entrants it was keyed by.
+pub struct Sealed {
+    pub draw: Draw,
+    pub tree: entrants::Tree,
 }
 
 /// A key for one purpose, derived from the service's secret.
@@ -299,6 +321,8 @@ impl Rooms {
             index: tokio::sync::Mutex::default(),
             generation: AtomicU64::new(0),
             draws: Mutex::default(),
+            sealing: tokio::sync::Mutex::default(),
+            salts: entrants::Salts::new(&derive(secret, "seckill/queue-entrant-salt/v1")),
         }
     }
 
@@ -505,7 +529,7 @@ impl Rooms {
             Joined::NoRoom => return Err(self.missing(&room)),
         };
         self.metrics.room_pow.with_label_values(&["accepted"]).inc();
-        Ok((new, self.ticket(activity, user, now).await?))
+        Ok((new, self.ticket(activity, user, now, false).await?))
     }
 
     /// Why a room is not in Redis: not opened yet, or lost and being
@@ -518,12 +542,14 @@ impl Rooms {
         }
     }
 
-    /// `user`'s ticket.
+    /// `user`'s ticket; with `proof`, a drawn ticket's proof that it was
+    /// among the entrants.
     pub async fn ticket(
         &self,
         activity: ActivityId,
         user: UserId,
         now: DateTime<Utc>,
+        proof: bool,
     ) -> Result<TicketView, RoomError> {
         let room = self.require(activity).await?;
         let Some(view) = self.gate.status(activity, user).await? else {
@@ -534,10 +560,19 @@ impl Rooms {
                 restarted: view.epoch > 1,
             });
         }
-        let draw = self.draw_of(activity, &view);
-        Ok(TicketView::of(
+        let sealed = self.sealed(activity, &view).await?;
+        let inclusion = sealed.as_deref().filter(|_| proof).and_then(|s| {
+            Some(Inclusion {
+                user: user.get(),
+                salt: hex::encode(self.salts.of(activity, view.epoch, view.ticket)),
+                entrants: s.tree.len(),
+                root: s.tree.root(),
+                path: s.tree.proof(view.ticket)?,
+            })
+        });
+        let mut ticket = TicketView::of(
             &view,
-            draw.as_deref(),
+            sealed.as_deref().map(|s| &s.draw),
             now.timestamp_millis(),
             |kind, expires_ms| {
                 self.passes.sign(&pass::Pass {
@@ -549,7 +584,9 @@ impl Rooms {
                     expires_ms,
                 })
             },
-        ))
+        );
+        ticket.inclusion = inclusion;
+        Ok(ticket)
     }
 
     /// `user` leaves the queue: their ticket, now LEFT.
@@ -563,7 +600,7 @@ impl Rooms {
         match self.gate.leave(activity, user).await? {
             None => Err(self.missing(&room)),
             Some(0) => Err(RoomError::NotInQueue { restarted: false }),
-            Some(_) => self.ticket(activity, user, now).await,
+            Some(_) => self.ticket(activity, user, now, false).await,
         }
     }
 
@@ -573,36 +610,89 @@ impl Rooms {
         let Some(view) = self.gate.head(activity).await? else {
             return Err(self.missing(&room));
         };
-        if !view.closed {
+        let Some(sealed) = self.sealed(activity, &view).await? else {
             return Err(RoomError::NotOpen);
-        }
+        };
         Ok(DrawView {
             algorithm: draw::ALGORITHM,
+            commitment_scheme: entrants::SCHEME,
             seed_sha256: hex::decode(&view.seed)
                 .map(|s| draw::seed_commitment(&s))
                 .unwrap_or_default(),
             seed: view.seed,
-            commitment: view.commitment,
+            commitment: sealed.tree.root(),
             entrants: view.entrants,
             epoch: view.epoch,
         })
     }
 
-    /// The draw of a closed queue (cached: it never changes).
-    pub(crate) fn draw_of(&self, activity: ActivityId, view: &RoomView) -> Option<Arc<Draw>> {
+    /// The draw of a closed queue, `None` before the start. Built once
+    /// per queue on each instance: the entrants read from Redis, their
+    /// tree built off the async workers, its root written to the room if
+    /// no instance did before and checked against the one there (every
+    /// instance builds the same from the same list; a difference means the
+    /// list changed, and nothing is admitted on it).
+    pub(crate) async fn sealed(
+        &self,
+        activity: ActivityId,
+        view: &RoomView,
+    ) -> Result<Option<Arc<Sealed>>, RoomError> {
         if !view.closed {
-            return None;
+            return Ok(None);
         }
-        let mut draws = self.draws.lock().unwrap_or_else(|e| e.into_inner());
         let key = (activity, view.epoch);
-        if let Some(d) = draws.get(&key) {
-            return Some(d.clone());
+        if let Some(s) = self.built(key) {
+            return Ok(Some(s));
         }
-        let seed = hex::decode(&view.seed).ok()?;
-        let d = Arc::new(Draw::new(&seed, &view.commitment, view.entrants));
-        draws.retain(|(a, e), _| *a != activity || *e >= view.epoch);
-        draws.insert(key, d.clone());
-        Some(d)
+        let _one = self.sealing.lock().await;
+        if let Some(s) = self.built(key) {
+            return Ok(Some(s));
+        }
+        let seed = hex::decode(&view.seed)
+            .map_err(|_| anyhow::anyhow!("room {activity}: its seed is not hex"))?;
+        let users = self.gate.entrants(activity, view.entrants).await?;
+        if users.len() as u64 != view.entrants {
+            return Err(anyhow::anyhow!(
+                "room {activity}: Redis holds {} of its {} entrants",
+                users.len(),
+                view.entrants
+            )
+            .into());
+        }
+        let (salts, epoch) = (self.salts.clone(), view.epoch);
+        let tree = tokio::task::spawn_blocking(move || {
+            entrants::Tree::build(&salts, activity, epoch, &users)
+        })
+        .await
+        .map_err(anyhow::Error::from)?;
+        let root = tree.root();
+        match self.gate.seal(activity, view.epoch, &root).await? {
+            Some(stored) if stored == root => {}
+            Some(stored) => return Err(anyhow::anyhow!(
+                "room {activity}: built the root {root} of its entrants, the room holds {stored}"
+            )
+            .into()),
+            None => return Err(RoomError::Restoring),
+        }
+        let sealed = Arc::new(Sealed {
+            draw: Draw::new(&seed, &root, view.entrants),
+            tree,
+        });
+        let mut draws = self.draws.lock().unwrap_or_else(|e| e.into_inner());
+        draws.retain(|((a, e), _)| *a != activity || *e > view.epoch);
+        if draws.len() >= SEALED_KEPT {
+            draws.remove(0);
+        }
+        draws.push((key, sealed.clone()));
+        Ok(Some(sealed))
+    }
+
+    fn built(&self, key: QueueKey) -> Option<Arc<Sealed>> {
+        let draws = self.draws.lock().unwrap_or_else(|e| e.into_inner());
+        draws
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, s)| s.clone())
     }
 
     /// Checks and uses `raw`, the `X-Queue-Pass` of a token request: what

@@ -5,6 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use super::draw::{self, Draw};
+use super::entrants::Step;
 use super::pass::Kind;
 use crate::admission::gate::room::RoomView;
 
@@ -56,6 +57,30 @@ pub struct TicketView {
     /// The queue this ticket is in: a new one starts if Redis loses the
     /// queue, and tickets of an earlier one are gone.
     pub epoch: i64,
+    /// With `?proof=true`, once the sale started, for a ticket taken in
+    /// the pre-queue: the proof that it was among the entrants the draw
+    /// was keyed by (`scripts/verify_draw.py --ticket` checks it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inclusion: Option<Inclusion>,
+}
+
+/// A drawn ticket's proof of inclusion: its leaf is SHA-256(0x00 ‖ ticket
+/// ‖ user ‖ salt), each step up hashes the running value with `path`'s
+/// next hash on its side, and the last value is `root`, the draw's
+/// published commitment.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Inclusion {
+    /// The ticket's holder (the caller).
+    pub user: i64,
+    /// The leaf's salt, hex: secret to everyone else, so the hashes in
+    /// another buyer's proof do not reveal this user.
+    pub salt: String,
+    /// Leaves in the tree: the draw's `entrants`.
+    pub entrants: u64,
+    /// Hex; equal to `GET …/queue/draw`'s `commitment`.
+    pub root: String,
+    /// Bottom up.
+    pub path: Vec<Step>,
 }
 
 impl TicketView {
@@ -124,6 +149,7 @@ impl TicketView {
             pass_expires_at: pass.and_then(|(_, _, exp)| DateTime::from_timestamp_millis(exp)),
             pass_used: pass.map(|(_, used, _)| used),
             epoch: view.epoch,
+            inclusion: None,
         }
     }
 }

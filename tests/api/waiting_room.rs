@@ -446,6 +446,136 @@ async fn tickets_after_the_start_follow_every_pre_queue_ticket_in_join_order() {
     }
 }
 
+/// `scripts/verify_draw.py --ticket` on a buyer's own `queue/me?proof=true`
+/// and the published draw: its exit status and what it printed.
+fn verify_ticket(draw: &Value, me: &Value) -> (bool, String) {
+    let file = std::env::temp_dir().join(format!(
+        "seckill-me-{}-{}.json",
+        std::process::id(),
+        uuid::Uuid::new_v4()
+    ));
+    std::fs::write(&file, me.to_string()).unwrap();
+    let mut child = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/verify_draw.py"
+        ))
+        .arg(format!("--ticket={}", file.display()))
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs the verifier");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(draw.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let _ = std::fs::remove_file(&file);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Every pre-queue buyer proves from their own ticket's proof that it was
+/// among the entrants the published commitment covers, at the place the
+/// draw gives it; a ticket taken after the start has no proof, and a proof
+/// moved to another user or ticket does not verify.
+#[tokio::test]
+async fn a_buyer_proves_their_own_ticket_was_drawn_and_no_other_ticket_can() {
+    let app = spawn_app().await;
+    let (id, _) = app.room_activity(10, 600, room(3600, 10)).await;
+    // 37 entrants: an odd count, so the tree has levels whose last node
+    // goes up unpaired.
+    for u in 1..=37 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    app.clock.advance(Duration::from_secs(601));
+    for u in 38..=40 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    let me = |u: i64, query: &'static str| {
+        let app = &app;
+        async move {
+            let res = app
+                .get(
+                    &format!("/api/v1/activities/{id}/queue/me{query}"),
+                    Some(&app.user_token(u)),
+                )
+                .await;
+            (res.status().as_u16(), json(res).await)
+        }
+    };
+    let draw = eventually("the draw published", Duration::from_secs(60), || async {
+        let res = app
+            .get(&format!("/api/v1/activities/{id}/queue/draw"), None)
+            .await;
+        if res.status() == 200 {
+            Some(json(res).await)
+        } else {
+            None
+        }
+    })
+    .await;
+    assert_eq!(draw["entrants"], 37, "{draw}");
+    assert_eq!(draw["commitment"].as_str().unwrap().len(), 64, "{draw}");
+
+    let mut proofs = HashMap::new();
+    for u in 1..=37 {
+        let (status, t) = me(u, "?proof=true").await;
+        assert_eq!(status, 200, "{t}");
+        assert_eq!(t["inclusion"]["root"], draw["commitment"], "{t}");
+        let (ok, said) = verify_ticket(&draw, &t);
+        assert!(ok, "user {u}'s own proof: {said}");
+        assert!(said.contains(&format!("of user {u} ")), "{said}");
+        proofs.insert(u, t);
+    }
+    // Asked without the flag, the ticket carries no proof; a bad flag is
+    // a clear 400.
+    let (_, plain) = me(5, "").await;
+    assert!(plain.get("inclusion").is_none(), "{plain}");
+    let (status, bad) = me(5, "?proof=maybe").await;
+    assert_eq!(status, 400, "{bad}");
+    assert_eq!(bad["code"], "BAD_REQUEST", "{bad}");
+
+    // After the start: not an entrant, no proof.
+    let (_, late) = me(39, "?proof=true").await;
+    assert!(late.get("inclusion").is_none(), "{late}");
+    let (ok, said) = verify_ticket(&draw, &late);
+    assert!(!ok, "a ticket taken after the start verified: {said}");
+    // …nor with an entrant's path pinned to it.
+    let mut borrowed = late.clone();
+    borrowed["inclusion"] = proofs[&37]["inclusion"].clone();
+    borrowed["inclusion"]["user"] = json!(39);
+    let (ok, said) = verify_ticket(&draw, &borrowed);
+    assert!(!ok, "a late ticket with a borrowed path verified: {said}");
+    // A proof moved to another user, or to another ticket number.
+    let mut other_user = proofs[&5].clone();
+    other_user["inclusion"]["user"] = json!(6);
+    assert!(
+        !verify_ticket(&draw, &other_user).0,
+        "user 5's proof held for user 6"
+    );
+    let mut other_ticket = proofs[&5].clone();
+    other_ticket["ticket"] = proofs[&6]["ticket"].clone();
+    assert!(
+        !verify_ticket(&draw, &other_ticket).0,
+        "ticket 5's proof held for ticket 6"
+    );
+    // The server's place must be the draw's.
+    let mut misplaced = proofs[&5].clone();
+    let pos = misplaced["position"].as_u64().unwrap();
+    misplaced["position"] = json!(pos % 37 + 1);
+    assert!(
+        !verify_ticket(&draw, &misplaced).0,
+        "a wrong place verified"
+    );
+}
+
 /// When a ticket's pass expires, as a time: the API writes whole seconds
 /// without a fraction ("…:01Z"), which sorts after "…:01.200Z" as text.
 fn pass_expiry(ticket: &Value) -> chrono::DateTime<chrono::Utc> {

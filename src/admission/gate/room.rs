@@ -289,6 +289,7 @@ pub struct RoomGate {
     redeem: Script,
     leave: Script,
     bought: Script,
+    seal: Script,
 }
 
 impl RoomGate {
@@ -303,6 +304,7 @@ impl RoomGate {
             redeem: Script::new(include_str!("../lua/room_redeem.lua")),
             leave: Script::new(include_str!("../lua/room_leave.lua")),
             bought: Script::new(include_str!("../lua/room_bought.lua")),
+            seal: Script::new(include_str!("../lua/room_seal.lua")),
         }
     }
 
@@ -317,7 +319,7 @@ impl RoomGate {
             .open
             .key(k.room())
             .key(k.room_users())
-            .key(k.room_tickets())
+            .key(k.room_entrants())
             .key(k.room_states())
             .key(k.room_active())
             .key(k.room_offers())
@@ -353,6 +355,7 @@ impl RoomGate {
             .key(k.room_states())
             .key(k.room_pow(challenge))
             .key(k.room_joins(now_ms.div_euclid(1000)))
+            .key(k.room_entrants())
             .arg(user.get())
             .arg(now_ms)
             .arg(answer_ttl_ms.max(1))
@@ -490,6 +493,50 @@ impl RoomGate {
             .arg(user.get())
             .invoke_async(&mut self.gate.conn())
             .await
+    }
+
+    /// The users who took the pre-queue tickets, in ticket order (the
+    /// first `entrants` of the list), read in slices so that no one call
+    /// holds Redis for long. Fewer than asked for when the list was lost.
+    pub async fn entrants(&self, activity: ActivityId, entrants: u64) -> RedisResult<Vec<i64>> {
+        const SLICE: u64 = 20_000;
+        let key = self.keys(activity).room_entrants();
+        let mut users = Vec::with_capacity(entrants.min(10_000_000) as usize);
+        let mut conn = self.gate.conn();
+        while (users.len() as u64) < entrants {
+            let from = users.len() as u64;
+            let to = (from + SLICE).min(entrants) - 1;
+            let slice: Vec<i64> = redis::cmd("LRANGE")
+                .arg(&key)
+                .arg(from)
+                .arg(to)
+                .query_async(&mut conn)
+                .await?;
+            if slice.is_empty() {
+                break;
+            }
+            users.extend(slice);
+        }
+        Ok(users)
+    }
+
+    /// Writes `root` as the commitment of queue `epoch` unless one is
+    /// there: the room's commitment (`None`: the room is gone, of another
+    /// epoch, or not closed).
+    pub async fn seal(
+        &self,
+        activity: ActivityId,
+        epoch: i64,
+        root: &str,
+    ) -> RedisResult<Option<String>> {
+        let stored: String = self
+            .seal
+            .key(self.keys(activity).room())
+            .arg(epoch)
+            .arg(root)
+            .invoke_async(&mut self.gate.conn())
+            .await?;
+        Ok((!stored.is_empty()).then_some(stored))
     }
 
     /// Joins counted in `second` and the one before it (unix seconds): the

@@ -2,16 +2,18 @@
 --
 -- KEYS[1] room   KEYS[2] users   KEYS[3] states
 -- KEYS[4] this proof-of-work answer's marker   KEYS[5] this second's joins
+-- KEYS[6] the entrants (list of users in ticket order)
 -- ARGV[1] user   ARGV[2] now (ms, sale clock)   ARGV[3] ms until the
 -- answer's challenge expires
 --
 -- Returns {code, ticket}: 0 a new ticket, 1 the user's ticket already,
 -- -1 no room (never opened, or lost), -2 outside pre-queue-to-end,
 -- -3 the answer was accepted before. A user who left gets a new ticket at
--- the back. Pre-queue tickets extend the commitment to the entrants:
--- commit = sha1hex(commit .. '|' .. ticket .. ':' .. user). Only user →
--- ticket is kept: a pass is signed for its user and ticket, and the
--- user's current ticket is all a redemption needs to check.
+-- the back. A pre-queue ticket's user is pushed on the entrants, so the
+-- list's i-th user took ticket i (from 1): the instances build the
+-- commitment to the draw from it (crate::room::entrants). Only user →
+-- ticket is kept otherwise: a pass is signed for its user and ticket, and
+-- the user's current ticket is all a redemption needs to check.
 local user, now = ARGV[1], tonumber(ARGV[2])
 local r = redis.call('HMGET', KEYS[1], 'open_ms', 'end_ms')
 if not r[1] then return {-1, 0} end
@@ -24,8 +26,5 @@ local t = redis.call('HGET', KEYS[2], user)
 if t and redis.call('HGET', KEYS[3], t) ~= 'L' then return {1, tonumber(t)} end
 t = redis.call('HINCRBY', KEYS[1], 'seq', 1)
 redis.call('HSET', KEYS[2], user, t)
-if not closed then
-  local c = redis.call('HGET', KEYS[1], 'commit')
-  redis.call('HSET', KEYS[1], 'commit', redis.sha1hex(c .. '|' .. t .. ':' .. user))
-end
+if not closed then redis.call('RPUSH', KEYS[6], user) end
 return {0, t}

@@ -1,6 +1,6 @@
 -- room_open.lua — create an activity's waiting room, once per epoch.
 --
--- KEYS[1] room hash   KEYS[2..6] its users, tickets, states, active and
+-- KEYS[1] room hash   KEYS[2..6] its users, entrants, states, active and
 --                     offers (cleared: a new room starts empty)
 -- ARGV[1] epoch   ARGV[2] pre-queue opens (ms)   ARGV[3] sale start (ms)
 -- ARGV[4] sale end (ms)   ARGV[5] admit_per_sec   ARGV[6] max_active (0: none)

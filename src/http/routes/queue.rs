@@ -131,13 +131,23 @@ fn with_retry_after(ticket: TicketView) -> HttpResponse {
         .json(ticket)
 }
 
-/// `GET …/queue/me`: the caller's ticket.
+/// `GET …/queue/me` query.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct MeQuery {
+    /// `true`: once the sale started, a ticket taken in the pre-queue
+    /// carries `inclusion`, its proof that it was among the entrants.
+    proof: Option<bool>,
+}
+
+/// `GET …/queue/me?proof=`: the caller's ticket.
 #[utoipa::path(get, path = "/api/v1/activities/{id}/queue/me", tag = "waiting room",
-    params(("id" = i64, Path, description = "activity id")),
+    params(("id" = i64, Path, description = "activity id"), MeQuery),
     security(("bearer" = [])),
     responses(
         (status = 200, description = "the caller's ticket; Retry-After says when to ask again", body = TicketView),
-        (status = 400, description = "BAD_REQUEST: a malformed path", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "BAD_REQUEST: a malformed path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_IN_QUEUE: the caller holds no ticket (its message says when the queue was restarted); NOT_FOUND: no waiting room", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "NOT_ACTIVE: the queue is not open yet", body = Problem, content_type = "application/problem+json"),
@@ -147,11 +157,13 @@ pub async fn me(
     user: AuthUser,
     state: web::Data<AppState>,
     path: web::Path<ActivityId>,
+    query: web::Query<MeQuery>,
 ) -> Result<HttpResponse, ApiError> {
+    let proof = query.proof.unwrap_or(false);
     let ticket = state
         .sale
         .rooms
-        .ticket(path.into_inner(), user.user_id, state.clock.now())
+        .ticket(path.into_inner(), user.user_id, state.clock.now(), proof)
         .await
         .map_err(room_error)?;
     Ok(with_retry_after(ticket))
@@ -294,7 +306,7 @@ pub async fn events(
     let first = state
         .sale
         .rooms
-        .ticket(id, user_id, state.clock.now())
+        .ticket(id, user_id, state.clock.now(), false)
         .await
         .map_err(room_error)?;
     let timeout = state.settings.orders.events_timeout_secs;
@@ -324,7 +336,7 @@ pub async fn events(
             let chunk = match state
                 .sale
                 .rooms
-                .ticket(id, user_id, state.clock.now())
+                .ticket(id, user_id, state.clock.now(), false)
                 .await
             {
                 Ok(now) if changed(&last, &now) => {
