@@ -17,8 +17,12 @@
 #     them bots, for 1,000 units: first as a race without a room (the
 #     baseline), then through a room admitting 2,000/s, then the same with
 #     max_active 1,000. The bots' share of the units, the admitted rate
-#     against the configured one, the p99 of the purchases. --sale-only
-#     runs this step alone.
+#     against the configured one, the p99 of the purchases. Then the room
+#     sale twice more with the order consumers in a process of their own,
+#     slowed by SIGSTOP for 900 ms of every second, and purchases refused
+#     at a lag of LAG_BOUND (300): adaptive admission off (the baseline),
+#     then on. The highest lag sampled, the time spent above the bound and
+#     the purchases refused 503 BUSY. --sale-only runs this step alone.
 #
 # On the services of scripts/services.sh (SECKILL__* moves them), in a
 # database, key prefix and topic prefix of its own.
@@ -81,13 +85,72 @@ for name, r in zip(["race, no room (baseline)", "room, 2,000/s", "room, 2,000/s,
     print(f"| {name} | {s['bot_share']:.1%} ({s['bot_units']} of {s['bot_units'] + s['people_units']}) | {adm} | {rate} | {s['purchase_p99_ms']:.0f} ms ({s['purchase_max_ms']:.0f} ms) | {ok} |")
 PY
 }
-if [ -n "$SALE_ONLY" ]; then whole_sale; exit 0; fi
+# The room sale again, the consumers slowed: adaptive admission off, then on.
+LAG_BOUND=${LAG_BOUND:-300}
+slowed_sale() { # ADAPTIVE(true|false) PORT: one JSON line, the sale's and the lag's
+  local adaptive=$1 port=$2 url=http://127.0.0.1:$2 pids=()
+  start "slowed-$adaptive" "$port" env SECKILL__APP__PORT="$port" SECKILL__ORDERS__CONSUMER_ENABLED=false \
+    SECKILL__ADMISSION__MAX_CONSUMER_LAG="$LAG_BOUND" SECKILL__ADMISSION__LAG_SAMPLE_MS=100 \
+    SECKILL__WAITING_ROOM__ADAPTIVE="$adaptive" $BIN serve
+  pids+=("${PIDS[-1]}")
+  $BIN consume >"$OUT/consume-$adaptive.log" 2>&1 &
+  local consumer=$!
+  pids+=("$consumer")
+  # Slowed: stopped 900 ms of every second.
+  (while kill -0 "$consumer" 2>/dev/null; do
+     kill -STOP "$consumer" 2>/dev/null; sleep 0.9; kill -CONT "$consumer" 2>/dev/null; sleep 0.1
+   done) &
+  pids+=($!)
+  # The lag as the server samples it, every 100 ms.
+  (while :; do
+     curl -s "$url/metrics" | awk -v t="$(date +%s.%N)" '/^seckill_order_consumer_lag /{print t, $2}'
+     sleep 0.1
+   done >"$OUT/lag-$adaptive.txt") &
+  pids+=($!)
+  local sale_json
+  sale_json=$($BIN loadgen --json --url "$url" --users "$SALE_BUYERS" --stock 1000 --bots 1000 \
+    --room --admit-per-sec 2000 --prequeue-secs 60 2>>"$OUT/sale.err" | tail -n 1)
+  local busy
+  busy=$(curl -s "$url/metrics" | awk '/^seckill_admission_total\{outcome="busy"\}/{print $2}')
+  kill -CONT "$consumer" 2>/dev/null || true
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  python3 - "$sale_json" "$OUT/lag-$adaptive.txt" "${busy:-0}" "$adaptive" <<'PY'
+import json, sys
+sale = json.loads(sys.argv[1])
+lag = [tuple(map(float, l.split())) for l in open(sys.argv[2]) if len(l.split()) == 2]
+bound = float(__import__("os").environ.get("LAG_BOUND", "300"))
+above = sum(b[0] - a[0] for a, b in zip(lag, lag[1:]) if a[1] > bound)
+print(json.dumps({"adaptive": sys.argv[4] == "true", "sale": sale,
+                  "lag_max": max((v for _, v in lag), default=0), "lag_samples": len(lag),
+                  "above_secs": above, "busy": int(float(sys.argv[3]))}))
+PY
+}
+slowed_sales() {
+  say "4b a whole sale with the consumers slowed (stopped 900 ms a second), purchases refused at lag $LAG_BOUND"
+  # The server above consumes too, in the same group: stopped first.
+  stop_all
+  local off on
+  off=$(slowed_sale false 18091)
+  on=$(slowed_sale true 18092)
+  LAG_BOUND=$LAG_BOUND python3 - "$off" "$on" <<'PY'
+import json, os, sys
+bound = int(os.environ["LAG_BOUND"])
+print(f"\n| sale, consumers slowed | highest lag (bound {bound}) | time above the bound | purchases refused 503 BUSY | bots' share | admitted rate | purchases p99 | invariants |")
+print("|---|---|---|---|---|---|---|---|")
+for r in map(json.loads, sys.argv[1:]):
+    s = r["sale"]["sale"]
+    name = "room, 2,000/s, adaptive admission" if r["adaptive"] else "room, 2,000/s, adaptive off (baseline)"
+    ok = "OK" if r["sale"].get("invariants_ok") else "FAILED"
+    print(f"| {name} | {r['lag_max']:.0f} ({r['lag_samples']} samples) | {r['above_secs']:.1f} s | {r['busy']:,} | {s['bot_share']:.1%} | {s['admitted_per_sec']:,.0f}/s | {s['purchase_p99_ms']:.0f} ms | {ok} |")
+PY
+}
+if [ -n "$SALE_ONLY" ]; then whole_sale; slowed_sales; exit 0; fi
 
 say "1/4 redis-benchmark: room_join.lua and room_status.lua at -c $CONC"
 JOIN_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_close.lua src/admission/lua/room_join.lua)")
 STATUS_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_status.lua)")
 OPEN_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_open.lua)")
-room_keys() { local k="$RUN:{a:$1}:"; echo "${k}room ${k}room:users ${k}room:tickets ${k}room:st"; }
+room_keys() { local k="$RUN:{a:$1}:"; echo "${k}room ${k}room:users ${k}room:entrants ${k}room:st"; }
 open_room() {
   local k="$RUN:{a:$1}:"
   # shellcheck disable=SC2046
@@ -98,7 +161,7 @@ join_bench() { # ACTIVITY N RANGE: joins of random users in 0..RANGE
   local k="$RUN:{a:$1}:"
   # shellcheck disable=SC2046
   redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" -c "$CONC" -n "$2" -r "$3" --threads 1 $4 \
-    EVALSHA "$JOIN_SHA" 5 "${k}room" "${k}room:users" "${k}room:st" "${k}room:pow:__rand_int__" "${k}room:joins:1" \
+    EVALSHA "$JOIN_SHA" 6 "${k}room" "${k}room:users" "${k}room:st" "${k}room:pow:__rand_int__" "${k}room:joins:1" "${k}room:entrants" \
     __rand_int__ 1700000000000 1000
 }
 status_bench() { # ACTIVITY N RANGE
@@ -145,3 +208,4 @@ print(f"| {held:,} tickets in one room: memory | {mem/held:.0f} bytes per ticket
 print(f"| {held:,} tickets: status read p99 | redis-benchmark {big_p99} ms at {big_rps:,.0f}/s; over HTTP {big['p99_ms']:.1f} ms at {big['per_sec']:,.0f}/s | the same script on an empty room: {sc:,.0f}/s | - |")
 EOF
 whole_sale
+slowed_sales

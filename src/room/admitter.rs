@@ -172,6 +172,10 @@ impl Admitter {
         if !live.warmed || now_ms < live.start_at.timestamp_millis() {
             return Ok(());
         }
+        // Closed by the operator: no one is admitted until it reopens.
+        if live.room.method() == super::Method::Reject {
+            return Ok(());
+        }
         // Redis lost the activity's stock with the queue: no units to count
         // (zero would read as sold out) until reconciliation restores them.
         if !self.gate.is_warm(id).await? {

@@ -42,6 +42,40 @@ use draw::Draw;
 use repo::RoomRow;
 pub use ticket::{Inclusion, TicketState, TicketView};
 
+/// How a room lets buyers through, changeable during a sale
+/// (docs/WAITING_ROOM.md, "Queueing methods").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    /// The drawn pre-queue, then in the order buyers came.
+    #[default]
+    Fifo,
+    /// Open without queueing: a purchase token needs no pass. Tickets
+    /// are still taken and admitted, so switching back finds the queue.
+    Passthrough,
+    /// Closed: no challenge, no join, no admission, no purchase token.
+    Reject,
+}
+
+impl Method {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Fifo => "fifo",
+            Method::Passthrough => "passthrough",
+            Method::Reject => "reject",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "fifo" => Some(Method::Fifo),
+            "passthrough" => Some(Method::Passthrough),
+            "reject" => Some(Method::Reject),
+            _ => None,
+        }
+    }
+}
+
 /// The `waiting_room` object of an activity's creation.
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -69,6 +103,9 @@ pub struct RoomOptions {
     #[serde(default = "default_difficulty")]
     #[schema(minimum = 1, default = 50000)]
     pub pow_difficulty: i64,
+    /// How the room lets buyers through (`fifo` by default).
+    #[serde(default)]
+    pub method: Method,
 }
 
 fn default_pass_ttl() -> i32 {
@@ -131,6 +168,7 @@ impl RoomOptions {
             pow_difficulty: self.pow_difficulty,
             seed: hex::encode(seed),
             epoch: 1,
+            method: self.method.as_str().to_owned(),
         })
     }
 }
@@ -150,6 +188,8 @@ pub struct RoomSettingsView {
     /// so the seed revealed after the start (`…/queue/draw`) cannot have
     /// been chosen then.
     pub seed_sha256: String,
+    /// How the room lets buyers through now.
+    pub method: Method,
 }
 
 impl RoomSettingsView {
@@ -166,6 +206,7 @@ impl RoomSettingsView {
             seed_sha256: hex::decode(&row.seed)
                 .map(|s| draw::seed_commitment(&s))
                 .unwrap_or_default(),
+            method: row.method(),
         }
     }
 }
@@ -202,6 +243,8 @@ pub enum RoomError {
     NoRoom,
     /// Outside the pre-queue-to-end window (or the queue not open yet).
     NotOpen,
+    /// The operator closed the queue (method `reject`).
+    Closed,
     /// The proof of work was wrong, expired or used.
     PowInvalid(&'static str),
     /// The caller holds no ticket.
@@ -463,6 +506,9 @@ impl Rooms {
         if now >= room.end_at {
             return Err(RoomError::NotOpen);
         }
+        if room.room.method() == Method::Reject {
+            return Err(RoomError::Closed);
+        }
         let rate = self.gate.join_rate(activity, now.timestamp()).await?;
         let maxnumber = pow::difficulty(room.room.pow_difficulty.max(1) as u64, rate);
         let expires_at = now + chrono::Duration::from_std(self.challenge_ttl).unwrap_or_default();
@@ -480,6 +526,9 @@ impl Rooms {
         now: DateTime<Utc>,
     ) -> Result<(bool, TicketView), RoomError> {
         let room = self.require(activity).await?;
+        if room.room.method() == Method::Reject {
+            return Err(RoomError::Closed);
+        }
         let solved = self
             .puzzles
             .check(answer, activity, user, now)
@@ -788,26 +837,32 @@ impl Rooms {
         Ok(())
     }
 
-    /// Sets the admission rate and cap of a room, in the database and in
-    /// Redis: every admitter follows from its next round.
+    /// Sets the admission rate and cap of a room (`rate`), or how it lets
+    /// buyers through (`method`), or both: in the database, and the rate
+    /// in Redis. Every admitter follows the rate from its next round;
+    /// every instance follows the method once it reads the room's row
+    /// again (at most [`ROW_TTL`]; this one at once).
     pub async fn set_rate(
         &self,
         activity: ActivityId,
-        admit_per_sec: i32,
-        max_active: Option<i32>,
+        rate: Option<(i32, Option<i32>)>,
+        method: Option<Method>,
     ) -> Result<RoomRow, RoomError> {
         let row = store::run(&self.db, move |conn| {
-            Ok(repo::set_rate(conn, activity, admit_per_sec, max_active)?)
+            Ok(repo::set_rate(conn, activity, rate, method)?)
         })
         .await?
         .ok_or(RoomError::NoRoom)?;
-        self.gate
-            .set_rate(
-                activity,
-                i64::from(admit_per_sec),
-                i64::from(max_active.unwrap_or(0)),
-            )
-            .await?;
+        self.forget(activity);
+        if let Some((admit_per_sec, max_active)) = rate {
+            self.gate
+                .set_rate(
+                    activity,
+                    i64::from(admit_per_sec),
+                    i64::from(max_active.unwrap_or(0)),
+                )
+                .await?;
+        }
         Ok(row)
     }
 

@@ -21,6 +21,15 @@ pub struct RoomRow {
     /// Hex, 32 bytes; secret until the sale starts.
     pub seed: String,
     pub epoch: i32,
+    /// [`super::Method`]'s name.
+    pub method: String,
+}
+
+impl RoomRow {
+    /// How the room lets buyers through now (as read).
+    pub fn method(&self) -> super::Method {
+        super::Method::parse(&self.method).unwrap_or_default()
+    }
 }
 
 /// A room with its activity's window and layout: what the admitter and
@@ -146,18 +155,29 @@ pub fn mark_opened(conn: &mut PgConn, id: ActivityId) -> QueryResult<bool> {
 pub fn set_rate(
     conn: &mut PgConn,
     id: ActivityId,
-    admit_per_sec: i32,
-    max_active: Option<i32>,
+    rate: Option<(i32, Option<i32>)>,
+    method: Option<super::Method>,
 ) -> QueryResult<Option<RoomRow>> {
-    diesel::update(waiting_rooms::table.find(id))
-        .set((
-            waiting_rooms::admit_per_sec.eq(admit_per_sec),
-            waiting_rooms::max_active.eq(max_active),
-            waiting_rooms::updated_at.eq(diesel::dsl::now),
-        ))
-        .returning(RoomRow::as_returning())
-        .get_result(conn)
-        .optional()
+    conn.transaction(|conn| {
+        if let Some((admit_per_sec, max_active)) = rate {
+            diesel::update(waiting_rooms::table.find(id))
+                .set((
+                    waiting_rooms::admit_per_sec.eq(admit_per_sec),
+                    waiting_rooms::max_active.eq(max_active),
+                ))
+                .execute(conn)?;
+        }
+        if let Some(method) = method {
+            diesel::update(waiting_rooms::table.find(id))
+                .set(waiting_rooms::method.eq(method.as_str()))
+                .execute(conn)?;
+        }
+        diesel::update(waiting_rooms::table.find(id))
+            .set(waiting_rooms::updated_at.eq(diesel::dsl::now))
+            .returning(RoomRow::as_returning())
+            .get_result(conn)
+            .optional()
+    })
 }
 
 /// Starts the room's next epoch after `seen` (Redis lost the queue), once

@@ -141,6 +141,7 @@ diesel::table! {
         opened_at -> Nullable<Timestamptz>,
         created_at -> Timestamptz,
         updated_at -> Timestamptz,
+        method -> Text,
     }
 }
 

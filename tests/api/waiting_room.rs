@@ -1331,3 +1331,129 @@ async fn an_activity_asked_about_before_its_creation_still_needs_a_pass() {
     .await;
     assert_eq!(status, 403, "a token without a pass");
 }
+
+impl TestApp {
+    /// `PATCH …/waiting-room` with `body` as the admin.
+    async fn patch_room(&self, activity: i64, body: Value) -> (u16, Value) {
+        let res = self
+            .client
+            .patch(format!(
+                "{}/api/v1/admin/activities/{activity}/waiting-room",
+                self.address
+            ))
+            .bearer_auth(self.admin_token())
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = res.status().as_u16();
+        (status, json(res).await)
+    }
+}
+
+/// The queueing method changes during a sale, from the admin route:
+/// `passthrough` lets a buyer who was never admitted get a purchase token
+/// without a pass and buy; `reject` refuses challenges, joins and tokens
+/// (a pass included) and admits no one; `fifo` asks for passes again. A
+/// method that does not exist, or nothing to change, is a 400.
+#[tokio::test]
+async fn the_queueing_method_changes_during_a_sale() {
+    let app = spawn_app().await;
+    // One admitted a second: user 30 waits behind 29 others throughout.
+    let (id, created) = app.room_activity(50, -60, room(0, 1)).await;
+    assert_eq!(created["waiting_room"]["method"], "fifo", "{created}");
+    app.join_all(id, 1..=30).await;
+    let (status, refused) = app.token_with(30, id, None).await;
+    assert_eq!(
+        (status, refused["code"].as_str()),
+        (403, Some("QUEUE_PASS_REQUIRED")),
+        "{refused}"
+    );
+
+    for bad in [
+        json!({"method": "random"}),
+        json!({}),
+        json!({"max_active": 5}),
+        json!({"method": 7}),
+    ] {
+        let (status, body) = app.patch_room(id, bad.clone()).await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (400, Some("BAD_REQUEST")),
+            "{bad}: {body}"
+        );
+    }
+
+    let (status, view) = app.patch_room(id, json!({"method": "passthrough"})).await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["method"], "passthrough", "{view}");
+    assert_eq!(view["admit_per_sec"], 1, "the rate stays: {view}");
+    let (status, token) = app.token_with(30, id, None).await;
+    assert_eq!(status, 200, "passthrough, no pass: {token}");
+    let (status, bought) = app.buy_token(30, id, &token["token"], 1).await;
+    assert_eq!(status, 202, "{bought}");
+    assert_eq!(
+        app.ticket(29, id).await["state"],
+        "QUEUED",
+        "the queue is kept"
+    );
+
+    let admitted_pass = app.ticket_in(1, id, "ADMITTED").await;
+    // Solved while the room was open, used after it closed.
+    let pow = app.solved(31, id).await;
+    let (status, view) = app.patch_room(id, json!({"method": "reject"})).await;
+    assert_eq!(
+        (status, view["method"].as_str()),
+        (200, Some("reject")),
+        "{view}"
+    );
+    let (status, closed) = app.join_with(31, id, &pow).await;
+    assert_eq!(
+        (status, closed["code"].as_str()),
+        (409, Some("NOT_ACTIVE")),
+        "{closed}"
+    );
+    let res = app
+        .get(
+            &format!("/api/v1/activities/{id}/queue/challenge"),
+            Some(&app.user_token(32)),
+        )
+        .await;
+    assert_eq!(res.status(), 409);
+    let (status, closed) = app.token_with(1, id, admitted_pass["pass"].as_str()).await;
+    assert_eq!(
+        (status, closed["code"].as_str()),
+        (409, Some("NOT_ACTIVE")),
+        "{closed}"
+    );
+    // The admitter reads the rooms' rows every second (a round begun
+    // before may still admit): then, one a second here, three seconds
+    // closed admit no one.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let admitted = app.room_field(id, "admitted").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        app.room_field(id, "admitted").await,
+        admitted,
+        "admitted while closed"
+    );
+
+    let (status, view) = app
+        .patch_room(id, json!({"method": "fifo", "admit_per_sec": 50}))
+        .await;
+    assert_eq!(
+        (status, view["method"].as_str()),
+        (200, Some("fifo")),
+        "{view}"
+    );
+    assert_eq!(view["admit_per_sec"], 50, "{view}");
+    let (status, refused) = app.token_with(29, id, None).await;
+    assert_eq!(
+        (status, refused["code"].as_str()),
+        (403, Some("QUEUE_PASS_REQUIRED")),
+        "{refused}"
+    );
+    let t = app.ticket_in(29, id, "ADMITTED").await;
+    let (status, bought) = app.buy_with(29, id, t["pass"].as_str().unwrap()).await;
+    assert_eq!(status, 202, "{bought}");
+}

@@ -229,6 +229,10 @@ pub struct RoomFigures {
     /// The rate admitting now: below `admit_per_sec` while the order
     /// pipeline is behind (adaptive admission), as the last round set it.
     pub admit_per_sec_now: i64,
+    /// The queueing method (`fifo`, `passthrough`, `reject`), from the
+    /// room's row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub method: Option<&'static str>,
 }
 
 impl RedisGate {
@@ -274,6 +278,7 @@ impl RedisGate {
             admit_per_sec: at(6).unwrap_or(0),
             max_active: at(7).unwrap_or(0),
             admit_per_sec_now: at(8).or(at(6)).unwrap_or(0),
+            method: None,
         }))
     }
 }

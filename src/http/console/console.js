@@ -834,6 +834,18 @@ const operator = {
       const cap = el("input", { type: "number", min: "1", value: r.max_active ? String(r.max_active) : "", placeholder: "no cap", className: "cap" });
       const set = el("button", { type: "button", class: "set-rate" }, "Set");
       set.addEventListener("click", () => this.setRate(a.activity_id, rate.value, cap.value));
+      // The queueing method, changed as soon as another is chosen.
+      const current = r.method || "fifo";
+      const method = el(
+        "select",
+        { className: "method", title: "queueing method" },
+        ...["fifo", "passthrough", "reject"].map((m) => {
+          const o = el("option", { value: m }, m);
+          if (m === current) o.selected = true;
+          return o;
+        }),
+      );
+      method.addEventListener("change", () => this.setMethod(a.activity_id, method.value));
       rows.push(
         el(
           "tr",
@@ -847,7 +859,7 @@ const operator = {
           cell(r.passes_outstanding, "num passes"),
           cell(r.offers_open, "num offers"),
           cell(r.sold_out ? "yes" : "no", "text sold-out"),
-          el("td", { class: "actions" }, rate, " ", cap, " ", set),
+          el("td", { class: "actions" }, rate, " ", cap, " ", set, " ", method),
         ),
       );
     });
@@ -863,6 +875,15 @@ const operator = {
     if (!res.ok) return showProblem(res);
     showMessage("Activity " + id + ": " + res.data.admit_per_sec + " admitted a second.", "OK", "ok");
     // The form is done with: the table may be redrawn again.
+    if (document.activeElement && document.activeElement.closest("#room-table")) document.activeElement.blur();
+    this.table();
+  },
+
+  async setMethod(id, method) {
+    clearMessage();
+    const res = await api("PATCH", "/api/v1/admin/activities/" + id + "/waiting-room", { method }, session.token);
+    if (!res.ok) return showProblem(res);
+    showMessage("Activity " + id + ": queueing method " + res.data.method + ".", "OK", "ok");
     if (document.activeElement && document.activeElement.closest("#room-table")) document.activeElement.blur();
     this.table();
   },

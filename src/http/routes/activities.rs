@@ -463,10 +463,20 @@ pub async fn stats(
     path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    let stats = crate::activities::stats::read(&state.pg.db, &state.redis.gate, &*state.clock, id)
-        .await
-        .map_err(ApiError::unavailable)?
-        .ok_or_else(|| ApiError::not_found("no such activity"))?;
+    let mut stats =
+        crate::activities::stats::read(&state.pg.db, &state.redis.gate, &*state.clock, id)
+            .await
+            .map_err(ApiError::unavailable)?
+            .ok_or_else(|| ApiError::not_found("no such activity"))?;
+    if let Some(figures) = stats.waiting_room.as_mut() {
+        let room = state
+            .sale
+            .rooms
+            .room(id)
+            .await
+            .map_err(ApiError::unavailable)?;
+        figures.method = room.map(|r| r.room.method().as_str());
+    }
     Ok(HttpResponse::Ok().json(stats))
 }
 
@@ -482,7 +492,7 @@ pub async fn stats(
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "QUEUE_PASS_REQUIRED: the sale has a waiting room and no X-Queue-Pass was sent; QUEUE_PASS_INVALID: a forged, expired, reused, or another user's or activity's pass", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "NOT_ACTIVE; SOLD_OUT: an admitted pass after the sell-out (the ticket is waitlisted)", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "NOT_ACTIVE (also while the room's method is reject); SOLD_OUT: an admitted pass after the sell-out (the ticket is waitlisted)", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn token(
@@ -542,12 +552,16 @@ pub async fn token(
     // Warm in Redis, so the activity exists: whether it has a room is read
     // for it, not for an id someone asked about before its creation.
     let mut most = None;
-    if rooms
+    let room = rooms
         .room_of_existing(id)
         .await
-        .map_err(ApiError::unavailable)?
-        .is_some()
-    {
+        .map_err(ApiError::unavailable)?;
+    let method = room.as_ref().map(|r| r.room.method());
+    if method == Some(crate::room::Method::Reject) {
+        return Err(super::queue::room_error(crate::room::RoomError::Closed));
+    }
+    // Passthrough: the room is open without queueing, no pass asked.
+    if method == Some(crate::room::Method::Fifo) {
         let pass = req
             .headers()
             .get(QUEUE_PASS)

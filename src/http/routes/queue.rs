@@ -14,7 +14,7 @@ use crate::domain::ActivityId;
 use crate::http::auth::{AdminUser, AuthUser};
 use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::room::pow::{Answer, Challenge};
-use crate::room::{DrawView, RoomError, RoomSettingsView, TicketState, TicketView};
+use crate::room::{DrawView, Method, RoomError, RoomSettingsView, TicketState, TicketView};
 use crate::state::AppState;
 
 /// The answer of every room failure.
@@ -24,6 +24,10 @@ pub(super) fn room_error(e: RoomError) -> ApiError {
         RoomError::NotOpen => ApiError::new(
             ErrorCode::NotActive,
             "the queue is not open: before the pre-queue, or after the end",
+        ),
+        RoomError::Closed => ApiError::new(
+            ErrorCode::NotActive,
+            "the operator closed this queue (method reject): no joins and no purchases for now",
         ),
         RoomError::PowInvalid(why) => ApiError::new(ErrorCode::PowInvalid, why),
         RoomError::NotInQueue { restarted: false } => {
@@ -218,29 +222,37 @@ pub async fn draw(
     Ok(HttpResponse::Ok().json(draw))
 }
 
-/// `PATCH …/waiting-room` body.
+/// `PATCH …/waiting-room` body: the rate (with its cap), the method, or
+/// both.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RateBody {
-    /// Tickets admitted per second, across all instances.
+    /// Tickets admitted per second, across all instances. Absent: the
+    /// rate and the cap stay as they are.
     #[schema(minimum = 1)]
-    admit_per_sec: i32,
-    /// At most this many passes outstanding at once (null or absent: no cap).
+    admit_per_sec: Option<i32>,
+    /// With `admit_per_sec`: at most this many passes outstanding at once
+    /// (null or absent: no cap).
     #[serde(default)]
     #[schema(minimum = 1)]
     max_active: Option<i32>,
+    /// How the room lets buyers through from now on: `fifo`,
+    /// `passthrough` (no pass needed) or `reject` (closed). Absent: as it
+    /// is.
+    #[serde(default)]
+    method: Option<Method>,
 }
 
 /// `PATCH /api/v1/admin/activities/{id}/waiting-room`: changes the
-/// admission rate during the sale; every instance's admitter follows from
-/// its next round.
+/// admission rate during the sale (every instance's admitter follows from
+/// its next round), or the queueing method (every instance within 2 s).
 #[utoipa::path(patch, path = "/api/v1/admin/activities/{id}/waiting-room", tag = "waiting room",
     params(("id" = i64, Path, description = "activity id")),
     request_body = RateBody,
     security(("bearer" = [])),
     responses(
         (status = 200, description = "the room's settings after the change", body = RoomSettingsView),
-        (status = 400, description = "BAD_REQUEST: admit_per_sec or max_active out of range, or a malformed body", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "BAD_REQUEST: admit_per_sec or max_active out of range, max_active without admit_per_sec, an unknown method, nothing to change, or a malformed body", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND: no such activity, or it has no waiting room", body = Problem, content_type = "application/problem+json"),
@@ -253,11 +265,24 @@ pub async fn set_rate(
     body: web::Json<RateBody>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    if !(1..=100_000).contains(&body.admit_per_sec) {
+    if body
+        .admit_per_sec
+        .is_some_and(|r| !(1..=100_000).contains(&r))
+    {
         return Err(ApiError::bad_request("admit_per_sec must be 1..=100000"));
     }
     if body.max_active.is_some_and(|m| m < 1) {
         return Err(ApiError::bad_request("max_active must be at least 1"));
+    }
+    if body.admit_per_sec.is_none() && body.max_active.is_some() {
+        return Err(ApiError::bad_request(
+            "max_active is set with admit_per_sec (send both)",
+        ));
+    }
+    if body.admit_per_sec.is_none() && body.method.is_none() {
+        return Err(ApiError::bad_request(
+            "nothing to change: send admit_per_sec, method, or both",
+        ));
     }
     let rooms = &state.sale.rooms;
     let live = rooms
@@ -266,7 +291,11 @@ pub async fn set_rate(
         .map_err(ApiError::unavailable)?
         .ok_or_else(|| room_error(RoomError::NoRoom))?;
     let row = rooms
-        .set_rate(id, body.admit_per_sec, body.max_active)
+        .set_rate(
+            id,
+            body.admit_per_sec.map(|r| (r, body.max_active)),
+            body.method,
+        )
         .await
         .map_err(room_error)?;
     Ok(HttpResponse::Ok().json(RoomSettingsView::of(&row, live.start_at)))

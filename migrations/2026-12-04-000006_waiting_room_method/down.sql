@@ -1,0 +1,1 @@
+ALTER TABLE waiting_rooms DROP COLUMN method;
