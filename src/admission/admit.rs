@@ -579,10 +579,16 @@ impl Admitter {
             Err(e) => Refusal::ReserveFailed(e.into()),
         };
         // Not published, so no one else can have sent it: it goes, and its
-        // request id with it, and the buyer's purchase token comes back (a
-        // refused purchase never uses one up). If Redis fails here too, the
+        // request id with it, and the buyer's purchase token comes back as
+        // it was, its cap too (a refused purchase never uses one up; an
+        // offer's token still buys one unit). If Redis fails here too, the
         // reservation stays open and reconciliation voids it once provably
         // unsent.
+        let most = self
+            .gate
+            .reservation_most(p.activity_id, order_no, layout)
+            .await
+            .unwrap_or(Some(1));
         match self
             .gate
             .release_unsent(p.activity_id, order_no, layout)
@@ -593,7 +599,7 @@ impl Admitter {
                     let ttl = self.settings.admission.token_ttl_secs.as_secs();
                     let _ = self
                         .gate
-                        .issue_token(p.activity_id, layout, p.user_id.get(), token, ttl, None)
+                        .issue_token(p.activity_id, layout, p.user_id.get(), token, ttl, most)
                         .await;
                 }
             }

@@ -1457,3 +1457,53 @@ async fn the_queueing_method_changes_during_a_sale() {
     let (status, bought) = app.buy_with(29, id, t["pass"].as_str().unwrap()).await;
     assert_eq!(status, 202, "{bought}");
 }
+
+/// An offer's purchase token that a coupon refusal gave back still buys
+/// one unit only: the token comes back with its cap, not as one that buys
+/// up to the per-user limit (a second unit bought with an offer of one
+/// would take a unit held for the next ticket).
+#[tokio::test]
+async fn an_offer_token_given_back_after_a_coupon_refusal_still_buys_one_unit() {
+    use crate::coupons::{claim, claims_written, create_coupon};
+    let app = spawn_app().await;
+    // A minimum amount no purchase here reaches: the coupon is refused at
+    // admission, after the reservation, which is released unsent.
+    let coupon = create_coupon(&app, 5, 500, 100_000_000, 3600).await;
+    assert_eq!(claim(&app, 3, coupon, "c").await.0, 202);
+    claims_written(&app, coupon, 1).await;
+    let settings = json!({"prequeue_secs": 0, "admit_per_sec": 200, "pass_ttl_secs": 600,
+                          "offer_secs": 600, "pow_difficulty": 50});
+    let (id, _) = app.room_activity_limited(2, -60, settings, 2).await;
+    for u in 1..=3 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    let mut orders = HashMap::new();
+    for u in 1..=2 {
+        let t = app.ticket_in(u, id, "ADMITTED").await;
+        let (status, body) = app.buy_with(u, id, t["pass"].as_str().unwrap()).await;
+        assert_eq!(status, 202, "{body}");
+        orders.insert(u, body["order_no"].as_str().unwrap().to_owned());
+    }
+    app.drained(id, 2).await;
+    assert_eq!(app.cancel(1, &orders[&1]).await.status(), 200);
+    let offer = app.ticket_in(3, id, "OFFERED").await;
+    let (status, body) = app.token_with(3, id, offer["pass"].as_str()).await;
+    assert_eq!(status, 200, "{body}");
+    let token = body["token"].clone();
+
+    let order = json!({"request_id": "with-coupon", "token": token, "coupon_id": coupon});
+    let (status, refused) = app.order_retrying(3, id, &order).await;
+    assert_eq!(
+        (status, refused["code"].as_str()),
+        (400, Some("COUPON_INVALID")),
+        "{refused}"
+    );
+    let (status, refused) = app.buy_token(3, id, &token, 2).await;
+    assert_eq!(
+        (status, refused["code"].as_str()),
+        (409, Some("LIMIT_EXCEEDED")),
+        "the given-back offer token bought two: {refused}"
+    );
+    let (status, bought) = app.buy_token(3, id, &token, 1).await;
+    assert_eq!(status, 202, "{bought}");
+}

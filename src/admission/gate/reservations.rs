@@ -86,6 +86,23 @@ impl RedisGate {
         }
     }
 
+    /// The cap of the purchase token a reservation was made with (`None`:
+    /// the per-user limit), to give the same token back when it is
+    /// released unsent.
+    pub async fn reservation_most(
+        &self,
+        activity_id: ActivityId,
+        order_no: i64,
+        layout: Layout,
+    ) -> RedisResult<Option<u32>> {
+        let k = self.order_keys(activity_id, layout, order_no);
+        redis::cmd("HGET")
+            .arg(k.reservation(order_no))
+            .arg("most")
+            .query_async(&mut self.conn())
+            .await
+    }
+
     async fn release_code(
         &self,
         activity_id: ActivityId,

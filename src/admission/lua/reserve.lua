@@ -90,6 +90,9 @@ end
 redis.call('HSET', KEYS[5], 'user', user, 'qty', qty, 'alloc', alloc,
   'req', req, 'status', 'occupied', 'ts', now)
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[5], 'coupon', ARGV[8]) end
+-- A capped token's cap, so a purchase refused before it was sent gives
+-- the same token back (admit.rs), not one that buys up to the limit.
+if most then redis.call('HSET', KEYS[5], 'most', most) end
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[7]))
 redis.call('ZADD', KEYS[6], now, order_no)
 redis.call('HSET', KEYS[2], req_field, order_no)
