@@ -284,25 +284,7 @@ fn spearman(a: &[u64], b: &[u64]) -> f64 {
 /// The pre-queue tickets in the order `scripts/verify_draw.py` recomputes
 /// from the published draw (and the seed's SHA-256 published before).
 fn recomputed_order(draw: &Value, seed_sha256: &str) -> Vec<u64> {
-    use std::io::Write;
-    let mut child = std::process::Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/scripts/verify_draw.py"
-        ))
-        .arg(format!("--seed-sha256={seed_sha256}"))
-        .arg("-")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("python3 runs the verifier");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(draw.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = verifier(&format!("--seed-sha256={seed_sha256}"), draw);
     assert!(
         out.status.success(),
         "the verifier refused the draw: {out:?}"
@@ -312,6 +294,30 @@ fn recomputed_order(draw: &Value, seed_sha256: &str) -> Vec<u64> {
         .lines()
         .map(|l| l.parse().unwrap())
         .collect()
+}
+
+/// `scripts/verify_draw.py OPTION -` with `draw` on its stdin.
+fn verifier(option: &str, draw: &Value) -> std::process::Output {
+    use std::io::Write;
+    let mut child = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/verify_draw.py"
+        ))
+        .arg(option)
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs the verifier");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(draw.to_string().as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
 }
 
 /// 2,000 buyers join at known times spread over the pre-queue. Their order
@@ -455,26 +461,7 @@ fn verify_ticket(draw: &Value, me: &Value) -> (bool, String) {
         uuid::Uuid::new_v4()
     ));
     std::fs::write(&file, me.to_string()).unwrap();
-    let mut child = std::process::Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/scripts/verify_draw.py"
-        ))
-        .arg(format!("--ticket={}", file.display()))
-        .arg("-")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("python3 runs the verifier");
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(draw.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = verifier(&format!("--ticket={}", file.display()), draw);
     let _ = std::fs::remove_file(&file);
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
@@ -935,20 +922,7 @@ async fn a_used_pass_that_lost_the_last_race_is_waitlisted_and_offered_first() {
 #[tokio::test]
 async fn a_used_offer_frees_its_hold_at_once_and_buys_one_unit() {
     let app = spawn_app().await;
-    let settings = json!({"prequeue_secs": 0, "admit_per_sec": 200, "pass_ttl_secs": 600,
-                          "offer_secs": 600, "pow_difficulty": 50});
-    let (id, _) = app.room_activity_limited(2, -60, settings, 2).await;
-    for u in 1..=4 {
-        assert_eq!(app.join(u, id).await.0, 201);
-    }
-    let mut orders = HashMap::new();
-    for u in 1..=2 {
-        let t = app.ticket_in(u, id, "ADMITTED").await;
-        let (status, body) = app.buy_with(u, id, t["pass"].as_str().unwrap()).await;
-        assert_eq!(status, 202, "{body}");
-        orders.insert(u, body["order_no"].as_str().unwrap().to_owned());
-    }
-    app.drained(id, 2).await;
+    let (id, orders) = app.sold_out_room(4).await;
     app.ticket_in(3, id, "SOLD_OUT").await;
 
     assert_eq!(app.cancel(1, &orders[&1]).await.status(), 200);
@@ -1471,20 +1445,7 @@ async fn an_offer_token_given_back_after_a_coupon_refusal_still_buys_one_unit() 
     let coupon = create_coupon(&app, 5, 500, 100_000_000, 3600).await;
     assert_eq!(claim(&app, 3, coupon, "c").await.0, 202);
     claims_written(&app, coupon, 1).await;
-    let settings = json!({"prequeue_secs": 0, "admit_per_sec": 200, "pass_ttl_secs": 600,
-                          "offer_secs": 600, "pow_difficulty": 50});
-    let (id, _) = app.room_activity_limited(2, -60, settings, 2).await;
-    for u in 1..=3 {
-        assert_eq!(app.join(u, id).await.0, 201);
-    }
-    let mut orders = HashMap::new();
-    for u in 1..=2 {
-        let t = app.ticket_in(u, id, "ADMITTED").await;
-        let (status, body) = app.buy_with(u, id, t["pass"].as_str().unwrap()).await;
-        assert_eq!(status, 202, "{body}");
-        orders.insert(u, body["order_no"].as_str().unwrap().to_owned());
-    }
-    app.drained(id, 2).await;
+    let (id, orders) = app.sold_out_room(3).await;
     assert_eq!(app.cancel(1, &orders[&1]).await.status(), 200);
     let offer = app.ticket_in(3, id, "OFFERED").await;
     let (status, body) = app.token_with(3, id, offer["pass"].as_str()).await;
@@ -1506,4 +1467,27 @@ async fn an_offer_token_given_back_after_a_coupon_refusal_still_buys_one_unit() 
     );
     let (status, bought) = app.buy_token(3, id, &token, 1).await;
     assert_eq!(status, 202, "{bought}");
+}
+
+impl TestApp {
+    /// A started room of 2 units (2 a buyer, offers held 600 s) that
+    /// `buyers` joined in order, sold out to users 1 and 2 (one unit each,
+    /// both written): `(id, user → order_no)`.
+    async fn sold_out_room(&self, buyers: i64) -> (i64, HashMap<i64, String>) {
+        let settings = json!({"prequeue_secs": 0, "admit_per_sec": 200, "pass_ttl_secs": 600,
+                              "offer_secs": 600, "pow_difficulty": 50});
+        let (id, _) = self.room_activity_limited(2, -60, settings, 2).await;
+        for u in 1..=buyers {
+            assert_eq!(self.join(u, id).await.0, 201);
+        }
+        let mut orders = HashMap::new();
+        for u in 1..=2 {
+            let t = self.ticket_in(u, id, "ADMITTED").await;
+            let (status, body) = self.buy_with(u, id, t["pass"].as_str().unwrap()).await;
+            assert_eq!(status, 202, "{body}");
+            orders.insert(u, body["order_no"].as_str().unwrap().to_owned());
+        }
+        self.drained(id, 2).await;
+        (id, orders)
+    }
 }
