@@ -3,7 +3,7 @@
 # each figure beside the ceiling it is measured against:
 #
 #   scripts/bench-room.sh [--users N] [--concurrency C] [--tickets T]
-#                         [--sale-buyers B] [--sale-only]
+#                         [--sale-buyers B] [--sale-only | --slowed-only]
 #
 #   1 ceiling: redis-benchmark running room_join.lua and room_status.lua
 #     (EVALSHA) on a room of their own
@@ -22,7 +22,8 @@
 #     slowed by SIGSTOP for 900 ms of every second, and purchases refused
 #     at a lag of LAG_BOUND (300): adaptive admission off (the baseline),
 #     then on. The highest lag sampled, the time spent above the bound and
-#     the purchases refused 503 BUSY. --sale-only runs this step alone.
+#     the purchases refused 503 BUSY. --sale-only runs this step alone,
+#     --slowed-only its slowed sales alone.
 #
 # On the services of scripts/services.sh (SECKILL__* moves them), in a
 # database, key prefix and topic prefix of its own.
@@ -30,11 +31,12 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-USERS=20000 CONC=64 TICKETS=1000000 SALE_BUYERS=100000 SALE_ONLY=
+USERS=20000 CONC=64 TICKETS=1000000 SALE_BUYERS=100000 SALE_ONLY= SLOWED_ONLY=
 while [ $# -gt 0 ]; do
   case "$1" in
     --sale-buyers) SALE_BUYERS=$2; shift 2 ;;
     --sale-only) SALE_ONLY=1; shift ;;
+    --slowed-only) SLOWED_ONLY=1; shift ;;
     --users) USERS=$2; shift 2 ;;
     --concurrency) CONC=$2; shift 2 ;;
     --tickets) TICKETS=$2; shift 2 ;;
@@ -135,16 +137,17 @@ slowed_sales() {
   LAG_BOUND=$LAG_BOUND python3 - "$off" "$on" <<'PY'
 import json, os, sys
 bound = int(os.environ["LAG_BOUND"])
-print(f"\n| sale, consumers slowed | highest lag (bound {bound}) | time above the bound | purchases refused 503 BUSY | bots' share | admitted rate | purchases p99 | invariants |")
-print("|---|---|---|---|---|---|---|---|")
+print(f"\n| sale, consumers slowed | highest lag (bound {bound}) | time above the bound | purchases refused 503 BUSY | bots' share | admitted rate | sold out after | purchases p99 | invariants |")
+print("|---|---|---|---|---|---|---|---|---|")
 for r in map(json.loads, sys.argv[1:]):
     s = r["sale"]["sale"]
     name = "room, 2,000/s, adaptive admission" if r["adaptive"] else "room, 2,000/s, adaptive off (baseline)"
     ok = "OK" if r["sale"].get("invariants_ok") else "FAILED"
-    print(f"| {name} | {r['lag_max']:.0f} ({r['lag_samples']} samples) | {r['above_secs']:.1f} s | {r['busy']:,} | {s['bot_share']:.1%} | {s['admitted_per_sec']:,.0f}/s | {s['purchase_p99_ms']:.0f} ms | {ok} |")
+    print(f"| {name} | {r['lag_max']:.0f} ({r['lag_samples']} samples) | {r['above_secs']:.1f} s | {r['busy']:,} | {s['bot_share']:.1%} | {s['admitted_per_sec']:,.0f}/s | {s['sell_out_secs']:.1f} s | {s['purchase_p99_ms']:.0f} ms | {ok} |")
 PY
 }
 if [ -n "$SALE_ONLY" ]; then whole_sale; slowed_sales; exit 0; fi
+if [ -n "$SLOWED_ONLY" ]; then slowed_sales; exit 0; fi
 
 say "1/4 redis-benchmark: room_join.lua and room_status.lua at -c $CONC"
 JOIN_SHA=$($R SCRIPT LOAD "$(cat src/admission/lua/room_close.lua src/admission/lua/room_join.lua)")

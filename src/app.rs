@@ -135,6 +135,8 @@ impl Worker {
                         lag: state.metrics.order_consumer_lag.clone(),
                         bound: s.admission.max_consumer_lag,
                         breaker: Some(state.sale.publisher.clone()),
+                        progress: Some(state.kafka.order_progress.clone()),
+                        fresh: s.waiting_room.fresh_pass_ms,
                     }
                 } else {
                     crate::room::admitter::Pace::fixed()

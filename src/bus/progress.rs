@@ -41,6 +41,9 @@ pub struct GroupProgress {
     /// The topic's end offsets as read at moments of the caller's clock
     /// ([`GroupProgress::applied_before`]), oldest first.
     marks: Mutex<std::collections::VecDeque<Mark>>,
+    /// When the sample behind the published lag started (see
+    /// [`spawn_sampler`]); `None` until one answered.
+    sampled_at: Mutex<Option<std::time::Instant>>,
 }
 
 /// The topic's end offset of each partition, read at `at_ms`.
@@ -69,6 +72,7 @@ impl GroupProgress {
             renewed_at: AtomicI64::new(0),
             heals_in_a_row: AtomicU32::new(0),
             marks: Mutex::new(std::collections::VecDeque::new()),
+            sampled_at: Mutex::new(None),
         })
     }
 
@@ -234,6 +238,12 @@ impl GroupProgress {
         Ok((ends, done))
     }
 
+    /// When the sample behind the lag [`spawn_sampler`] publishes started:
+    /// an order published after it is not in that lag.
+    pub fn sampled_at(&self) -> Option<std::time::Instant> {
+        *self.sampled_at.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Messages on the topic the group has not committed yet (Σ over
     /// partitions of end offset − committed offset). Runs on the blocking pool.
     pub async fn lag(self: &Arc<Self>) -> anyhow::Result<i64> {
@@ -338,6 +348,7 @@ pub fn spawn_sampler(
     WorkerHandle::spawn(move |stop| async move {
         let mut tracker = StallTracker::default();
         loop {
+            let started = std::time::Instant::now();
             let sample = match progress.sample().await {
                 Ok(sample) => Some(sample),
                 Err(e) => {
@@ -347,6 +358,12 @@ pub fn spawn_sampler(
             };
             progress.heal(&supervision, stall);
             lag.set(sample.map_or(UNKNOWN_LAG, |s| s.lag));
+            if sample.is_some() {
+                *progress
+                    .sampled_at
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(started);
+            }
             let stalled = tracker.observe(sample, std::time::Instant::now());
             stalled_secs.set(i64::try_from(stalled.as_secs()).unwrap_or(i64::MAX));
             tokio::select! {

@@ -25,10 +25,23 @@ pub struct WaitingRoomSettings {
     /// broker refuses deliveries; it comes back as they recover.
     #[serde(default = "adaptive_by_default")]
     pub adaptive: bool,
+    /// How long after it is given out an unused pass counts as an order
+    /// to come in adaptive admission's window: about the time a buyer
+    /// takes to see their turn (the next refresh of the status page) and
+    /// to click, in milliseconds.
+    #[serde(
+        default = "fresh_pass_by_default",
+        deserialize_with = "duration::millis"
+    )]
+    pub fresh_pass_ms: Duration,
 }
 
 fn adaptive_by_default() -> bool {
     true
+}
+
+fn fresh_pass_by_default() -> Duration {
+    Duration::from_secs(5)
 }
 
 impl WaitingRoomSettings {
@@ -36,6 +49,11 @@ impl WaitingRoomSettings {
     pub(super) fn check(&self) -> anyhow::Result<()> {
         if self.admit_interval_ms < Duration::from_millis(10) {
             anyhow::bail!("waiting_room.admit_interval_ms must be at least 10 ms");
+        }
+        if self.fresh_pass_ms < Duration::from_millis(100)
+            || self.fresh_pass_ms > Duration::from_secs(600)
+        {
+            anyhow::bail!("waiting_room.fresh_pass_ms must be from 100 ms to 600 s");
         }
         if self.challenge_ttl_secs < Duration::from_secs(5) {
             anyhow::bail!("waiting_room.challenge_ttl_secs must be at least 5 s");

@@ -9,7 +9,7 @@
 //! next epoch) when Redis has lost it: an instance that finds the queue
 //! gone for longer than [`LOSS_GRACE`] after it was first opened.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,8 @@ use super::repo::{self, LiveRoom};
 use super::{RoomError, Rooms};
 use crate::activities::layout;
 use crate::admission::RedisGate;
-use crate::admission::gate::room::{Admitted, RoomView, Round};
+use crate::admission::gate::room::{Admitted, Pacing, RoomView, Round};
+use crate::bus::progress::GroupProgress;
 use crate::clock::SharedClock;
 use crate::domain::ActivityId;
 use crate::store;
@@ -56,14 +57,38 @@ pub fn share_permille(lag: i64, bound: i64, broker_refuses: bool) -> u32 {
     u32::try_from((bound - lag) * 1000 / half.max(1)).unwrap_or(1000)
 }
 
+/// How long after a pass is used its order may still be missing from a lag
+/// sample started since: the purchase, its reservation and its publish.
+pub const PUBLISH_ALLOWANCE: Duration = Duration::from_millis(500);
+
+/// How many orders the pipeline may have in flight beyond `lag` and the
+/// `unseen` ones (passes used lately, whose orders the lag may not show
+/// yet): three quarters of `bound` (0: no window), so that the holders of
+/// the passes a round gives out cannot buy the lag past the bound where
+/// purchases get 503 BUSY. `None` while the lag is unknown: purchases are
+/// not refused then either.
+pub fn window(lag: i64, bound: i64, unseen: u64) -> Option<u64> {
+    if bound <= 0 || lag < 0 {
+        return None;
+    }
+    let room = bound - bound / 4 - lag - i64::try_from(unseen).unwrap_or(i64::MAX);
+    Some(u64::try_from(room).unwrap_or(0))
+}
+
 /// What adaptive admission reads: the order consumers' lag as this
-/// instance samples it, the bound purchases are refused at, and the
-/// broker's breaker.
+/// instance samples it and when that sample started, the bound purchases
+/// are refused at, and the broker's breaker.
 pub struct Pace {
     pub lag: IntGauge,
     /// `admission.max_consumer_lag`; 0 leaves the rate alone.
     pub bound: i64,
     pub breaker: Option<Arc<crate::admission::publish::Publisher>>,
+    /// Where the lag's sample time is read; `None`: no window.
+    pub progress: Option<Arc<GroupProgress>>,
+    /// How long after it is given out an unused pass counts as an order
+    /// to come (`waiting_room.fresh_pass_ms`): its holder may not have
+    /// seen it yet. Older ones mostly never buy.
+    pub fresh: Duration,
 }
 
 impl Pace {
@@ -73,12 +98,67 @@ impl Pace {
             lag: IntGauge::new("unused", "unused").expect("a valid gauge"),
             bound: 0,
             breaker: None,
+            progress: None,
+            fresh: Duration::ZERO,
         }
     }
 
     fn share(&self) -> u32 {
         let refuses = self.breaker.as_ref().is_some_and(|p| p.breaker.is_open());
         share_permille(self.lag.get(), self.bound, refuses)
+    }
+
+    /// This round's pacing, with `used` the passes the room has seen used
+    /// (what `uses` recorded of it, oldest first).
+    fn pacing(&self, uses: &Uses) -> Pacing {
+        let window = self.progress.as_ref().and_then(|p| {
+            let since = p.sampled_at()?.checked_sub(PUBLISH_ALLOWANCE)?;
+            window(self.lag.get(), self.bound, uses.since(since))
+        });
+        Pacing {
+            share_permille: self.share(),
+            window,
+            fresh_ms: i64::try_from(self.fresh.as_millis()).unwrap_or(i64::MAX),
+        }
+    }
+}
+
+/// A room's count of used passes as the admitter read it round by round:
+/// how many were used after a moment.
+#[derive(Default)]
+struct Uses {
+    seen: VecDeque<(Instant, u64)>,
+}
+
+/// How long the counts are kept: far longer than any lag sample is old.
+const USES_KEPT: Duration = Duration::from_secs(30);
+
+impl Uses {
+    fn record(&mut self, at: Instant, used: u64) {
+        // A new queue counts from 0 again.
+        if self.seen.back().is_some_and(|&(_, last)| used < last) {
+            self.seen.clear();
+        }
+        self.seen.push_back((at, used));
+        while self.seen.len() > 1 && at.duration_since(self.seen[0].0) > USES_KEPT {
+            self.seen.pop_front();
+        }
+    }
+
+    /// Passes used since `since` as far as the counts tell: from the last
+    /// count read at or before it (or the oldest kept) to the newest.
+    fn since(&self, since: Instant) -> u64 {
+        let Some(&(_, newest)) = self.seen.back() else {
+            return 0;
+        };
+        let base = self
+            .seen
+            .iter()
+            .rev()
+            .find(|&&(at, _)| at <= since)
+            .or(self.seen.front())
+            .map_or(newest, |&(_, used)| used);
+        newest.saturating_sub(base)
     }
 }
 
@@ -101,6 +181,8 @@ struct Admitter {
     pace: Pace,
     /// When each room was first found missing from Redis.
     missing_since: HashMap<ActivityId, Instant>,
+    /// Each room's used passes, as read round by round.
+    uses: HashMap<ActivityId, Uses>,
 }
 
 async fn run(
@@ -118,6 +200,7 @@ async fn run(
         interval,
         pace,
         missing_since: HashMap::new(),
+        uses: HashMap::new(),
     };
     let mut live: Vec<LiveRoom> = Vec::new();
     let mut listed: Option<Instant> = None;
@@ -132,6 +215,9 @@ async fn run(
             match store::run(admitter.rooms.db(), move |conn| Ok(repo::live(conn, now)?)).await {
                 Ok(rooms) => {
                     live = rooms;
+                    admitter
+                        .uses
+                        .retain(|id, _| live.iter().any(|r| r.room.activity_id == *id));
                     listed = Some(Instant::now());
                 }
                 Err(e) => warn_now_and_then(&mut last_warning, &e),
@@ -161,6 +247,9 @@ impl Admitter {
             return self.reopen(id).await;
         };
         self.missing_since.remove(&id);
+        let uses = self.uses.entry(id).or_default();
+        uses.record(Instant::now(), view.used);
+        let pacing = self.pace.pacing(uses);
         let now_ms = self.clock.now_ms();
         let queue_len = view.seq.saturating_sub(view.serving);
         let label = id.to_string();
@@ -198,7 +287,7 @@ impl Admitter {
                 now_ms,
                 view.next_place(),
                 available,
-                self.pace.share(),
+                pacing,
                 &candidates,
             )
             .await?;
@@ -311,5 +400,43 @@ mod tests {
             666,
             "odd bounds: 2 of the 3 steps left"
         );
+    }
+
+    #[test]
+    fn the_window_is_three_quarters_of_the_bound_less_what_is_in_flight() {
+        assert_eq!(window(0, 0, 0), None, "no bound: no window");
+        assert_eq!(window(-1, 300, 0), None, "an unknown lag: no window");
+        assert_eq!(window(0, 300, 0), Some(225));
+        assert_eq!(window(100, 300, 25), Some(100));
+        assert_eq!(window(200, 300, 25), Some(0));
+        assert_eq!(window(400, 300, 0), Some(0), "never below none");
+        assert_eq!(window(0, 300, u64::MAX), Some(0));
+    }
+
+    #[test]
+    fn passes_used_since_a_moment_count_from_the_last_reading_before_it() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut uses = Uses::default();
+        assert_eq!(uses.since(at(0)), 0, "nothing read yet");
+        uses.record(at(0), 10);
+        uses.record(at(100), 30);
+        uses.record(at(200), 70);
+        assert_eq!(uses.since(at(150)), 40, "from the reading at 100");
+        assert_eq!(uses.since(at(100)), 40);
+        assert_eq!(uses.since(at(250)), 0);
+        assert_eq!(
+            uses.since(t0 - Duration::from_secs(1)),
+            60,
+            "the oldest kept"
+        );
+        // A new queue counts from 0 again.
+        uses.record(at(300), 5);
+        assert_eq!(uses.since(at(0)), 0);
+        uses.record(at(400), 9);
+        assert_eq!(uses.since(at(350)), 4);
+        // Readings older than USES_KEPT go, but one is always kept.
+        uses.record(at(400) + USES_KEPT + Duration::from_secs(1), 12);
+        assert_eq!(uses.seen.len(), 1);
     }
 }

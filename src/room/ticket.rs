@@ -220,6 +220,7 @@ mod tests {
             commitment: String::new(),
             seed: String::new(),
             offering: 1,
+            used: 0,
         }
     }
 

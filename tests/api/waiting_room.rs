@@ -1012,6 +1012,49 @@ async fn a_shard_lost_beside_an_intact_queue_keeps_the_queue() {
     assert_eq!(status, 202, "{body}");
 }
 
+/// Adaptive admission's window: each pass may become an order, so a room
+/// gives out no more passes than the pipeline could take in flight
+/// (three quarters of `admission.max_consumer_lag`, here 30), counting
+/// those given out in the last `waiting_room.fresh_pass_ms` (here 1 s) and
+/// not used. Its own rate (200/s)
+/// would give all 400 tickets a pass within 2 s.
+#[tokio::test]
+async fn a_room_gives_out_no_more_fresh_passes_than_the_pipeline_could_take() {
+    let app = spawn_app_with(|s| {
+        crate::helpers::without_order_consumer(s);
+        s.admission.max_consumer_lag = 40;
+        s.admission.lag_sample_ms = Duration::from_millis(100);
+        s.waiting_room.fresh_pass_ms = Duration::from_secs(1);
+    })
+    .await;
+    let (id, _) = app.room_activity(1000, -60, room(0, 200)).await;
+    // No admission before this moment, so at most 30 in each second from it.
+    let from = std::time::Instant::now();
+    app.join_all(id, 1..=400).await;
+    let admitted = || async {
+        app.room_field(id, "admitted")
+            .await
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    eventually("admitting", Duration::from_secs(60), || async {
+        (admitted().await > 0).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let given = admitted().await;
+    let seconds = from.elapsed().as_secs() + 1;
+    println!("{given} passes in under {seconds} s");
+    assert!(
+        given <= 30 * seconds,
+        "{given} passes in under {seconds} s: more than 30 fresh at once"
+    );
+    let stats = app.stats(id).await;
+    let window = stats["waiting_room"]["admit_window_now"].as_i64();
+    assert!(window.is_some_and(|w| (0..=30).contains(&w)), "{stats}");
+    assert_eq!(stats["waiting_room"]["admit_per_sec_now"], 200, "{stats}");
+}
+
 /// Adaptive admission: while the order consumers are behind by
 /// `admission.max_consumer_lag`, a room admits no one (its buyers would
 /// only meet 503 BUSY); once they catch up it admits at its rate again.

@@ -453,6 +453,14 @@ def operator_page(driver, main, room):
     assert status == 200 and body["waiting_room"]["admit_per_sec"] == 7, (status, body)
     # The rate admitting now follows (the order consumers keep up here).
     wait_for(driver, "admitting at the new rate", lambda d: text(d, room_row + " .rate-now") == "7")
+    # Adaptive admission's window, as the stats route has it: 3/4 of the
+    # default lag bound (100,000), less what is in flight.
+    def window_shown(d):
+        shown = text(d, room_row + " .window-now").replace(",", "")
+        _, body = call("GET", f"/api/v1/admin/activities/{room}/stats", token=ADMIN)
+        known = body["waiting_room"].get("admit_window_now")
+        return shown.isdigit() and known is not None and 0 < int(shown) <= 75000
+    wait_for(driver, "adaptive admission's window", window_shown)
 
     # Create, warm up and end an activity from the forms.
     name = driver.find_element(By.CSS_SELECTOR, '#create-form [name="name"]')

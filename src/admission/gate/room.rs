@@ -74,6 +74,8 @@ pub struct RoomView {
     pub seed: String,
     /// Once sold out, the next place the waitlist's offers go to.
     pub offering: u64,
+    /// Passes and offers used so far (`room_redeem`), this queue's.
+    pub used: u64,
 }
 
 impl RoomView {
@@ -95,7 +97,7 @@ impl TryFrom<Vec<String>> for RoomView {
         let bad = || {
             redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "room status reply"))
         };
-        if f.len() != 12 {
+        if f.len() != 13 {
             return Err(bad());
         }
         let int = |i: usize| f[i].parse::<i64>().map_err(|_| bad());
@@ -113,8 +115,30 @@ impl TryFrom<Vec<String>> for RoomView {
             commitment: f[9].clone(),
             seed: f[10].clone(),
             offering: count(11)?,
+            used: count(12)?,
         })
     }
+}
+
+/// What one admission round may take, as adaptive admission sets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    /// The share of the room's rate, in thousandths (1000: all of it).
+    pub share_permille: u32,
+    /// How many more orders the pipeline may have in flight, before the
+    /// passes given out in the last `fresh_ms` and not used yet are
+    /// counted; `None`: no limit.
+    pub window: Option<u64>,
+    pub fresh_ms: i64,
+}
+
+impl Pacing {
+    /// The room's own rate, no window.
+    pub const FULL: Self = Self {
+        share_permille: 1000,
+        window: None,
+        fresh_ms: 0,
+    };
 }
 
 /// An admission round's outcome.
@@ -143,6 +167,9 @@ pub struct Admitted {
     pub offers_open: u64,
     /// Offers that ran out unused in this round.
     pub offers_lapsed: u64,
+    /// Orders the pipeline may still take in flight after this round
+    /// (adaptive admission's window); `None`: no limit.
+    pub window_left: Option<u64>,
     pub tickets: Vec<u64>,
 }
 
@@ -159,14 +186,15 @@ impl TryFrom<Vec<i64>> for Round {
             Some(-2) => Round::Over,
             Some(-3) => Round::Stale(at(1)?),
             Some(0) => Round::NotStarted,
-            Some(1) if r.len() >= 7 => Round::Admitted(Admitted {
+            Some(1) if r.len() >= 8 => Round::Admitted(Admitted {
                 place: at(1)?,
                 sold_out: r[2] == 1,
                 seq: at(3)?,
                 passes_outstanding: at(4)?,
                 offers_open: at(5)?,
                 offers_lapsed: at(6)?,
-                tickets: r[7..].iter().map(|&t| t.max(0) as u64).collect(),
+                window_left: (r[7] >= 0).then_some(r[7] as u64),
+                tickets: r[8..].iter().map(|&t| t.max(0) as u64).collect(),
             }),
             _ => return Err(bad()),
         })
@@ -229,6 +257,12 @@ pub struct RoomFigures {
     /// The rate admitting now: below `admit_per_sec` while the order
     /// pipeline is behind (adaptive admission), as the last round set it.
     pub admit_per_sec_now: i64,
+    /// Adaptive admission's window after the last round: how many more
+    /// passes the order pipeline could take in flight (three quarters of
+    /// `admission.max_consumer_lag`, less the lag, the passes used lately
+    /// and those given out lately and not used). Absent without a limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admit_window_now: Option<i64>,
     /// The queueing method (`fifo`, `passthrough`, `reject`), from the
     /// room's row.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -253,6 +287,7 @@ impl RedisGate {
                 "rate",
                 "max_active",
                 "rate_now",
+                "window_now",
             ])
             .cmd("ZCARD")
             .arg(k.room_active())
@@ -278,6 +313,7 @@ impl RedisGate {
             admit_per_sec: at(6).unwrap_or(0),
             max_active: at(7).unwrap_or(0),
             admit_per_sec_now: at(8).or(at(6)).unwrap_or(0),
+            admit_window_now: at(9).filter(|&w| w >= 0),
             method: None,
         }))
     }
@@ -409,14 +445,14 @@ impl RoomGate {
 
     /// One admission round: `candidates` are the tickets at places
     /// `place`, `place + 1`, … ([`RoomView::next_place`]); `available` the
-    /// units for sale.
+    /// units for sale; `pace` what the order pipeline takes now.
     pub async fn admit(
         &self,
         activity: ActivityId,
         now_ms: i64,
         place: u64,
         available: i64,
-        share_permille: u32,
+        pace: Pacing,
         candidates: &[u64],
     ) -> RedisResult<Round> {
         let k = self.keys(activity);
@@ -428,7 +464,12 @@ impl RoomGate {
             .arg(now_ms)
             .arg(place)
             .arg(available)
-            .arg(share_permille);
+            .arg(pace.share_permille)
+            .arg(
+                pace.window
+                    .map_or(-1, |w| i64::try_from(w).unwrap_or(i64::MAX)),
+            )
+            .arg(pace.fresh_ms);
         for &t in candidates {
             call.arg(t);
         }

@@ -8,7 +8,10 @@
 -- next (`serving`, or `offering` once sold out)   ARGV[3] units Redis
 -- holds for sale now   ARGV[4] the share of the room's rate the order
 -- pipeline takes now, in thousandths (adaptive admission; 1000: all)
--- ARGV[5..] the tickets at places ARGV[2], ARGV[2] + 1, … (the caller
+-- ARGV[5] how many more orders the pipeline may have in flight (adaptive
+-- admission; -1: no limit), before the passes this room gave out in the
+-- last ARGV[6] ms and not used yet, which may still buy, are counted
+-- ARGV[7..] the tickets at places ARGV[2], ARGV[2] + 1, … (the caller
 --           computes them from the draw)
 --
 -- Once the units are gone the room is sold out for good. Every ticket that
@@ -21,7 +24,8 @@
 --
 -- Returns {-1} no room, {-2} the sale is over, {-3, place} the caller's
 -- place is stale, {0, serving} before the start, else {1, place, sold,
--- seq, passes outstanding, offers open, offers expired unused, tickets…}.
+-- seq, passes outstanding, offers open, offers expired unused, the window
+-- left (-1: no limit), tickets…}.
 local now = tonumber(ARGV[1])
 local r = redis.call('HMGET', KEYS[1], 'end_ms', 'seq', 'serving', 'sold', 'rate',
   'max_active', 'pass_ms', 'offer_ms', 'tokens_m', 'tokens_at', 'offering')
@@ -72,10 +76,18 @@ elseif sold then
 elseif tonumber(r[6]) > 0 then
   n = math.min(n, tonumber(r[6]) - active)
 end
+-- The window: each pass may become an order. Those given out lately and
+-- not used are not in the lag yet (those used lately the caller counted).
+local window = tonumber(ARGV[5])
+if window >= 0 then
+  local fresh = redis.call('ZCOUNT', KEYS[3], '(' .. (now + tonumber(r[7]) - tonumber(ARGV[6])), '+inf')
+  window = math.max(0, window - fresh)
+  n = math.min(n, window)
+end
 
 local seq = tonumber(r[2])
 local out = {}
-local i = 5
+local i = 7
 while n > 0 and i <= #ARGV do
   local t = ARGV[i]
   if tonumber(t) > seq then break end
@@ -97,12 +109,16 @@ while n > 0 and i <= #ARGV do
     n = n - 1
   end
 end
+-- The window left after this round (-1: no limit), for the operator.
+local left = -1
+if window >= 0 then left = window - #out end
 redis.call('HSET', KEYS[1], field, place, 'tokens_at', string.format('%d', tokens_at),
-  'tokens_m', string.format('%d', tokens - #out * 1000), 'rate_now', rate)
+  'tokens_m', string.format('%d', tokens - #out * 1000), 'rate_now', rate,
+  'window_now', left)
 redis.call('HINCRBY', KEYS[1], 'admitted', #out)
 local flag = 0
 if sold then flag = 1 end
 local reply = {1, place, flag, seq, redis.call('ZCARD', KEYS[3]), redis.call('ZCARD', KEYS[4]),
-  lapsed}
+  lapsed, left}
 for _, t in ipairs(out) do reply[#reply + 1] = tonumber(t) end
 return reply

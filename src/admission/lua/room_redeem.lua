@@ -24,6 +24,9 @@ if st == ARGV[4] .. ':' .. ARGV[5] then
   if ARGV[4] == 'O' then used = 'V:' end
   redis.call('HSET', KEYS[3], ARGV[1], used .. ARGV[5])
   redis.call('ZREM', KEYS[4], ARGV[1])
+  -- Passes used so far: adaptive admission counts the orders they may
+  -- have made that the consumers' lag does not show yet.
+  redis.call('HINCRBY', KEYS[1], 'used', 1)
   return 1
 end
 local was = string.sub(st or '', 1, 2)

@@ -856,6 +856,7 @@ const operator = {
           cell(r.admitted, "num admitted"),
           cell(perSec == null ? null : perSec.toFixed(1), "num per-sec"),
           cell(r.admit_per_sec_now, "num rate-now"),
+          cell(r.admit_window_now, "num window-now"),
           cell(r.passes_outstanding, "num passes"),
           cell(r.offers_open, "num offers"),
           cell(r.sold_out ? "yes" : "no", "text sold-out"),
