@@ -10,6 +10,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::domain::UserId;
 
+/// A key for one `purpose` (a fixed label, e.g. `seckill/queue-pass/v1`)
+/// derived from `auth.server_secret`, the key root of everything the
+/// server signs and checks itself: HMAC-SHA-256(secret, purpose).
+pub fn derive_key(server_secret: &SecretString, purpose: &str) -> Vec<u8> {
+    use hmac::{KeyInit, Mac};
+    let mut mac =
+        hmac::Hmac::<sha2::Sha256>::new_from_slice(server_secret.expose_secret().as_bytes())
+            .expect("HMAC takes any key length");
+    mac.update(purpose.as_bytes());
+    mac.finalize().into_bytes().to_vec()
+}
+
 /// Who the token says the caller is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use deadpool_redis::{PoolConfig, Runtime, Timeouts};
-use secrecy::ExposeSecret;
 use tokio::sync::{Notify, Semaphore};
 
 use crate::activities::cache::ActivityCache;
@@ -273,7 +272,7 @@ impl Sale {
             RoomGate::new(gate),
             p.pg.db.clone(),
             p.pg.public.clone(),
-            settings.auth.jwt_secret.expose_secret().as_bytes(),
+            &settings.auth.server_secret,
             settings.waiting_room.challenge_ttl_secs,
             metrics.clone(),
         ));

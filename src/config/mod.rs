@@ -39,6 +39,9 @@ mod duration {
 /// reads the repository, so production refuses to start with it.
 pub const DEV_JWT_SECRET: &str = "dev-only-secret-do-not-use-in-production";
 
+/// The server's own key root shipped in `config/default.toml`.
+pub const DEV_SERVER_SECRET: &str = "dev-only-server-secret-do-not-use-in-production";
+
 /// The payment callback secret shipped in `config/default.toml`.
 pub const DEV_NOTIFY_SECRET: &str = "dev-only-notify-secret-do-not-use-in-production";
 
@@ -349,6 +352,11 @@ impl PartialEq<&str> for Environment {
 pub struct AuthSettings {
     /// HS256 secret shared with whoever issues tokens.
     pub jwt_secret: SecretString,
+    /// The key root of what the server signs for itself and checks
+    /// itself: queue passes, proof-of-work challenges, entrants' salts,
+    /// the fallback's purchase tokens. Never the JWT secret: whoever can
+    /// mint user tokens must not be able to mint passes.
+    pub server_secret: SecretString,
     /// When set, a token's `iss` must be exactly this.
     #[serde(default)]
     pub issuer: Option<String>,
@@ -568,6 +576,12 @@ impl Settings {
                  not the development secret)",
             );
         }
+        if weak(&self.auth.server_secret, DEV_SERVER_SECRET) {
+            problems.push(
+                "SECKILL__AUTH__SERVER_SECRET (auth.server_secret: at least 32 bytes, \
+                 not the development secret)",
+            );
+        }
         if weak(&self.payment.notify_secret, DEV_NOTIFY_SECRET) {
             problems.push(
                 "SECKILL__PAYMENT__NOTIFY_SECRET (payment.notify_secret: at least 32 bytes, \
@@ -604,6 +618,13 @@ impl Settings {
                     problems.join("; ")
                 );
             }
+        }
+        if self.auth.server_secret.expose_secret() == self.auth.jwt_secret.expose_secret() {
+            bail!(
+                "auth.server_secret is auth.jwt_secret: whoever can mint user tokens could \
+                 mint queue passes and purchase tokens; give the server a secret of its own \
+                 (SECKILL__AUTH__SERVER_SECRET)"
+            );
         }
         self.check_durations()?;
         if self.redis.mode == RedisMode::Cluster

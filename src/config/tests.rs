@@ -47,6 +47,11 @@ fn production_refuses_the_development_secret() {
         "the development notify secret is refused too"
     );
     s.payment.notify_secret = SecretString::from("y".repeat(40));
+    assert!(
+        s.validate().is_err(),
+        "the development server secret is refused too"
+    );
+    s.auth.server_secret = SecretString::from("z".repeat(40));
     assert!(s.validate().is_ok());
     assert!(settings("development", DEV_JWT_SECRET).validate().is_ok());
 }
@@ -58,17 +63,36 @@ fn production_refuses_the_mock_provider_and_names_every_missing_variable_at_once
     let err = s.validate().expect_err("refused").to_string();
     for name in [
         "SECKILL__AUTH__JWT_SECRET",
+        "SECKILL__AUTH__SERVER_SECRET",
         "SECKILL__PAYMENT__NOTIFY_SECRET",
         "SECKILL__PAYMENT__MOCK=false",
     ] {
         assert!(err.contains(name), "{err}");
     }
     s.auth.jwt_secret = SecretString::from("x".repeat(40));
+    s.auth.server_secret = SecretString::from("z".repeat(40));
     s.payment.notify_secret = SecretString::from("y".repeat(40));
     let err = s.validate().expect_err("the mock alone is refused");
     assert!(err.to_string().contains("payment.mock"), "{err}");
     s.payment.mock = false;
     assert!(s.validate().is_ok());
+}
+
+#[test]
+fn the_server_secret_must_not_be_the_jwt_secret_in_any_environment() {
+    for env in ["development", "test", "production"] {
+        let mut s = settings(env, &"x".repeat(40));
+        s.auth.server_secret = s.auth.jwt_secret.clone();
+        s.payment.notify_secret = SecretString::from("y".repeat(40));
+        s.payment.mock = env != "production";
+        let err = s.validate().expect_err(env).to_string();
+        assert!(
+            err.contains("auth.server_secret is auth.jwt_secret"),
+            "{env}: {err}"
+        );
+        s.auth.server_secret = SecretString::from("z".repeat(40));
+        assert!(s.validate().is_ok(), "{env}");
+    }
 }
 
 #[test]
@@ -79,6 +103,7 @@ fn every_environment_but_development_and_test_is_held_to_production_rules() {
         let err = s.validate().expect_err(env).to_string();
         for name in [
             "SECKILL__AUTH__JWT_SECRET",
+            "SECKILL__AUTH__SERVER_SECRET",
             "SECKILL__PAYMENT__NOTIFY_SECRET",
             "SECKILL__PAYMENT__MOCK=false",
         ] {
@@ -134,6 +159,7 @@ fn debug_output_never_shows_secrets() {
     let s = Settings::load_env("test").expect("test settings load");
     let printed = format!("{s:?}");
     assert!(!printed.contains(DEV_JWT_SECRET));
+    assert!(!printed.contains(DEV_SERVER_SECRET));
     assert!(!printed.contains("seckill:seckill@"));
 }
 

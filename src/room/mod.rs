@@ -29,11 +29,12 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use hmac::{KeyInit, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
+
+use secrecy::SecretString;
 
 use crate::admission::gate::room::{Joined, Redeemed, RoomGate, RoomSpec, RoomView};
+use crate::auth::derive_key;
 use crate::domain::{ActivityId, UserId};
 use crate::metrics::Metrics;
 use crate::store::{self, PgPool};
@@ -335,28 +336,22 @@ pub struct Sealed {
     pub tree: entrants::Tree,
 }
 
-/// A key for one purpose, derived from the service's secret.
-fn derive(secret: &[u8], purpose: &str) -> Vec<u8> {
-    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
-    mac.update(purpose.as_bytes());
-    mac.finalize().into_bytes().to_vec()
-}
-
 impl Rooms {
-    /// The rooms over `gate`, with keys derived from `secret`.
+    /// The rooms over `gate`, with keys derived from `secret`
+    /// (`auth.server_secret`).
     pub fn new(
         gate: RoomGate,
         db: PgPool,
         public: PgPool,
-        secret: &[u8],
+        secret: &SecretString,
         challenge_ttl: Duration,
         metrics: Metrics,
     ) -> Self {
         Self {
             gate,
             db,
-            puzzles: pow::Puzzles::new(hex::encode(derive(secret, "seckill/queue-pow/v1"))),
-            passes: pass::Passes::new(&derive(secret, "seckill/queue-pass/v1")),
+            puzzles: pow::Puzzles::new(hex::encode(derive_key(secret, "seckill/queue-pow/v1"))),
+            passes: pass::Passes::new(&derive_key(secret, "seckill/queue-pass/v1")),
             challenge_ttl,
             metrics,
             public,
@@ -365,7 +360,7 @@ impl Rooms {
             generation: AtomicU64::new(0),
             draws: Mutex::default(),
             sealing: tokio::sync::Mutex::default(),
-            salts: entrants::Salts::new(&derive(secret, "seckill/queue-entrant-salt/v1")),
+            salts: entrants::Salts::new(&derive_key(secret, "seckill/queue-entrant-salt/v1")),
         }
     }
 

@@ -43,6 +43,7 @@ fn production_without_its_variables_names_each_missing_one_in_one_message() {
     let err = String::from_utf8_lossy(&out.stderr);
     for name in [
         "SECKILL__AUTH__JWT_SECRET",
+        "SECKILL__AUTH__SERVER_SECRET",
         "SECKILL__PAYMENT__NOTIFY_SECRET",
     ] {
         assert!(err.contains(name), "{err}");
@@ -125,6 +126,7 @@ fn any_environment_but_development_and_test_refuses_the_development_defaults() {
         assert!(!out.status.success(), "{env} started: {err}");
         for name in [
             "SECKILL__AUTH__JWT_SECRET",
+            "SECKILL__AUTH__SERVER_SECRET",
             "SECKILL__PAYMENT__NOTIFY_SECRET",
             "SECKILL__PAYMENT__MOCK=false",
         ] {

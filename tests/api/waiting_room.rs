@@ -621,7 +621,8 @@ async fn a_user_who_joins_a_hundred_times_from_ten_connections_holds_one_ticket(
 }
 
 /// A token without a pass, or with a forged, expired, reused or foreign
-/// one, is refused, and nothing changes in Redis or PostgreSQL.
+/// one, or one signed from the JWT secret, is refused, and nothing changes
+/// in Redis or PostgreSQL.
 #[tokio::test]
 async fn a_purchase_token_without_a_good_pass_is_refused_and_changes_nothing() {
     let app = spawn_app().await;
@@ -670,6 +671,23 @@ async fn a_purchase_token_without_a_good_pass_is_refused_and_changes_nothing() {
     refused("QUEUE_PASS_INVALID", 1, Some("not-a-pass".into())).await;
     refused("QUEUE_PASS_INVALID", 2, Some(a.clone())).await;
     refused("QUEUE_PASS_INVALID", 1, Some(a_elsewhere)).await;
+    // The same pass signed from the JWT secret, which whoever mints user
+    // tokens holds: refused. Signed from the server's secret it is `a`.
+    let resigned = |secret: &secrecy::SecretString| {
+        use hmac::{KeyInit, Mac};
+        let (body, _) = a.rsplit_once('.').unwrap();
+        let key = seckill::auth::derive_key(secret, "seckill/queue-pass/v1");
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&key).unwrap();
+        mac.update(body.as_bytes());
+        format!("{body}.{}", hex::encode(mac.finalize().into_bytes()))
+    };
+    assert_eq!(resigned(&app.settings.auth.server_secret), a);
+    refused(
+        "QUEUE_PASS_INVALID",
+        1,
+        Some(resigned(&app.settings.auth.jwt_secret)),
+    )
+    .await;
 
     let (status, body) = app.token_with(1, id, Some(&a)).await;
     assert_eq!(status, 200, "its own pass buys a token once: {body}");

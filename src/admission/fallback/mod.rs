@@ -36,7 +36,6 @@ use std::time::Duration;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamptz};
 use hmac::{Hmac, KeyInit, Mac};
-use secrecy::ExposeSecret;
 use sha2::Sha256;
 use tokio_util::sync::CancellationToken;
 
@@ -217,8 +216,8 @@ impl Fallback {
         events: Arc<OrderEvents>,
     ) -> Self {
         let rate = settings.admission.fallback_rate_per_sec;
-        let mut token_key = b"seckill fallback token\0".to_vec();
-        token_key.extend_from_slice(settings.auth.jwt_secret.expose_secret().as_bytes());
+        let token_key =
+            crate::auth::derive_key(&settings.auth.server_secret, "seckill/fallback-token/v1");
         let health = Arc::new(Health {
             down_since: AtomicI64::new(0),
             back_at: AtomicI64::new(0),
