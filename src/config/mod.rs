@@ -363,6 +363,78 @@ pub struct AuthSettings {
     /// When set, a token's `aud` must name this.
     #[serde(default)]
     pub audience: Option<String>,
+    /// User tokens come from an identity provider that publishes its keys
+    /// here (a JWKS): RS256 or ES256, never HS256. Needs `issuer` and
+    /// `audience`.
+    #[serde(default)]
+    pub jwks_url: Option<String>,
+    /// Find the JWKS through OIDC discovery, at
+    /// `{issuer}/.well-known/openid-configuration`, instead of `jwks_url`.
+    #[serde(default)]
+    pub discovery: bool,
+    /// How long a fetched JWKS is used before it is fetched again, in
+    /// seconds.
+    #[serde(default = "jwks_ttl_by_default", deserialize_with = "duration::secs")]
+    pub jwks_ttl_secs: Duration,
+    /// The least time between two fetches of the JWKS for a token whose
+    /// `kid` it does not have, in seconds: made-up `kid`s cost one fetch
+    /// per cooldown.
+    #[serde(
+        default = "jwks_cooldown_by_default",
+        deserialize_with = "duration::secs"
+    )]
+    pub jwks_cooldown_secs: Duration,
+}
+
+fn jwks_ttl_by_default() -> Duration {
+    Duration::from_secs(300)
+}
+
+fn jwks_cooldown_by_default() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl AuthSettings {
+    /// The identity provider's settings, `None` without one; an error
+    /// names what is missing or contradicts.
+    pub fn provider(&self) -> anyhow::Result<Option<crate::auth::jwks::JwksConfig>> {
+        use crate::auth::jwks::{JwksConfig, Source};
+        let source = match (&self.jwks_url, self.discovery) {
+            (None, false) => return Ok(None),
+            (Some(_), true) => {
+                bail!("auth.jwks_url and auth.discovery: set one (discovery finds the JWKS itself)")
+            }
+            (Some(url), false) => Source::Jwks(url.clone()),
+            (None, true) => Source::Discovery(self.issuer.clone().ok_or_else(|| {
+                anyhow::anyhow!("auth.discovery needs auth.issuer (the provider to ask)")
+            })?),
+        };
+        let url = match &source {
+            Source::Jwks(url) | Source::Discovery(url) => url,
+        };
+        if !(url.starts_with("https://") || url.starts_with("http://")) {
+            bail!("auth.jwks_url / auth.issuer must be an http(s) URL, not {url:?}");
+        }
+        let (Some(issuer), Some(audience)) = (self.issuer.clone(), self.audience.clone()) else {
+            bail!(
+                "tokens from an identity provider need auth.issuer and auth.audience (a token's \
+                 exact iss, and the aud it must name)"
+            );
+        };
+        if self.jwks_cooldown_secs < Duration::from_secs(1) {
+            bail!("auth.jwks_cooldown_secs must be at least 1 s");
+        }
+        if self.jwks_ttl_secs < self.jwks_cooldown_secs {
+            bail!("auth.jwks_ttl_secs must be at least auth.jwks_cooldown_secs");
+        }
+        Ok(Some(JwksConfig {
+            source,
+            issuer,
+            audience,
+            ttl: self.jwks_ttl_secs,
+            cooldown: self.jwks_cooldown_secs,
+        }))
+    }
 }
 
 /// How Redis is deployed (`redis.mode`).
@@ -619,6 +691,7 @@ impl Settings {
                 );
             }
         }
+        self.auth.provider()?;
         if self.auth.server_secret.expose_secret() == self.auth.jwt_secret.expose_secret() {
             bail!(
                 "auth.server_secret is auth.jwt_secret: whoever can mint user tokens could \

@@ -188,3 +188,32 @@ fn an_unnamed_environment_serves_on_loopback_only() {
 fn an_environment_loaded_by_name_is_named() {
     assert!(Settings::load_env("test").unwrap().app.env_named);
 }
+
+#[test]
+fn an_identity_provider_needs_an_issuer_an_audience_and_one_way_to_its_keys() {
+    let mut s = settings("test", DEV_JWT_SECRET);
+    assert!(s.auth.provider().unwrap().is_none(), "HS256 by default");
+    s.auth.jwks_url = Some("https://id.example.test/jwks".into());
+    let e = s.validate().unwrap_err().to_string();
+    assert!(e.contains("auth.issuer and auth.audience"), "{e}");
+    s.auth.issuer = Some("https://id.example.test".into());
+    s.auth.audience = Some("seckill".into());
+    assert!(s.validate().is_ok());
+    assert!(s.auth.provider().unwrap().is_some());
+    s.auth.discovery = true;
+    let e = s.validate().unwrap_err().to_string();
+    assert!(e.contains("set one"), "{e}");
+    s.auth.jwks_url = None;
+    assert!(s.validate().is_ok(), "discovery from the issuer");
+    s.auth.issuer = Some("id.example.test".into());
+    let e = s.validate().unwrap_err().to_string();
+    assert!(e.contains("http(s) URL"), "{e}");
+    s.auth.issuer = Some("https://id.example.test".into());
+    s.auth.jwks_cooldown_secs = Duration::ZERO;
+    let e = s.validate().unwrap_err().to_string();
+    assert!(e.contains("jwks_cooldown_secs"), "{e}");
+    s.auth.jwks_cooldown_secs = Duration::from_secs(30);
+    s.auth.jwks_ttl_secs = Duration::from_secs(10);
+    let e = s.validate().unwrap_err().to_string();
+    assert!(e.contains("jwks_ttl_secs"), "{e}");
+}

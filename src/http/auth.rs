@@ -2,7 +2,7 @@
 //! `crate::auth`). The extractors [`AuthUser`] and [`AdminUser`] answer
 //! 401 / 403 in the API error shape.
 
-use std::future::{Ready, ready};
+use futures_util::future::{LocalBoxFuture, ready};
 
 use actix_web::http::header;
 use actix_web::{FromRequest, HttpRequest, dev::Payload, web};
@@ -28,9 +28,28 @@ pub struct AuthUser {
 #[derive(Debug, Clone, Copy)]
 pub struct AdminUser(pub AuthUser);
 
-fn authenticate(req: &HttpRequest) -> Result<AuthUser, ApiError> {
+/// The caller of `req`: from memory with the HS256 secret or a key the
+/// identity provider's JWKS already gave; an unknown `kid` may wait for
+/// the JWKS to be fetched again.
+fn authenticate(req: &HttpRequest) -> LocalBoxFuture<'static, Result<AuthUser, ApiError>> {
+    let (keys, token) = match bearer(req) {
+        Ok(found) => found,
+        Err(e) => return Box::pin(ready(Err(e))),
+    };
+    if keys.provider().is_none() {
+        return Box::pin(ready(verify(&keys, &token)));
+    }
+    Box::pin(async move {
+        let (user_id, role) = keys.verify_any(&token).await.map_err(unauthorized)?;
+        Ok(AuthUser { user_id, role })
+    })
+}
+
+/// The keys and the bearer token of `req`.
+fn bearer(req: &HttpRequest) -> Result<(web::Data<JwtKeys>, String), ApiError> {
     let keys = req
         .app_data::<web::Data<JwtKeys>>()
+        .cloned()
         .ok_or_else(|| ApiError::unexpected(anyhow::anyhow!("JwtKeys missing from app data")))?;
     let value = req
         .headers()
@@ -43,10 +62,11 @@ fn authenticate(req: &HttpRequest) -> Result<AuthUser, ApiError> {
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .ok_or_else(|| unauthorized("expected `Authorization: Bearer <token>`"))?;
-    verify(keys, token)
+    Ok((keys, token.to_owned()))
 }
 
-/// A bearer token's caller, or 401 UNAUTHORIZED saying why not.
+/// A bearer token's caller with the HS256 secret, or 401 UNAUTHORIZED
+/// saying why not.
 pub fn verify(keys: &JwtKeys, token: &str) -> Result<AuthUser, ApiError> {
     let (user_id, role) = keys.verify(token).map_err(unauthorized)?;
     Ok(AuthUser { user_id, role })
@@ -54,22 +74,26 @@ pub fn verify(keys: &JwtKeys, token: &str) -> Result<AuthUser, ApiError> {
 
 impl FromRequest for AuthUser {
     type Error = ApiError;
-    type Future = Ready<Result<Self, ApiError>>;
+    type Future = LocalBoxFuture<'static, Result<Self, ApiError>>;
 
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
-        ready(authenticate(req))
+        authenticate(req)
     }
 }
 
 impl FromRequest for AdminUser {
     type Error = ApiError;
-    type Future = Ready<Result<Self, ApiError>>;
+    type Future = LocalBoxFuture<'static, Result<Self, ApiError>>;
 
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
-        ready(authenticate(req).and_then(|user| match user.role {
-            Role::Admin => Ok(AdminUser(user)),
-            Role::User => Err(ApiError::new(ErrorCode::Forbidden, "admin role required")),
-        }))
+        let user = authenticate(req);
+        Box::pin(async move {
+            let user = user.await?;
+            match user.role {
+                Role::Admin => Ok(AdminUser(user)),
+                Role::User => Err(ApiError::new(ErrorCode::Forbidden, "admin role required")),
+            }
+        })
     }
 }
 

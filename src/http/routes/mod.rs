@@ -197,7 +197,10 @@ async fn dev_token(
     keys: web::Data<JwtKeys>,
     body: web::Json<DevToken>,
 ) -> Result<HttpResponse, ApiError> {
-    if state.settings.app.env != crate::config::Environment::Development {
+    // Nor with an identity provider: only it issues tokens then.
+    if state.settings.app.env != crate::config::Environment::Development
+        || keys.provider().is_some()
+    {
         return Err(ApiError::not_found("no such route"));
     }
     if body.user_id < 1 {

@@ -1,8 +1,13 @@
-//! JWT (HS256) tokens: claims `sub` (user id), `role` (`user` | `admin`)
-//! and `exp`, minted and verified with `auth.jwt_secret`. A token with an
-//! `nbf` in the future is refused; with `auth.issuer` / `auth.audience`
-//! set, a token's `iss` / `aud` must match them. The HTTP
-//! extractors that read them are in `http/auth.rs`.
+//! JWT tokens: claims `sub` (user id), `role` (`user` | `admin`) and
+//! `exp`. By default HS256, minted and verified with `auth.jwt_secret`
+//! (development, tests, a shop that issues its own). With `auth.jwks_url`
+//! or `auth.discovery`, RS256 / ES256 tokens from an identity provider,
+//! verified with the keys it publishes ([`jwks`]). A token with an `nbf` in
+//! the future is refused; with `auth.issuer` / `auth.audience` set, a
+//! token's `iss` / `aud` must match them. The HTTP extractors that read
+//! them are in `http/auth.rs`.
+
+pub mod jwks;
 
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use secrecy::{ExposeSecret, SecretString};
@@ -52,13 +57,17 @@ pub struct Claims {
     pub aud: Option<String>,
 }
 
-/// Signing and verification keys derived from `auth.jwt_secret`.
+/// Signing and verification keys derived from `auth.jwt_secret`, or an
+/// identity provider's published keys.
 pub struct JwtKeys {
     encoding: EncodingKey,
     decoding: DecodingKey,
     validation: Validation,
     issuer: Option<String>,
     audience: Option<String>,
+    /// Set: user tokens come from an identity provider, and only its keys
+    /// verify them (the HS256 secret verifies nothing).
+    provider: Option<jwks::SharedJwks>,
 }
 
 impl JwtKeys {
@@ -69,7 +78,16 @@ impl JwtKeys {
 
     /// Keys as `auth` configures them.
     pub fn from_settings(auth: &crate::config::AuthSettings) -> anyhow::Result<Self> {
-        Self::with(&auth.jwt_secret, auth.issuer.clone(), auth.audience.clone())
+        let mut keys = Self::with(&auth.jwt_secret, auth.issuer.clone(), auth.audience.clone())?;
+        if let Some(config) = auth.provider()? {
+            keys.provider = Some(std::sync::Arc::new(jwks::Jwks::new(config)?));
+        }
+        Ok(keys)
+    }
+
+    /// The identity provider's keys, when tokens come from one.
+    pub fn provider(&self) -> Option<&jwks::SharedJwks> {
+        self.provider.as_ref()
     }
 
     fn with(
@@ -100,11 +118,16 @@ impl JwtKeys {
             validation,
             issuer,
             audience,
+            provider: None,
         })
     }
 
     /// Mints a token (the `token` subcommand, tests, the load generator).
     pub fn mint(&self, user_id: i64, role: Role, ttl_secs: i64) -> anyhow::Result<String> {
+        anyhow::ensure!(
+            self.provider.is_none(),
+            "user tokens come from the identity provider (auth.jwks_url or auth.discovery)"
+        );
         let claims = Claims {
             sub: user_id.to_string(),
             role,
@@ -120,9 +143,24 @@ impl JwtKeys {
         )?)
     }
 
-    /// Verifies signature, algorithm and expiry, then the subject's shape;
-    /// the error says why the token is refused.
+    /// Verifies a token whichever way they are issued here: with the
+    /// identity provider's keys (which may be fetched again for an unknown
+    /// `kid`), or the HS256 secret.
+    pub async fn verify_any(&self, token: &str) -> Result<(UserId, Role), String> {
+        match &self.provider {
+            Some(provider) => provider.verify(token).await,
+            None => self.verify(token),
+        }
+    }
+
+    /// Verifies signature, algorithm and expiry, then the subject's shape,
+    /// with the HS256 secret; the error says why the token is refused. With
+    /// an identity provider every token is refused here: use
+    /// [`JwtKeys::verify_any`].
     pub fn verify(&self, token: &str) -> Result<(UserId, Role), String> {
+        if self.provider.is_some() {
+            return Err("tokens are verified with the identity provider's keys".into());
+        }
         let data = jsonwebtoken::decode::<Claims>(token, &self.decoding, &self.validation)
             .map_err(|e| format!("invalid token: {e}"))?;
         let user_id = UserId::parse(&data.claims.sub)

@@ -1,0 +1,696 @@
+//! User tokens from an identity provider: RS256 or ES256, verified with
+//! the public keys it publishes as a JWKS (RFC 7517), found at
+//! `auth.jwks_url` or through OIDC discovery from `auth.issuer`.
+//!
+//! The key set is kept for `auth.jwks_ttl_secs`. A token whose `kid` is not
+//! in it makes the set be fetched again (a provider rotated its keys), but
+//! at most once per `auth.jwks_cooldown_secs`, and one fetch at a time: a
+//! storm of made-up `kid`s costs one fetch, then each of them is refused
+//! from memory. A key removed from the JWKS is refused from the first
+//! fetch that no longer has it.
+//!
+//! Only RS256 and ES256 are accepted, whatever a token's header or a
+//! key's `alg` says; a key is used only for the one algorithm its type
+//! allows (an RSA key for RS256, a P-256 key for ES256), so a token
+//! signed with HS256 over the public key, or with `alg: none`, is refused.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet, KeyAlgorithm};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+
+use super::Role;
+use crate::domain::UserId;
+
+/// The algorithms a provider's token may use. Never HS*: the verifying
+/// key is public.
+const ALLOWED: [Algorithm; 2] = [Algorithm::RS256, Algorithm::ES256];
+
+/// Leeway on `exp` and `nbf`, for clocks a little apart.
+const LEEWAY_SECS: u64 = 30;
+
+/// How long one fetch of the JWKS or the discovery document may take.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where the keys are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A JWKS URL.
+    Jwks(String),
+    /// An issuer whose `/.well-known/openid-configuration` names it.
+    Discovery(String),
+}
+
+/// What [`Jwks`] is configured with.
+#[derive(Debug, Clone)]
+pub struct JwksConfig {
+    pub source: Source,
+    /// The exact `iss` a token must carry.
+    pub issuer: String,
+    /// The audience a token's `aud` must name.
+    pub audience: String,
+    pub ttl: Duration,
+    pub cooldown: Duration,
+}
+
+/// One usable key: its decoding key and the one algorithm it verifies.
+#[derive(Clone)]
+struct Key {
+    decoding: DecodingKey,
+    alg: Algorithm,
+}
+
+/// The key set as last fetched.
+#[derive(Default)]
+struct Fetched {
+    keys: HashMap<String, Key>,
+    /// When it was fetched; `None` before the first fetch answered.
+    at: Option<Instant>,
+}
+
+/// The claims read from a provider's token (`iss`, `aud`, `exp` and `nbf`
+/// are checked by the validation, in whatever shape they come).
+#[derive(Debug, Deserialize)]
+struct ProviderClaims {
+    sub: String,
+    /// `user` when absent: a provider that knows nothing of our roles
+    /// issues buyers' tokens.
+    #[serde(default)]
+    role: Option<Role>,
+}
+
+/// A provider's public keys, fetched and kept.
+pub struct Jwks {
+    config: JwksConfig,
+    http: reqwest::Client,
+    validation_base: Validation,
+    fetched: RwLock<Fetched>,
+    /// Held while a fetch runs; holds when the last one was tried.
+    fetching: tokio::sync::Mutex<Option<Instant>>,
+    /// Fetches tried since start (`seckill_auth_jwks_fetches_total`).
+    fetches: AtomicU64,
+    /// The JWKS URL once discovery found it.
+    jwks_url: RwLock<Option<String>>,
+}
+
+impl Jwks {
+    pub fn new(config: JwksConfig) -> anyhow::Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(FETCH_TIMEOUT)
+            .build()
+            .context("building the JWKS client")?;
+        let mut validation = Validation::new(Algorithm::RS256);
+        validation.leeway = LEEWAY_SECS;
+        validation.validate_nbf = true;
+        validation.set_issuer(&[&config.issuer]);
+        validation.set_audience(&[&config.audience]);
+        validation.set_required_spec_claims(&["exp", "sub", "iss", "aud"]);
+        let jwks_url = match &config.source {
+            Source::Jwks(url) => Some(url.clone()),
+            Source::Discovery(_) => None,
+        };
+        Ok(Self {
+            config,
+            http,
+            validation_base: validation,
+            fetched: RwLock::default(),
+            fetching: tokio::sync::Mutex::new(None),
+            fetches: AtomicU64::new(0),
+            jwks_url: RwLock::new(jwks_url),
+        })
+    }
+
+    /// Fetches tried since start.
+    pub fn fetches(&self) -> u64 {
+        self.fetches.load(Ordering::Relaxed)
+    }
+
+    /// The caller `token` names, or why it is refused.
+    pub async fn verify(&self, token: &str) -> Result<(UserId, Role), String> {
+        let header =
+            jsonwebtoken::decode_header(token).map_err(|e| format!("invalid token: {e}"))?;
+        if !ALLOWED.contains(&header.alg) {
+            return Err(format!(
+                "invalid token: algorithm {:?} is not accepted (RS256, ES256)",
+                header.alg
+            ));
+        }
+        let kid = header
+            .kid
+            .ok_or_else(|| "invalid token: no key id (kid)".to_owned())?;
+        let key = self
+            .key(&kid)
+            .await
+            .ok_or_else(|| format!("invalid token: no key {kid:?} in the provider's JWKS"))?;
+        if key.alg != header.alg {
+            return Err(format!(
+                "invalid token: key {kid:?} verifies {:?}, not {:?}",
+                key.alg, header.alg
+            ));
+        }
+        let mut validation = self.validation_base.clone();
+        validation.algorithms = vec![key.alg];
+        let data = jsonwebtoken::decode::<ProviderClaims>(token, &key.decoding, &validation)
+            .map_err(|e| format!("invalid token: {e}"))?;
+        let user = UserId::parse(&data.claims.sub)
+            .ok_or_else(|| "token subject is not a user id".to_owned())?;
+        Ok((user, data.claims.role.unwrap_or(Role::User)))
+    }
+
+    /// The key `kid`, fetching the set again when it is stale, or when the
+    /// key is unknown and the cooldown has passed.
+    async fn key(&self, kid: &str) -> Option<Key> {
+        let (known, fresh) = self.lookup(kid);
+        if known.is_some() && fresh {
+            return known;
+        }
+        let mut last = self.fetching.lock().await;
+        // Another caller may have fetched while this one waited.
+        let (known, fresh) = self.lookup(kid);
+        if known.is_some() && fresh {
+            return known;
+        }
+        // A stale set is fetched again whatever the cooldown; an unknown
+        // key only once the cooldown since the last try has passed.
+        let stale = !fresh;
+        let cooled = last.is_none_or(|at| at.elapsed() >= self.config.cooldown);
+        if stale || cooled {
+            *last = Some(Instant::now());
+            if let Err(e) = self.fetch().await {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "fetching the identity provider's JWKS failed"
+                );
+            }
+        }
+        drop(last);
+        // A set that could not be fetched again stays in use.
+        self.lookup(kid).0
+    }
+
+    /// The key `kid` as held now, and whether the set is within its TTL.
+    fn lookup(&self, kid: &str) -> (Option<Key>, bool) {
+        let fetched = self.fetched.read().unwrap_or_else(|e| e.into_inner());
+        let fresh = fetched.at.is_some_and(|at| at.elapsed() < self.config.ttl);
+        (fetched.keys.get(kid).cloned(), fresh)
+    }
+
+    async fn fetch(&self) -> anyhow::Result<()> {
+        self.fetches.fetch_add(1, Ordering::Relaxed);
+        let url = self.jwks_url().await?;
+        #[derive(Deserialize)]
+        struct Raw {
+            keys: Vec<serde_json::Value>,
+        }
+        let raw: Raw = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .with_context(|| format!("GET {url}"))?
+            .json()
+            .await
+            .with_context(|| format!("{url} is not a JWKS"))?;
+        // One key this library cannot read leaves the others usable.
+        let set = JwkSet {
+            keys: raw
+                .keys
+                .into_iter()
+                .filter_map(|k| serde_json::from_value(k).ok())
+                .collect(),
+        };
+        let keys = usable(&set);
+        tracing::info!(
+            url,
+            keys = keys.len(),
+            "fetched the identity provider's JWKS"
+        );
+        let mut fetched = self.fetched.write().unwrap_or_else(|e| e.into_inner());
+        fetched.keys = keys;
+        fetched.at = Some(Instant::now());
+        Ok(())
+    }
+
+    /// The JWKS URL: configured, or found once by discovery.
+    async fn jwks_url(&self) -> anyhow::Result<String> {
+        if let Some(url) = self
+            .jwks_url
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Ok(url);
+        }
+        let Source::Discovery(issuer) = &self.config.source else {
+            unreachable!("a configured JWKS URL is set at start")
+        };
+        let at = discovery_url(issuer);
+        #[derive(Deserialize)]
+        struct Discovery {
+            issuer: String,
+            jwks_uri: String,
+        }
+        let doc: Discovery = self
+            .http
+            .get(&at)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .with_context(|| format!("GET {at}"))?
+            .json()
+            .await
+            .with_context(|| format!("{at} is not an OpenID configuration"))?;
+        // OIDC Discovery 1.0, 4.3: the document's issuer is the one asked.
+        anyhow::ensure!(
+            doc.issuer == *issuer,
+            "{at} names issuer {:?}, not {issuer:?}",
+            doc.issuer
+        );
+        *self.jwks_url.write().unwrap_or_else(|e| e.into_inner()) = Some(doc.jwks_uri.clone());
+        Ok(doc.jwks_uri)
+    }
+}
+
+/// `{issuer}/.well-known/openid-configuration`.
+pub fn discovery_url(issuer: &str) -> String {
+    format!(
+        "{}/.well-known/openid-configuration",
+        issuer.trim_end_matches('/')
+    )
+}
+
+/// The keys of `set` this service can use, by `kid`: RSA keys for RS256,
+/// P-256 keys for ES256. A key without a `kid`, of another type or curve,
+/// meant for encryption, or whose own `alg` says otherwise, is left out.
+fn usable(set: &JwkSet) -> HashMap<String, Key> {
+    let mut keys = HashMap::new();
+    for jwk in &set.keys {
+        let Some(kid) = jwk.common.key_id.clone() else {
+            continue;
+        };
+        if jwk
+            .common
+            .public_key_use
+            .as_ref()
+            .is_some_and(|u| *u != jsonwebtoken::jwk::PublicKeyUse::Signature)
+        {
+            continue;
+        }
+        let alg = match &jwk.algorithm {
+            AlgorithmParameters::RSA(_) => Algorithm::RS256,
+            AlgorithmParameters::EllipticCurve(p) if p.curve == EllipticCurve::P256 => {
+                Algorithm::ES256
+            }
+            _ => continue,
+        };
+        let declared = jwk.common.key_algorithm;
+        let agrees = match declared {
+            None => true,
+            Some(KeyAlgorithm::RS256) => alg == Algorithm::RS256,
+            Some(KeyAlgorithm::ES256) => alg == Algorithm::ES256,
+            Some(_) => false,
+        };
+        if !agrees {
+            continue;
+        }
+        if let Ok(decoding) = DecodingKey::from_jwk(jwk) {
+            keys.insert(kid, Key { decoding, alg });
+        }
+    }
+    keys
+}
+
+/// Shared, for the extractor and the metrics.
+pub type SharedJwks = Arc<Jwks>;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::AtomicUsize;
+
+    use jsonwebtoken::jwk::Jwk;
+    use jsonwebtoken::{EncodingKey, Header};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    const ISSUER: &str = "https://id.example.test";
+    const AUDIENCE: &str = "seckill";
+
+    /// A key made now, as an identity provider holds it.
+    struct Signer {
+        kid: String,
+        alg: Algorithm,
+        encoding: EncodingKey,
+        public: Jwk,
+        /// The public key as PEM-less DER bytes, for the HS256 confusion.
+        public_bytes: Vec<u8>,
+    }
+
+    fn rsa_signer(kid: &str) -> Signer {
+        use rsa::pkcs1::{EncodeRsaPrivateKey, EncodeRsaPublicKey};
+        use rsa::{Generate, PrivateKey};
+        let key = PrivateKey::generate();
+        let der = key.to_pkcs1_der().expect("pkcs1");
+        let encoding = EncodingKey::from_rsa_der(der.as_bytes());
+        let public_bytes = key
+            .to_public_key()
+            .to_pkcs1_der()
+            .expect("public pkcs1")
+            .as_bytes()
+            .to_vec();
+        signer(kid, Algorithm::RS256, encoding, public_bytes)
+    }
+
+    fn ec_signer(kid: &str) -> Signer {
+        use p256::pkcs8::EncodePrivateKey;
+        let key = loop {
+            let mut bytes = [0u8; 32];
+            getrandom::fill(&mut bytes).expect("random bytes");
+            if let Ok(key) = p256::SecretKey::from_slice(&bytes) {
+                break key;
+            }
+        };
+        let der = key.to_pkcs8_der().expect("pkcs8");
+        let encoding = EncodingKey::from_ec_der(der.as_bytes());
+        let public_bytes = key.public_key().to_sec1_bytes().to_vec();
+        signer(kid, Algorithm::ES256, encoding, public_bytes)
+    }
+
+    fn signer(kid: &str, alg: Algorithm, encoding: EncodingKey, public_bytes: Vec<u8>) -> Signer {
+        let mut public = Jwk::from_encoding_key(&encoding, alg).expect("public jwk");
+        public.common.key_id = Some(kid.to_owned());
+        Signer {
+            kid: kid.to_owned(),
+            alg,
+            encoding,
+            public,
+            public_bytes,
+        }
+    }
+
+    fn claims(sub: &str) -> serde_json::Value {
+        let now = chrono::Utc::now().timestamp();
+        serde_json::json!({"sub": sub, "iss": ISSUER, "aud": AUDIENCE, "exp": now + 300, "iat": now})
+    }
+
+    impl Signer {
+        fn token(&self, claims: &serde_json::Value) -> String {
+            let mut header = Header::new(self.alg);
+            header.kid = Some(self.kid.clone());
+            jsonwebtoken::encode(&header, claims, &self.encoding).expect("sign")
+        }
+    }
+
+    /// An identity provider's JWKS and discovery document over HTTP on
+    /// loopback, counting the JWKS fetches.
+    struct Provider {
+        base: String,
+        published: Arc<Mutex<Vec<Jwk>>>,
+        fetches: Arc<AtomicUsize>,
+    }
+
+    impl Provider {
+        async fn start() -> Self {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let base = format!("http://{}", listener.local_addr().unwrap());
+            let published: Arc<Mutex<Vec<Jwk>>> = Arc::default();
+            let fetches = Arc::new(AtomicUsize::new(0));
+            let (keys, count, issuer) = (published.clone(), fetches.clone(), base.clone());
+            tokio::spawn(async move {
+                while let Ok((mut conn, _)) = listener.accept().await {
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let line = String::from_utf8_lossy(&request)
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .to_owned();
+                    let body = if line.contains("/.well-known/openid-configuration") {
+                        serde_json::json!({"issuer": issuer, "jwks_uri": format!("{issuer}/jwks")})
+                    } else {
+                        count.fetch_add(1, Ordering::SeqCst);
+                        let keys = keys.lock().unwrap().clone();
+                        serde_json::json!({"keys": keys})
+                    }
+                    .to_string();
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(reply.as_bytes()).await;
+                }
+            });
+            Self {
+                base,
+                published,
+                fetches,
+            }
+        }
+
+        fn publish(&self, signers: &[&Signer]) {
+            *self.published.lock().unwrap() = signers.iter().map(|s| s.public.clone()).collect();
+        }
+
+        fn fetches(&self) -> usize {
+            self.fetches.load(Ordering::SeqCst)
+        }
+
+        fn jwks(&self, ttl: Duration, cooldown: Duration) -> Jwks {
+            Jwks::new(JwksConfig {
+                source: Source::Jwks(format!("{}/jwks", self.base)),
+                issuer: ISSUER.into(),
+                audience: AUDIENCE.into(),
+                ttl,
+                cooldown,
+            })
+            .unwrap()
+        }
+    }
+
+    const LONG: Duration = Duration::from_secs(3600);
+
+    #[tokio::test]
+    async fn rs256_and_es256_tokens_of_the_published_keys_are_accepted() {
+        let provider = Provider::start().await;
+        let (rsa, ec) = (rsa_signer("r1"), ec_signer("e1"));
+        provider.publish(&[&rsa, &ec]);
+        let jwks = provider.jwks(LONG, LONG);
+        assert_eq!(
+            jwks.verify(&rsa.token(&claims("7"))).await,
+            Ok((UserId::parse("7").unwrap(), Role::User)),
+            "no role claim: a buyer"
+        );
+        let mut admin = claims("8");
+        admin["role"] = "admin".into();
+        assert_eq!(
+            jwks.verify(&ec.token(&admin)).await,
+            Ok((UserId::parse("8").unwrap(), Role::Admin))
+        );
+        let mut listed = claims("9");
+        listed["aud"] = serde_json::json!(["other", AUDIENCE]);
+        assert!(
+            jwks.verify(&rsa.token(&listed)).await.is_ok(),
+            "aud as a list naming us"
+        );
+        assert_eq!(provider.fetches(), 1, "one fetch serves every known key");
+    }
+
+    #[tokio::test]
+    async fn a_forged_or_foreign_token_is_refused() {
+        let provider = Provider::start().await;
+        let rsa = rsa_signer("r1");
+        let ec = ec_signer("e1");
+        provider.publish(&[&rsa, &ec]);
+        let jwks = provider.jwks(LONG, LONG);
+        let refused = |token: String, why: &'static str| {
+            let jwks = &jwks;
+            async move {
+                let answer = jwks.verify(&token).await;
+                assert!(answer.is_err(), "{why}: {answer:?}");
+            }
+        };
+        // alg none, unsigned.
+        let b64 = |v: serde_json::Value| {
+            use base64::Engine;
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+        };
+        let none = format!(
+            "{}.{}.",
+            b64(serde_json::json!({"alg": "none", "kid": "r1", "typ": "JWT"})),
+            b64(claims("7"))
+        );
+        refused(none, "alg none").await;
+        // HS256 keyed with the RSA public key's bytes.
+        let mut header = Header::new(Algorithm::HS256);
+        header.kid = Some("r1".into());
+        let confused = jsonwebtoken::encode(
+            &header,
+            &claims("7"),
+            &EncodingKey::from_secret(&rsa.public_bytes).unwrap(),
+        )
+        .unwrap();
+        refused(confused, "HS256 over the public key").await;
+        // ES256 claimed over the RSA key's kid.
+        let mut header = Header::new(Algorithm::ES256);
+        header.kid = Some("r1".into());
+        refused(
+            jsonwebtoken::encode(&header, &claims("7"), &ec.encoding).unwrap(),
+            "another key's kid",
+        )
+        .await;
+        for (field, value, why) in [
+            ("aud", serde_json::json!("someone-else"), "wrong aud"),
+            (
+                "iss",
+                serde_json::json!("https://evil.example"),
+                "wrong iss",
+            ),
+            (
+                "exp",
+                serde_json::json!(chrono::Utc::now().timestamp() - 120),
+                "expired",
+            ),
+            (
+                "nbf",
+                serde_json::json!(chrono::Utc::now().timestamp() + 120),
+                "not yet valid",
+            ),
+            (
+                "sub",
+                serde_json::json!("alice"),
+                "a subject that is not a user id",
+            ),
+        ] {
+            let mut c = claims("7");
+            c[field] = value;
+            refused(rsa.token(&c), why).await;
+        }
+        let mut c = claims("7");
+        c.as_object_mut().unwrap().remove("aud");
+        refused(rsa.token(&c), "no aud").await;
+        // Signed by a key the provider never published.
+        refused(
+            rsa_signer("r1").token(&claims("7")),
+            "another key under a known kid",
+        )
+        .await;
+        let mut no_kid = Header::new(Algorithm::RS256);
+        no_kid.kid = None;
+        refused(
+            jsonwebtoken::encode(&no_kid, &claims("7"), &rsa.encoding).unwrap(),
+            "no kid",
+        )
+        .await;
+    }
+
+    #[tokio::test]
+    async fn made_up_kids_cost_one_fetch_per_cooldown() {
+        let provider = Provider::start().await;
+        let rsa = rsa_signer("r1");
+        provider.publish(&[&rsa]);
+        let jwks = Arc::new(provider.jwks(LONG, LONG));
+        assert!(jwks.verify(&rsa.token(&claims("7"))).await.is_ok());
+        assert_eq!(provider.fetches(), 1);
+        // 1,000 tokens with random kids, 100 at a time.
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..1000 {
+            let jwks = jwks.clone();
+            let mut header = Header::new(Algorithm::RS256);
+            header.kid = Some(format!("made-up-{i}-{}", fastrand::u64(..)));
+            let token = jsonwebtoken::encode(&header, &claims("7"), &rsa.encoding).unwrap();
+            tasks.spawn(async move { jwks.verify(&token).await.is_err() });
+            if tasks.len() >= 100 {
+                assert!(tasks.join_next().await.unwrap().unwrap(), "refused");
+            }
+        }
+        while let Some(refused) = tasks.join_next().await {
+            assert!(refused.unwrap(), "refused");
+        }
+        assert!(
+            provider.fetches() <= 2,
+            "{} fetches for 1,000 made-up kids within one cooldown",
+            provider.fetches()
+        );
+        assert!(
+            jwks.verify(&rsa.token(&claims("7"))).await.is_ok(),
+            "the real key still works"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_rotated_key_is_accepted_after_one_fetch_and_a_removed_one_refused() {
+        let provider = Provider::start().await;
+        let (old, new) = (rsa_signer("old"), ec_signer("new"));
+        provider.publish(&[&old]);
+        // No cooldown: every unknown kid may fetch (the storm test holds it).
+        let jwks = provider.jwks(LONG, Duration::ZERO);
+        let old_token = old.token(&claims("7"));
+        assert!(jwks.verify(&old_token).await.is_ok());
+        assert_eq!(provider.fetches(), 1);
+        // The provider adds a key and signs with it.
+        provider.publish(&[&old, &new]);
+        assert!(
+            jwks.verify(&new.token(&claims("7"))).await.is_ok(),
+            "the new kid"
+        );
+        assert_eq!(provider.fetches(), 2, "one fetch for the new kid");
+        assert!(
+            jwks.verify(&old_token).await.is_ok(),
+            "the old key is still published"
+        );
+        assert_eq!(provider.fetches(), 2, "known keys cost no fetch");
+        // The provider removes the old key; the next fetch drops it.
+        let newer = rsa_signer("newer");
+        provider.publish(&[&new, &newer]);
+        assert!(jwks.verify(&newer.token(&claims("7"))).await.is_ok());
+        assert_eq!(provider.fetches(), 3);
+        assert!(
+            jwks.verify(&old_token).await.is_err(),
+            "the removed key is refused"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stale_set_is_fetched_again_and_discovery_finds_the_jwks() {
+        let provider = Provider::start().await;
+        let rsa = rsa_signer("r1");
+        provider.publish(&[&rsa]);
+        let jwks = Jwks::new(JwksConfig {
+            source: Source::Discovery(provider.base.clone()),
+            issuer: ISSUER.into(),
+            audience: AUDIENCE.into(),
+            ttl: Duration::ZERO,
+            cooldown: LONG,
+        })
+        .unwrap();
+        assert!(
+            jwks.verify(&rsa.token(&claims("7"))).await.is_ok(),
+            "found by discovery"
+        );
+        assert!(jwks.verify(&rsa.token(&claims("7"))).await.is_ok());
+        assert_eq!(provider.fetches(), 2, "a set past its TTL is fetched again");
+        // An issuer whose document names another issuer is not trusted.
+        let wrong = Jwks::new(JwksConfig {
+            source: Source::Discovery(format!("{}/other", provider.base)),
+            issuer: ISSUER.into(),
+            audience: AUDIENCE.into(),
+            ttl: LONG,
+            cooldown: LONG,
+        })
+        .unwrap();
+        assert!(wrong.verify(&rsa.token(&claims("7"))).await.is_err());
+    }
+}
