@@ -33,6 +33,8 @@ scripts/services.sh up --redis-cluster
 # Each test creates its own database and drops it when done; a test that
 # crashed leaves one behind. Clear those before a run.
 scripts/drop-databases.sh 'seckill\_test\_%'
+# The OIDC issuer the identity tests run (tests/oidc, Node.js packages).
+scripts/oidc-deps.sh
 
 command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >&2; exit 1; }
 THREADS=${SECKILL_TEST_THREADS:-8}

@@ -219,6 +219,13 @@ impl Application {
         let shutdown = (deadline * 2 / 3).as_secs().max(1);
         let keys = web::Data::new(JwtKeys::from_settings(&settings.auth)?);
         let mut state = AppState::connect_with_clock(settings, clock)?;
+        if let Some(provider) = keys.provider() {
+            state
+                .metrics
+                .registry
+                .register(Box::new(provider.fetch_counter()))
+                .context("registering the JWKS fetch counter")?;
+        }
         state.payments.self_url = format!("http://{}:{port}", loopback(&state.settings.app.host));
         let state = web::Data::new(state);
 

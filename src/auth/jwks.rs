@@ -92,8 +92,11 @@ pub struct Jwks {
     fetched: RwLock<Fetched>,
     /// Held while a fetch runs; holds when the last one was tried.
     fetching: tokio::sync::Mutex<Option<Instant>>,
-    /// Fetches tried since start (`seckill_auth_jwks_fetches_total`).
+    /// Fetches tried since start.
     fetches: AtomicU64,
+    /// The same, exported as `seckill_auth_jwks_fetches_total` once
+    /// registered ([`Jwks::fetch_counter`]).
+    counter: prometheus::IntCounter,
     /// The JWKS URL once discovery found it.
     jwks_url: RwLock<Option<String>>,
 }
@@ -121,6 +124,11 @@ impl Jwks {
             fetched: RwLock::default(),
             fetching: tokio::sync::Mutex::new(None),
             fetches: AtomicU64::new(0),
+            counter: prometheus::IntCounter::new(
+                "auth_jwks_fetches_total",
+                "Fetches of the identity provider's JWKS tried (a stale set, or a kid it did not have)",
+            )
+            .context("the JWKS fetch counter")?,
             jwks_url: RwLock::new(jwks_url),
         })
     }
@@ -128,6 +136,11 @@ impl Jwks {
     /// Fetches tried since start.
     pub fn fetches(&self) -> u64 {
         self.fetches.load(Ordering::Relaxed)
+    }
+
+    /// The counter of fetches, to register with the process's metrics.
+    pub fn fetch_counter(&self) -> prometheus::IntCounter {
+        self.counter.clone()
     }
 
     /// The caller `token` names, or why it is refused.
@@ -202,6 +215,7 @@ impl Jwks {
 
     async fn fetch(&self) -> anyhow::Result<()> {
         self.fetches.fetch_add(1, Ordering::Relaxed);
+        self.counter.inc();
         let url = self.jwks_url().await?;
         #[derive(Deserialize)]
         struct Raw {

@@ -15,6 +15,7 @@ mod forensics;
 mod hang;
 mod health;
 mod helpers;
+mod identity;
 mod instances;
 mod migrations;
 mod ops;
