@@ -221,16 +221,7 @@ impl Jwks {
         struct Raw {
             keys: Vec<serde_json::Value>,
         }
-        let raw: Raw = self
-            .http
-            .get(&url)
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .with_context(|| format!("GET {url}"))?
-            .json()
-            .await
-            .with_context(|| format!("{url} is not a JWKS"))?;
+        let raw: Raw = self.get_json(&url, "a JWKS").await?;
         // One key this library cannot read leaves the others usable.
         let set = JwkSet {
             keys: raw
@@ -249,6 +240,23 @@ impl Jwks {
         fetched.keys = keys;
         fetched.at = Some(Instant::now());
         Ok(())
+    }
+
+    /// `GET url` answered 2xx with `what` in JSON.
+    async fn get_json<T: serde::de::DeserializeOwned>(
+        &self,
+        url: &str,
+        what: &str,
+    ) -> anyhow::Result<T> {
+        self.http
+            .get(url)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .with_context(|| format!("GET {url}"))?
+            .json()
+            .await
+            .with_context(|| format!("{url} is not {what}"))
     }
 
     /// The JWKS URL: configured, or found once by discovery.
@@ -270,16 +278,7 @@ impl Jwks {
             issuer: String,
             jwks_uri: String,
         }
-        let doc: Discovery = self
-            .http
-            .get(&at)
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .with_context(|| format!("GET {at}"))?
-            .json()
-            .await
-            .with_context(|| format!("{at} is not an OpenID configuration"))?;
+        let doc: Discovery = self.get_json(&at, "an OpenID configuration").await?;
         // OIDC Discovery 1.0, 4.3: the document's issuer is the one asked.
         anyhow::ensure!(
             doc.issuer == *issuer,
