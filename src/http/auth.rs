@@ -2,7 +2,7 @@
 //! `crate::auth`). The extractors [`AuthUser`] and [`AdminUser`] answer
 //! 401 / 403 in the API error shape.
 
-use futures_util::future::{LocalBoxFuture, ready};
+use futures_util::future::{Either, LocalBoxFuture, Ready, ready};
 
 use actix_web::http::header;
 use actix_web::{FromRequest, HttpRequest, dev::Payload, web};
@@ -30,20 +30,25 @@ pub struct AdminUser(pub AuthUser);
 
 /// The caller of `req`: from memory with the HS256 secret or a key the
 /// identity provider's JWKS already gave; an unknown `kid` may wait for
-/// the JWKS to be fetched again.
-fn authenticate(req: &HttpRequest) -> LocalBoxFuture<'static, Result<AuthUser, ApiError>> {
+/// the JWKS to be fetched again. Only that case allocates a future: the
+/// HS256 answer is ready at once (every purchase asks).
+fn authenticate(req: &HttpRequest) -> Authenticating {
     let (keys, token) = match bearer(req) {
         Ok(found) => found,
-        Err(e) => return Box::pin(ready(Err(e))),
+        Err(e) => return Either::Left(ready(Err(e))),
     };
     if keys.provider().is_none() {
-        return Box::pin(ready(verify(&keys, &token)));
+        return Either::Left(ready(verify(&keys, &token)));
     }
-    Box::pin(async move {
+    Either::Right(Box::pin(async move {
         let (user_id, role) = keys.verify_any(&token).await.map_err(unauthorized)?;
         Ok(AuthUser { user_id, role })
-    })
+    }))
 }
+
+/// [`authenticate`]'s answer: ready, or waiting on the identity provider.
+type Authenticating =
+    Either<Ready<Result<AuthUser, ApiError>>, LocalBoxFuture<'static, Result<AuthUser, ApiError>>>;
 
 /// The keys and the bearer token of `req`.
 fn bearer(req: &HttpRequest) -> Result<(web::Data<JwtKeys>, String), ApiError> {
@@ -74,7 +79,7 @@ pub fn verify(keys: &JwtKeys, token: &str) -> Result<AuthUser, ApiError> {
 
 impl FromRequest for AuthUser {
     type Error = ApiError;
-    type Future = LocalBoxFuture<'static, Result<Self, ApiError>>;
+    type Future = Authenticating;
 
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
         authenticate(req)
