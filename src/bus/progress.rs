@@ -41,9 +41,9 @@ pub struct GroupProgress {
     /// The topic's end offsets as read at moments of the caller's clock
     /// ([`GroupProgress::applied_before`]), oldest first.
     marks: Mutex<std::collections::VecDeque<Mark>>,
-    /// When the sample behind the published lag started (see
-    /// [`spawn_sampler`]); `None` until one answered.
-    sampled_at: Mutex<Option<std::time::Instant>>,
+    /// The last sample [`spawn_sampler`] got an answer to: when it
+    /// started, and the lag it read; `None` until one answered.
+    last_sample: Mutex<Option<(std::time::Instant, i64)>>,
 }
 
 /// The topic's end offset of each partition, read at `at_ms`.
@@ -72,7 +72,7 @@ impl GroupProgress {
             renewed_at: AtomicI64::new(0),
             heals_in_a_row: AtomicU32::new(0),
             marks: Mutex::new(std::collections::VecDeque::new()),
-            sampled_at: Mutex::new(None),
+            last_sample: Mutex::new(None),
         })
     }
 
@@ -238,10 +238,11 @@ impl GroupProgress {
         Ok((ends, done))
     }
 
-    /// When the sample behind the lag [`spawn_sampler`] publishes started:
-    /// an order published after it is not in that lag.
-    pub fn sampled_at(&self) -> Option<std::time::Instant> {
-        *self.sampled_at.lock().unwrap_or_else(|e| e.into_inner())
+    /// The last sample [`spawn_sampler`] got an answer to: when it
+    /// started (an order published after that is not in its lag) and the
+    /// lag. It stands while later samples fail.
+    pub fn last_sample(&self) -> Option<(std::time::Instant, i64)> {
+        *self.last_sample.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Messages on the topic the group has not committed yet (Σ over
@@ -358,11 +359,11 @@ pub fn spawn_sampler(
             };
             progress.heal(&supervision, stall);
             lag.set(sample.map_or(UNKNOWN_LAG, |s| s.lag));
-            if sample.is_some() {
+            if let Some(s) = sample {
                 *progress
-                    .sampled_at
+                    .last_sample
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some(started);
+                    .unwrap_or_else(|e| e.into_inner()) = Some((started, s.lag));
             }
             let stalled = tracker.observe(sample, std::time::Instant::now());
             stalled_secs.set(i64::try_from(stalled.as_secs()).unwrap_or(i64::MAX));

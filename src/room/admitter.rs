@@ -65,13 +65,12 @@ pub const PUBLISH_ALLOWANCE: Duration = Duration::from_millis(500);
 /// `unseen` ones (passes used lately, whose orders the lag may not show
 /// yet): three quarters of `bound` (0: no window), so that the holders of
 /// the passes a round gives out cannot buy the lag past the bound where
-/// purchases get 503 BUSY. `None` while the lag is unknown: purchases are
-/// not refused then either.
+/// purchases get 503 BUSY.
 pub fn window(lag: i64, bound: i64, unseen: u64) -> Option<u64> {
-    if bound <= 0 || lag < 0 {
+    if bound <= 0 {
         return None;
     }
-    let room = bound - bound / 4 - lag - i64::try_from(unseen).unwrap_or(i64::MAX);
+    let room = bound - bound / 4 - lag.max(0) - i64::try_from(unseen).unwrap_or(i64::MAX);
     Some(u64::try_from(room).unwrap_or(0))
 }
 
@@ -111,9 +110,23 @@ impl Pace {
     /// This round's pacing, with `used` the passes the room has seen used
     /// (what `uses` recorded of it, oldest first).
     fn pacing(&self, uses: &Uses) -> Pacing {
+        // Blind (no sample answered yet, or the last ones failed: a topic
+        // just made has partitions without a leader for seconds on a
+        // loaded host), the window still holds: the last lag read stands
+        // (none before the first), and every pass used since that sample
+        // counts as in flight, as far back as the counts are kept. A
+        // room at its full rate meanwhile gave out 355 passes where the
+        // pipeline could take 30.
         let window = self.progress.as_ref().and_then(|p| {
-            let since = p.sampled_at()?.checked_sub(PUBLISH_ALLOWANCE)?;
-            window(self.lag.get(), self.bound, uses.since(since))
+            let (lag, unseen) = match p.last_sample() {
+                Some((at, lag)) => (
+                    lag,
+                    at.checked_sub(PUBLISH_ALLOWANCE)
+                        .map_or_else(|| uses.all(), |since| uses.since(since)),
+                ),
+                None => (0, uses.all()),
+            };
+            window(lag, self.bound, unseen)
         });
         Pacing {
             share_permille: self.share(),
@@ -142,6 +155,14 @@ impl Uses {
         self.seen.push_back((at, used));
         while self.seen.len() > 1 && at.duration_since(self.seen[0].0) > USES_KEPT {
             self.seen.pop_front();
+        }
+    }
+
+    /// Passes used since the oldest count kept.
+    fn all(&self) -> u64 {
+        match (self.seen.front(), self.seen.back()) {
+            (Some(&(_, oldest)), Some(&(_, newest))) => newest.saturating_sub(oldest),
+            _ => 0,
         }
     }
 
@@ -405,7 +426,7 @@ mod tests {
     #[test]
     fn the_window_is_three_quarters_of_the_bound_less_what_is_in_flight() {
         assert_eq!(window(0, 0, 0), None, "no bound: no window");
-        assert_eq!(window(-1, 300, 0), None, "an unknown lag: no window");
+        assert_eq!(window(-1, 300, 0), Some(225), "no lag below none");
         assert_eq!(window(0, 300, 0), Some(225));
         assert_eq!(window(100, 300, 25), Some(100));
         assert_eq!(window(200, 300, 25), Some(0));
@@ -435,8 +456,32 @@ mod tests {
         assert_eq!(uses.since(at(0)), 0);
         uses.record(at(400), 9);
         assert_eq!(uses.since(at(350)), 4);
+        assert_eq!(uses.all(), 4, "since the oldest kept");
         // Readings older than USES_KEPT go, but one is always kept.
         uses.record(at(400) + USES_KEPT + Duration::from_secs(1), 12);
         assert_eq!(uses.seen.len(), 1);
+    }
+
+    /// No lag sample has answered yet: the window holds as if the pipeline
+    /// were empty, with every pass used meanwhile in flight.
+    #[test]
+    fn a_blind_admitter_still_holds_the_window() {
+        let settings = crate::config::Settings::load_env("test").expect("test settings");
+        let progress = GroupProgress::new(&settings.kafka, "blind", "nowhere").expect("a client");
+        let pace = Pace {
+            lag: IntGauge::new("lag", "lag").expect("a gauge"),
+            bound: 300,
+            breaker: None,
+            progress: Some(Arc::new(progress)),
+            fresh: Duration::from_secs(5),
+        };
+        pace.lag.set(crate::bus::progress::UNKNOWN_LAG);
+        let mut uses = Uses::default();
+        let t0 = Instant::now();
+        uses.record(t0, 0);
+        uses.record(t0 + Duration::from_millis(100), 25);
+        let pacing = pace.pacing(&uses);
+        assert_eq!(pacing.window, Some(200), "225 less the 25 used");
+        assert_eq!(pacing.share_permille, 1000);
     }
 }
