@@ -40,6 +40,8 @@ command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >
 THREADS=${SECKILL_TEST_THREADS:-8}
 FULL=
 if [ "${1:-}" = --full ]; then FULL=1; shift; fi
+# The WeChat Pay platform simulator the payment tests run as a process.
+cargo build --example wechatpay_sim
 if [ $# -gt 0 ]; then
   exec cargo test --lib --bins --tests "$@" -- --test-threads="$THREADS"
 fi

@@ -29,6 +29,7 @@ use crate::worker::WorkerHandle;
 enum Worker {
     OrderConsumer,
     Closer,
+    PaymentSweeper,
     Relay,
     Reconciler,
     LagSampler,
@@ -46,9 +47,10 @@ impl Worker {
     /// Every worker, in the order they start and stop: the consumers of
     /// work first, each after the batch in hand; the producer's watch and
     /// the instance lease last, since the others publish and number.
-    const ALL: [Worker; 13] = [
+    const ALL: [Worker; 14] = [
         Worker::OrderConsumer,
         Worker::Closer,
+        Worker::PaymentSweeper,
         Worker::Relay,
         Worker::Reconciler,
         Worker::LagSampler,
@@ -88,6 +90,15 @@ impl Worker {
                     state.metrics.clone(),
                     state.redis.order_events.clone(),
                 )
+            }),
+            Worker::PaymentSweeper => s.payment.sweeper_enabled.then(|| {
+                crate::payments::sweeper::spawn(crate::payments::sweeper::Sweeper {
+                    db: state.pg.db.clone(),
+                    provider: state.payments.provider.clone(),
+                    settings: s.payment.clone(),
+                    metrics: state.metrics.clone(),
+                    events: state.redis.order_events.clone(),
+                })
             }),
             Worker::Relay => w.relay_enabled.then(|| relay::spawn(state.relay())),
             Worker::Reconciler => s

@@ -110,6 +110,21 @@ metrics! {
         "Payment callbacks by outcome",
         &["outcome"],
     );
+    /// Calls to the payment provider by the sweeper and the pay route, by
+    /// call (create, close, query, refund, query_refund) and outcome (ok,
+    /// unknown: no answer to act on, refused).
+    provider_calls: IntCounterVec = counters(
+        "payment_provider_calls_total",
+        "Calls to the payment provider by call and outcome",
+        &["call", "outcome"],
+    );
+    /// Refunds settled, by status (REFUNDED, REFUND_FAILED: an operator
+    /// must give the money back; alerted).
+    refunds: IntCounterVec = counters(
+        "payment_refunds_total",
+        "Refunds settled by status",
+        &["status"],
+    );
     /// Orders closed by the payment timeout.
     orders_closed: IntCounter = IntCounter::new("orders_closed_total", "Orders closed by timeout");
     /// Order streams that read their order again (changes may have been
@@ -305,6 +320,9 @@ impl Metrics {
         }
         for kind in RECONCILE_DIFFERENCES {
             metrics.reconcile.with_label_values(&["difference", kind]);
+        }
+        for status in ["REFUNDED", "REFUND_FAILED"] {
+            metrics.refunds.with_label_values(&[status]);
         }
         for (counter, labels) in [
             (&metrics.room_admitted, &["pass", "offer"][..]),

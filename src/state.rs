@@ -33,7 +33,7 @@ use crate::metrics::Metrics;
 use crate::orders::consumer::ConsumerDeps;
 use crate::orders::events::{OrderEvents, StreamCounts};
 use crate::outbox::relay::Relay;
-use crate::payments::provider::{ExternalProvider, MockProvider, PaymentProvider};
+use crate::payments::provider::{MockProvider, PaymentProvider};
 use crate::reconcile::Reconciler;
 use crate::room::Rooms;
 use crate::store::notes::Notes;
@@ -294,8 +294,8 @@ impl Sale {
 /// Payments: the provider pay intents are registered with.
 pub struct Payments {
     /// Where pay intents are registered.
-    pub provider: Box<dyn PaymentProvider>,
-    /// The mock provider, when `payment.mock = true`.
+    pub provider: Arc<dyn PaymentProvider>,
+    /// The mock provider, when `payment.provider` is `mock`.
     pub mock: Option<MockProvider>,
     /// Outgoing HTTP (the mock provider's callbacks).
     pub http: reqwest::Client,
@@ -307,14 +307,11 @@ impl Payments {
     /// The configured provider (the mock one calls `app.host:app.port`).
     pub fn connect(settings: &Settings) -> anyhow::Result<Self> {
         let payment = &settings.payment;
-        let mock = || MockProvider::new(payment.notify_secret.clone());
+        let is_mock = payment.kind() == crate::config::ProviderKind::Mock;
+        let tolerance = crate::clock::millis(payment.signature_tolerance_secs) / 1000;
         Ok(Self {
-            provider: if payment.mock {
-                Box::new(mock())
-            } else {
-                Box::new(ExternalProvider)
-            },
-            mock: payment.mock.then(mock),
+            provider: Arc::from(crate::payments::provider(settings)?),
+            mock: is_mock.then(|| MockProvider::new(payment.notify_secret.clone(), tolerance)),
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(10))
                 .build()?,

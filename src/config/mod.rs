@@ -10,8 +10,10 @@ use anyhow::{Context, bail};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 
+mod payment;
 mod waiting_room;
 
+pub use payment::{PaymentSettings, ProviderKind, WechatPaySettings};
 pub use waiting_room::WaitingRoomSettings;
 
 /// Durations as the files write them: whole milliseconds or seconds, the
@@ -104,18 +106,6 @@ pub struct ReconcileSettings {
     /// renewed every third of it while a run lasts. Unset: 30 s.
     #[serde(default, deserialize_with = "duration::optional_secs")]
     pub lease_secs: Option<Duration>,
-}
-
-/// The payment provider.
-#[derive(Debug, Clone, Deserialize)]
-pub struct PaymentSettings {
-    /// Use the built-in mock provider and expose `/api/v1/dev/payments/...`.
-    pub mock: bool,
-    /// Shared HMAC-SHA256 secret of `X-Pay-Signature`.
-    pub notify_secret: SecretString,
-    /// Largest accepted |now − t| of a signed callback, in seconds.
-    #[serde(deserialize_with = "duration::secs")]
-    pub signature_tolerance_secs: Duration,
 }
 
 /// Background workers run by `serve` (each can be switched off).
@@ -660,7 +650,7 @@ impl Settings {
                  not the development secret)",
             );
         }
-        if self.payment.mock {
+        if self.payment.kind() == ProviderKind::Mock {
             problems.push(
                 "SECKILL__PAYMENT__MOCK=false (payment.mock: the mock provider's \
                  /api/v1/dev routes let any buyer mark an order paid)",
@@ -692,6 +682,18 @@ impl Settings {
             }
         }
         self.auth.provider()?;
+        match self.payment.kind() {
+            ProviderKind::Wechatpay if self.payment.wechatpay.is_none() => bail!(
+                "payment.provider = \"wechatpay\" needs [payment.wechatpay]: mchid, appid, \
+                 merchant_serial, merchant_key_file, apiv3_key, platform_key_dir, notify_url \
+                 (docs/PAYMENTS.md)"
+            ),
+            ProviderKind::Stripe => bail!(
+                "payment.provider = \"stripe\" is not built yet (docs/PAYMENTS.md); use \
+                 \"wechatpay\", \"external\" or, in development, \"mock\""
+            ),
+            _ => {}
+        }
         if self.auth.server_secret.expose_secret() == self.auth.jwt_secret.expose_secret() {
             bail!(
                 "auth.server_secret is auth.jwt_secret: whoever can mint user tokens could \

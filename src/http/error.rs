@@ -347,6 +347,11 @@ pub fn extractor_error(err: impl fmt::Display) -> actix_web::Error {
     ApiError::bad_request(err.to_string()).into()
 }
 
+/// Marks an error answer in a payment provider's own shape (WeChat Pay's
+/// `{"code": "FAIL", "message"}`): the provider reads it, not a client, so
+/// it is left as it is.
+pub struct ProviderAnswer;
+
 /// Middleware hook for every 4xx/5xx: responses that are not already a
 /// problem (actix's default 404, 405, payload errors) are rewritten into
 /// one, so no client ever sees a plain-text error.
@@ -357,7 +362,7 @@ pub fn render_error<B: MessageBody + 'static>(
         .headers()
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(PROBLEM_JSON.as_bytes()));
-    if is_problem {
+    if is_problem || res.response().extensions().contains::<ProviderAnswer>() {
         return Ok(ErrorHandlerResponse::Response(res.map_into_left_body()));
     }
     let status = res.status();

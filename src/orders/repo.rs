@@ -55,6 +55,16 @@ pub fn find_for_user(
         .optional()
 }
 
+/// The order's payment deadline (the provider stops taking money then).
+pub fn pay_deadline(conn: &mut PgConn, order_no: OrderNo) -> QueryResult<Option<DateTime<Utc>>> {
+    Ok(orders::table
+        .find(order_no.get())
+        .select(orders::pay_deadline)
+        .first::<Option<DateTime<Utc>>>(conn)
+        .optional()?
+        .flatten())
+}
+
 /// The caller's orders, newest first, after `cursor` (an order_no).
 pub fn list_for_user(
     conn: &mut PgConn,

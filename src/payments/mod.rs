@@ -1,9 +1,37 @@
-//! Payments (SPEC step 5): pay intents through a [`provider::PaymentProvider`],
-//! signed provider callbacks applied once, and the built-in mock provider.
+//! Payments (SPEC step 5, docs/PAYMENTS.md): pay intents through a
+//! [`provider::PaymentProvider`], provider callbacks applied once, pending
+//! payments closed or queried at the provider, and refunds sent through it.
 
 pub mod provider;
+pub mod refunds;
 pub mod repo;
 pub mod signature;
 pub mod status;
+pub mod sweeper;
+pub mod wechatpay;
 
 pub use status::PaymentStatus;
+
+use crate::config::{ProviderKind, Settings};
+
+/// The configured provider.
+pub fn provider(settings: &Settings) -> anyhow::Result<Box<dyn provider::PaymentProvider>> {
+    let payment = &settings.payment;
+    let tolerance = crate::clock::millis(payment.signature_tolerance_secs) / 1000;
+    let secret = payment.notify_secret.clone();
+    Ok(match payment.kind() {
+        ProviderKind::Mock => Box::new(provider::MockProvider::new(secret, tolerance)),
+        ProviderKind::External => Box::new(provider::ExternalProvider::new(secret, tolerance)),
+        ProviderKind::Wechatpay => {
+            let Some(wechat) = payment.wechatpay.as_ref() else {
+                anyhow::bail!("payment.provider = \"wechatpay\" needs [payment.wechatpay]");
+            };
+            Box::new(wechatpay::WechatPay::from_settings(
+                wechat,
+                payment.provider_timeout_ms,
+                tolerance,
+            )?)
+        }
+        ProviderKind::Stripe => anyhow::bail!("payment.provider = \"stripe\" is not built yet"),
+    })
+}

@@ -6,7 +6,8 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Nullable, Text, Timestamptz};
 use serde::Serialize;
 
-use super::provider::Callback;
+use super::provider::{Charge, ChargeOutcome, Checkout};
+use super::refunds::{self, RefundKind};
 use crate::bus::events::OrderPaid;
 use crate::coupons::repo as coupons;
 use crate::domain::UserId;
@@ -32,6 +33,9 @@ pub struct Payment {
     pub provider: String,
     #[serde(skip)]
     pub provider_txn_id: Option<String>,
+    /// What the provider answered to the create (NULL until it did).
+    #[serde(skip)]
+    pub checkout: Option<serde_json::Value>,
 }
 
 fn as_string<S: serde::Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
@@ -129,6 +133,8 @@ pub enum CallbackOutcome {
     AmountMismatch,
     /// The provider_txn_id was already recorded for another payment.
     TxnReused,
+    /// Not paid yet (a query's answer): nothing to do.
+    Unchanged,
 }
 
 impl CallbackOutcome {
@@ -143,6 +149,7 @@ impl CallbackOutcome {
             Self::OrderMismatch => "order_mismatch",
             Self::AmountMismatch => "amount_mismatch",
             Self::TxnReused => "txn_reused",
+            Self::Unchanged => "unchanged",
         }
     }
 }
@@ -157,14 +164,17 @@ struct PaidOrder {
     amount_cents: i64,
 }
 
-/// A FAILED callback: the pending payment becomes FAILED (the order still
-/// awaits payment); a payment already settled is a duplicate.
-fn mark_failed(conn: &mut PgConn, payment_no: i64) -> QueryResult<CallbackOutcome> {
+/// A FAILED callback, or the provider's side closed: the pending payment
+/// becomes FAILED (the order may still await payment, with a new one); a
+/// payment already settled is a duplicate.
+fn mark_failed(conn: &mut PgConn, payment_no: i64, closed: bool) -> QueryResult<CallbackOutcome> {
     let pending = payments::status.eq(PaymentStatus::Pending.as_str());
+    let closed_at = closed.then(Utc::now);
     let n = diesel::update(payments::table.find(payment_no).filter(pending))
         .set((
             payments::status.eq(PaymentStatus::Failed.as_str()),
             payments::updated_at.eq(diesel::dsl::now),
+            payments::closed_at.eq(closed_at),
         ))
         .execute(conn)?;
     Ok(if n == 1 {
@@ -174,16 +184,12 @@ fn mark_failed(conn: &mut PgConn, payment_no: i64) -> QueryResult<CallbackOutcom
     })
 }
 
-/// Applies a verified callback in ONE transaction (SPEC step 5). The
-/// payment row is locked first, so concurrent duplicates serialize and all
-/// but the first see a settled payment.
-pub fn apply_callback(
-    conn: &mut PgConn,
-    payment_no: PaymentNo,
-    order_no: OrderNo,
-    cb: &Callback,
-) -> QueryResult<CallbackOutcome> {
-    let (payment_no, order_no) = (payment_no.get(), order_no.get());
+/// Applies a verified charge report (a callback, or a query's answer) in
+/// ONE transaction (SPEC step 5): whichever comes first applies, the rest
+/// are duplicates. The payment row is locked first, so concurrent
+/// duplicates serialize and all but the first see a settled payment.
+pub fn apply_charge(conn: &mut PgConn, charge: &Charge) -> QueryResult<CallbackOutcome> {
+    let payment_no = charge.payment_no;
     let result = conn.transaction(|conn| {
         let payment: Option<Payment> = payments::table
             .find(payment_no)
@@ -194,19 +200,24 @@ pub fn apply_callback(
         let Some(payment) = payment else {
             return Ok(CallbackOutcome::UnknownPayment);
         };
-        if payment.order_no != order_no {
+        if charge.order_no.is_some_and(|o| o != payment.order_no) {
             return Ok(CallbackOutcome::OrderMismatch);
         }
-        if payment.amount_cents != cb.amount_cents {
-            return Ok(CallbackOutcome::AmountMismatch);
+        let order_no = payment.order_no;
+        match charge.outcome {
+            ChargeOutcome::NotPaid => return Ok(CallbackOutcome::Unchanged),
+            ChargeOutcome::Failed | ChargeOutcome::Closed => {
+                return mark_failed(conn, payment_no, charge.outcome == ChargeOutcome::Closed);
+            }
+            ChargeOutcome::Paid => {}
         }
-        if PaymentStatus::parse(&cb.status) == Some(PaymentStatus::Failed) {
-            return mark_failed(conn, payment_no);
+        if payment.amount_cents != charge.amount_cents {
+            return Ok(CallbackOutcome::AmountMismatch);
         }
         if PaymentStatus::parse(&payment.status).is_some_and(PaymentStatus::is_settled) {
             return Ok(CallbackOutcome::Duplicate);
         }
-        let paid_at = cb.paid_at.unwrap_or_else(Utc::now);
+        let paid_at = charge.paid_at.unwrap_or_else(Utc::now);
         let paid: Option<PaidOrder> = diesel::sql_query(format!(
             "UPDATE orders SET status = {}, paid_at = $2, updated_at = now() \
              WHERE order_no = $1 AND status = {} \
@@ -218,11 +229,19 @@ pub fn apply_callback(
         .bind::<Timestamptz, _>(paid_at)
         .get_result(conn)
         .optional()?;
-        let txn = cb.provider_txn_id.as_deref();
+        let txn = charge.txn_id.as_deref();
         let Some(order) = paid else {
             // Closed, cancelled, or paid by another payment: never revived,
-            // never charged twice.
+            // never charged twice. The money goes back (one refund per
+            // payment), sent by the sweeper.
             settle(conn, payment_no, PaymentStatus::RefundRequired, txn, None)?;
+            refunds::create(
+                conn,
+                payment_no,
+                payment.amount_cents,
+                RefundKind::LatePayment,
+                "paid after the order was no longer payable",
+            )?;
             return Ok(CallbackOutcome::RefundRequired);
         };
         settle(conn, payment_no, PaymentStatus::Success, txn, Some(paid_at))?;
@@ -247,6 +266,148 @@ pub fn apply_callback(
         }
         other => other,
     }
+}
+
+/// Keeps what the provider answered to the create, for the next pay call.
+pub fn set_checkout(conn: &mut PgConn, payment_no: i64, checkout: &Checkout) -> QueryResult<()> {
+    let value = serde_json::to_value(checkout).unwrap_or_default();
+    diesel::update(payments::table.find(payment_no))
+        .set(payments::checkout.eq(Some(value)))
+        .execute(conn)?;
+    Ok(())
+}
+
+/// A payment as `GET /orders/{no}` shows it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct PaymentView {
+    /// Decimal string.
+    pub payment_no: String,
+    pub provider: String,
+    /// PENDING | SUCCESS | FAILED | REFUND_REQUIRED | REFUNDING | REFUNDED | REFUND_FAILED
+    pub status: String,
+    /// Its refund's number (decimal string), once there is one.
+    pub refund_no: Option<String>,
+}
+
+/// The order's latest payment and its refund, if it has a payment.
+pub fn view_for_order(conn: &mut PgConn, order_no: i64) -> QueryResult<Option<PaymentView>> {
+    use crate::store::schema::refunds;
+    let row: Option<(i64, String, String, Option<i64>)> = payments::table
+        .left_join(refunds::table)
+        .filter(payments::order_no.eq(order_no))
+        .order(payments::created_at.desc())
+        .select((
+            payments::payment_no,
+            payments::provider,
+            payments::status,
+            refunds::refund_no.nullable(),
+        ))
+        .first(conn)
+        .optional()?;
+    Ok(
+        row.map(|(payment_no, provider, status, refund_no)| PaymentView {
+            payment_no: payment_no.to_string(),
+            provider,
+            status,
+            refund_no: refund_no.map(|n| n.to_string()),
+        }),
+    )
+}
+
+/// A PENDING payment the sweeper looks at now, leased to it.
+#[derive(Debug, Clone, QueryableByName)]
+pub struct DuePayment {
+    #[diesel(sql_type = BigInt)]
+    pub payment_no: i64,
+    /// Its order is no longer payable: close it at the provider. Else its
+    /// callback is late: query it.
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub to_close: bool,
+}
+
+/// Up to `limit` PENDING payments to close at the provider (their order
+/// is no longer WAITING_PAY) or to query (no callback `query_after_secs`
+/// after their creation), each leased until its backoff (`2^checks` s, at
+/// most `max_secs`) has passed.
+pub fn lease_pending(
+    conn: &mut PgConn,
+    limit: i64,
+    query_after_secs: i64,
+    max_secs: i64,
+) -> QueryResult<Vec<DuePayment>> {
+    diesel::sql_query(format!(
+        "WITH due AS ( \
+           SELECT p.payment_no, o.status <> {waiting} AS to_close FROM payments p \
+           JOIN orders o ON o.order_no = p.order_no \
+           WHERE p.status = 'PENDING' AND p.next_check_at <= now() \
+             AND (o.status <> {waiting} OR p.created_at <= now() - make_interval(secs => $2)) \
+           ORDER BY p.next_check_at LIMIT $1 FOR UPDATE OF p SKIP LOCKED) \
+         UPDATE payments p SET checks = p.checks + 1, \
+           next_check_at = now() + make_interval(secs => least($3, power(2, least(p.checks, 20)))) \
+         FROM due WHERE p.payment_no = due.payment_no \
+         RETURNING p.payment_no, due.to_close",
+        waiting = OrderStatus::WaitingPay.sql()
+    ))
+    .bind::<BigInt, _>(limit)
+    .bind::<BigInt, _>(query_after_secs)
+    .bind::<BigInt, _>(max_secs)
+    .load(conn)
+}
+
+/// The refund of a PAID order an admin asked for (an after-sale refund):
+/// its payment goes REFUNDING, and the refund is sent by the sweeper. The
+/// order stays PAID and its stock sold (docs/SPEC.md).
+#[derive(Debug)]
+pub enum AfterSale {
+    NotFound,
+    InvalidState,
+    Refund(refunds::RefundRow),
+}
+
+/// Writes the after-sale refund of `order_no`, or returns the one written.
+pub fn refund_paid_order(conn: &mut PgConn, order_no: i64, reason: &str) -> QueryResult<AfterSale> {
+    conn.transaction(|conn| {
+        let status: Option<OrderStatus> = orders::table
+            .find(order_no)
+            .select(orders::status)
+            .for_update()
+            .first(conn)
+            .optional()?;
+        let Some(status) = status else {
+            return Ok(AfterSale::NotFound);
+        };
+        let paid: Option<Payment> = payments::table
+            .filter(payments::order_no.eq(order_no))
+            .filter(payments::status.ne_all([
+                PaymentStatus::Pending.as_str(),
+                PaymentStatus::Failed.as_str(),
+                PaymentStatus::RefundRequired.as_str(),
+            ]))
+            .select(Payment::as_select())
+            .for_update()
+            .first(conn)
+            .optional()?;
+        let Some(paid) = paid.filter(|_| status == OrderStatus::Paid) else {
+            return Ok(AfterSale::InvalidState);
+        };
+        if let Some(existing) = refunds::find_for_payment(conn, paid.payment_no)? {
+            return Ok(AfterSale::Refund(existing));
+        }
+        let refund = refunds::create(
+            conn,
+            paid.payment_no,
+            paid.amount_cents,
+            RefundKind::AfterSale,
+            reason,
+        )?;
+        diesel::update(payments::table.find(paid.payment_no))
+            .set((
+                payments::status.eq(PaymentStatus::Refunding.as_str()),
+                payments::updated_at.eq(diesel::dsl::now),
+            ))
+            .execute(conn)?;
+        Ok(AfterSale::Refund(refund))
+    })
 }
 
 fn settle(

@@ -111,6 +111,29 @@ diesel::table! {
         created_at -> Timestamptz,
         updated_at -> Timestamptz,
         paid_at -> Nullable<Timestamptz>,
+        checkout -> Nullable<Jsonb>,
+        next_check_at -> Timestamptz,
+        checks -> Int4,
+        closed_at -> Nullable<Timestamptz>,
+    }
+}
+
+diesel::table! {
+    refunds (refund_no) {
+        refund_no -> Int8,
+        payment_no -> Int8,
+        amount_cents -> Int8,
+        kind -> Text,
+        reason -> Text,
+        status -> Text,
+        accepted -> Bool,
+        provider_refund_id -> Nullable<Text>,
+        attempts -> Int4,
+        next_attempt_at -> Timestamptz,
+        last_error -> Nullable<Text>,
+        created_at -> Timestamptz,
+        updated_at -> Timestamptz,
+        refunded_at -> Nullable<Timestamptz>,
     }
 }
 
@@ -150,6 +173,7 @@ diesel::joinable!(waiting_rooms -> activities (activity_id));
 diesel::joinable!(orders -> activities (activity_id));
 diesel::joinable!(orders -> coupons (coupon_id));
 diesel::joinable!(payments -> orders (order_no));
+diesel::joinable!(refunds -> payments (payment_no));
 diesel::joinable!(user_coupons -> coupons (coupon_id));
 
 diesel::allow_tables_to_appear_in_same_query!(
@@ -161,6 +185,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     consume_log,
     outbox,
     payments,
+    refunds,
     user_coupons,
     waiting_rooms,
 );

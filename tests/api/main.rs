@@ -29,5 +29,6 @@ mod shards;
 mod sold_out;
 mod streams;
 mod waiting_room;
+mod wechatpay;
 #[path = "../common/wire.rs"]
 mod wire;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures_util::{StreamExt, stream};
 use serde_json::json;
 
-use crate::helpers::{json, spawn_app, spawn_app_with};
+use crate::helpers::{eventually, json, spawn_app, spawn_app_with};
 
 async fn payment(app: &crate::helpers::TestApp, user: i64, order_no: &str) -> serde_json::Value {
     let res = app.pay(user, order_no).await;
@@ -309,11 +309,37 @@ async fn pay_racing_the_timeout_ends_each_order_paid_or_closed_and_conserves_sto
         stats["stock_total"],
         json!(stats["db_available"].as_i64().unwrap() + paid)
     );
+    // The mock provider refunds at once; the sweeper sends each refund
+    // within a round.
+    let refunded = eventually(
+        "every late payment refunded",
+        Duration::from_secs(60),
+        || async {
+            let n = app
+                .count("SELECT count(*) AS n FROM payments WHERE status = 'REFUNDED'")
+                .await;
+            let pending = app
+                .count(
+                    "SELECT count(*) AS n FROM payments \
+                 WHERE status IN ('REFUND_REQUIRED', 'REFUNDING')",
+                )
+                .await;
+            (pending == 0).then_some(n)
+        },
+    )
+    .await;
     assert_eq!(
-        app.count("SELECT count(*) AS n FROM payments WHERE status = 'REFUND_REQUIRED'")
-            .await,
+        refunded,
         closed - closed_unpaid,
         "every order closed after its payment was made refunds it"
+    );
+    assert_eq!(
+        app.count(
+            "SELECT count(*) AS n FROM refunds WHERE status = 'REFUNDED' AND kind = 'LATE_PAYMENT'"
+        )
+        .await,
+        refunded,
+        "one refund each"
     );
     assert_eq!(
         app.count("SELECT count(*) AS n FROM payments WHERE status = 'SUCCESS'")

@@ -285,6 +285,11 @@ pub struct OrderView {
     created_at: Option<DateTime<Utc>>,
     paid_at: Option<DateTime<Utc>>,
     failure_reason: Option<String>,
+    /// The order's payment (`GET /orders/{order_no}` only): null before
+    /// pay.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<crate::payments::repo::PaymentView>)]
+    payment: Option<Option<crate::payments::repo::PaymentView>>,
 }
 
 /// A page of the caller's orders.
@@ -309,6 +314,7 @@ fn order_view(o: &Order) -> OrderView {
         created_at: Some(o.created_at),
         paid_at: o.paid_at,
         failure_reason: o.failure_reason.clone(),
+        payment: None,
     }
 }
 
@@ -335,7 +341,18 @@ pub async fn show(
         .await?
         .ok_or_else(|| ApiError::not_found("no such order"))?;
     Ok(HttpResponse::Ok().json(match found {
-        Found::Row(order) => order_view(&order),
+        Found::Row(order) => {
+            let no = order.order_no;
+            let payment = store::run(&state.pg.db, move |conn| {
+                Ok(crate::payments::repo::view_for_order(conn, no)?)
+            })
+            .await
+            .map_err(ApiError::unavailable)?;
+            OrderView {
+                payment: Some(payment),
+                ..order_view(&order)
+            }
+        }
         Found::Reserved { activity_id, r, .. } => OrderView {
             order_no: order_no.to_string(),
             status: found_status(&r),
@@ -349,6 +366,7 @@ pub async fn show(
             pay_deadline: None,
             created_at: None,
             paid_at: None,
+            payment: Some(None),
         },
     }))
 }

@@ -6,15 +6,21 @@ use secrecy::ExposeSecret;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::http::auth::AdminUser;
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::ids::{OrderNo, PaymentNo};
 use crate::orders::OrderStatus;
 use crate::orders::events::StatusChange;
 use crate::payments::PaymentStatus;
-use crate::payments::provider::Callback;
+use crate::payments::provider::{
+    Callback, CallbackError, Checkout, Event, NewPayment, ProviderError,
+};
+use crate::payments::refunds::RefundOutcome;
+use crate::payments::repo::AfterSale;
 use crate::payments::repo::{self, CallbackOutcome, PayIntent};
 use crate::payments::signature;
+use crate::payments::sweeper;
 use crate::state::AppState;
 use crate::store;
 
@@ -41,30 +47,110 @@ pub async fn pay(
     // run out) the database makes the number, so an order sold through
     // the fallback can still be paid before its deadline.
     let leased = state.sale.ids.next_id();
-    let provider = state.payments.provider.name();
+    let provider = state.payments.provider.clone();
+    let name = provider.name();
     let intent = store::run(&state.pg.db, move |conn| {
         let payment_no = match leased {
             Some(n) => n,
             None => crate::ids::database_number(conn, None)?,
         };
-        Ok(repo::create_or_get(
-            conn,
-            order_no,
-            user_id,
-            PaymentNo::new(payment_no),
-            provider,
-        )?)
+        let intent =
+            repo::create_or_get(conn, order_no, user_id, PaymentNo::new(payment_no), name)?;
+        let deadline = match &intent {
+            PayIntent::Pending(_) => crate::orders::repo::pay_deadline(conn, order_no)?,
+            _ => None,
+        };
+        Ok((intent, deadline))
     })
     .await
     .map_err(ApiError::unavailable)?;
-    match intent {
-        PayIntent::NotFound => Err(ApiError::not_found("no such order")),
-        PayIntent::InvalidState => Err(ApiError::new(
-            ErrorCode::InvalidState,
-            "only a WAITING_PAY order can be paid",
-        )),
-        PayIntent::Pending(p) => Ok(HttpResponse::Ok().json(p)),
-    }
+    let (payment, deadline) = match intent {
+        (PayIntent::NotFound, _) => return Err(ApiError::not_found("no such order")),
+        (PayIntent::InvalidState, _) => {
+            return Err(ApiError::new(
+                ErrorCode::InvalidState,
+                "only a WAITING_PAY order can be paid",
+            ));
+        }
+        (PayIntent::Pending(p), deadline) => (p, deadline),
+    };
+    // Created at the provider under the payment number: a repeated call
+    // (this one's answer lost, or the buyer's second click) gets the same
+    // payment there, never a second one.
+    let checkout = match payment
+        .checkout
+        .as_ref()
+        .and_then(|c| serde_json::from_value::<Checkout>(c.clone()).ok())
+    {
+        Some(checkout) => checkout,
+        None => {
+            let new = NewPayment {
+                payment_no: payment.payment_no,
+                order_no: payment.order_no,
+                amount_cents: payment.amount_cents,
+                description: format!("seckill order {}", payment.order_no),
+                expires_at: deadline,
+            };
+            let created = provider.create(&new).await;
+            let outcome = match &created {
+                Ok(_) => "ok",
+                Err(ProviderError::Unknown(_)) => "unknown",
+                Err(ProviderError::Refused { .. }) => "refused",
+            };
+            state
+                .metrics
+                .provider_calls
+                .with_label_values(&["create", outcome])
+                .inc();
+            let checkout = created.map_err(|e| match e {
+                ProviderError::Unknown(e) => {
+                    tracing::info!(error = %e, payment_no = payment.payment_no, "pay: the provider gave no answer");
+                    ApiError::new(
+                        ErrorCode::RetryLater,
+                        "the payment provider did not answer; pay again",
+                    )
+                }
+                ProviderError::Refused { code, message } => ApiError::new(
+                    ErrorCode::InvalidState,
+                    format!("the payment provider refused the payment ({code}): {message}"),
+                ),
+            })?;
+            let (no, kept) = (payment.payment_no, checkout.clone());
+            store::run(&state.pg.db, move |conn| {
+                Ok(repo::set_checkout(conn, no, &kept)?)
+            })
+            .await
+            .map_err(ApiError::unavailable)?;
+            checkout
+        }
+    };
+    Ok(HttpResponse::Ok().json(PayAnswer {
+        payment_no: payment.payment_no.to_string(),
+        order_no: payment.order_no.to_string(),
+        amount_cents: payment.amount_cents,
+        status: payment.status,
+        provider: name,
+        checkout,
+    }))
+}
+
+/// The answer to a pay call.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PayAnswer {
+    /// Decimal string.
+    payment_no: String,
+    /// Decimal string.
+    order_no: String,
+    amount_cents: i64,
+    /// PENDING
+    status: String,
+    /// mock | external | wechatpay
+    provider: &'static str,
+    /// `code_url` (WeChat Pay Native) or `client_secret` (Stripe), when the
+    /// provider gave one.
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    checkout: Checkout,
 }
 
 /// `POST /api/v1/payments/notify`: the provider's signed callback. The raw
@@ -126,8 +212,17 @@ pub async fn notify(
             "provider_txn_id must be 1..=128 characters",
         ));
     }
+    let Some(charge) = cb.charge() else {
+        return Err(ApiError::bad_request(
+            "payment_no and order_no must be decimal ids",
+        ));
+    };
+    debug_assert_eq!(
+        (charge.payment_no, charge.order_no),
+        (payment_no.get(), Some(order_no.get()))
+    );
     let outcome = store::run(&state.pg.db, move |conn| {
-        Ok(repo::apply_callback(conn, payment_no, order_no, &cb)?)
+        Ok(repo::apply_charge(conn, &charge)?)
     })
     .await
     .map_err(ApiError::unavailable)?;
@@ -147,7 +242,8 @@ pub async fn notify(
         CallbackOutcome::Applied
         | CallbackOutcome::Duplicate
         | CallbackOutcome::RefundRequired
-        | CallbackOutcome::MarkedFailed => Ok(HttpResponse::Ok().json(NotifyAnswer {
+        | CallbackOutcome::MarkedFailed
+        | CallbackOutcome::Unchanged => Ok(HttpResponse::Ok().json(NotifyAnswer {
             code: PaymentStatus::Success.as_str(),
         })),
         CallbackOutcome::UnknownPayment => Err(ApiError::not_found("no such payment")),
@@ -266,4 +362,206 @@ pub struct Delivered {
     delivered: usize,
     /// Each callback's HTTP status (0: not answered).
     responses: Vec<u16>,
+}
+
+/// WeChat Pay's error answer to a callback: it sends the callback again.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProviderFail {
+    /// Always FAIL.
+    code: String,
+    message: String,
+}
+
+/// The answer that makes WeChat Pay send a callback again.
+fn wechat_fail(status: actix_web::http::StatusCode, message: impl Into<String>) -> HttpResponse {
+    let mut answer = HttpResponse::build(status).json(serde_json::json!({
+        "code": "FAIL",
+        "message": message.into(),
+    }));
+    answer
+        .extensions_mut()
+        .insert(crate::http::error::ProviderAnswer);
+    answer
+}
+
+/// `POST /api/v1/payments/notify/wechatpay`: WeChat Pay API v3 payment and
+/// refund callbacks. Verified (`Wechatpay-Timestamp`, `-Nonce`,
+/// `-Signature`, `-Serial`) and decrypted before anything is read; applied
+/// once (a repeat is a duplicate). 204 when applied or a duplicate; 4xx/5xx
+/// with `{"code": "FAIL", "message"}` when WeChat Pay must send it again.
+#[utoipa::path(post, path = "/api/v1/payments/notify/wechatpay", tag = "payments",
+    responses(
+        (status = 204, description = "applied, or applied before"),
+        (status = 401, description = "FAIL: the signature, its key serial or its timestamp is not accepted; nothing changed", body = ProviderFail),
+        (status = 400, description = "FAIL: the body or its resource cannot be read, or the amount differs; nothing changed", body = ProviderFail),
+        (status = 404, description = "FAIL: no such payment or refund here, or WeChat Pay is not this server's provider", body = ProviderFail),
+        (status = 503, description = "FAIL: the database is unavailable; send it again", body = ProviderFail),
+    ))]
+pub async fn notify_wechatpay(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    body: web::Bytes,
+) -> HttpResponse {
+    use actix_web::http::StatusCode;
+    if state.settings.payment.kind() != crate::config::ProviderKind::Wechatpay {
+        return wechat_fail(
+            StatusCode::NOT_FOUND,
+            "WeChat Pay is not this server's provider",
+        );
+    }
+    let event = match state.payments.provider.parse_callback(
+        req.headers(),
+        &body,
+        state.clock.now().timestamp(),
+    ) {
+        Ok(event) => event,
+        Err(e) => {
+            state
+                .metrics
+                .callbacks
+                .with_label_values(&["bad_signature"])
+                .inc();
+            tracing::warn!(error = %e, "a WeChat Pay callback was refused");
+            let status = match e {
+                CallbackError::Undecryptable | CallbackError::Malformed(_) => {
+                    StatusCode::BAD_REQUEST
+                }
+                _ => StatusCode::UNAUTHORIZED,
+            };
+            return wechat_fail(status, e.to_string());
+        }
+    };
+    apply_event(&state, event).await
+}
+
+/// Applies a verified provider event; the answer a provider expects.
+async fn apply_event(state: &AppState, event: Event) -> HttpResponse {
+    use actix_web::http::StatusCode;
+    match event {
+        Event::Charge(charge) => {
+            let payment_no = charge.payment_no;
+            let outcome = match store::run(&state.pg.db, move |conn| {
+                Ok(repo::apply_charge(conn, &charge)?)
+            })
+            .await
+            {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    tracing::warn!(error = format!("{e:#}"), "a payment callback not applied");
+                    return wechat_fail(StatusCode::SERVICE_UNAVAILABLE, "try again");
+                }
+            };
+            state
+                .metrics
+                .callbacks
+                .with_label_values(&[outcome.label()])
+                .inc();
+            if outcome == CallbackOutcome::Applied {
+                sweeper::announce_paid(&state.pg.db, &state.redis.order_events, payment_no).await;
+            }
+            match outcome {
+                CallbackOutcome::UnknownPayment => {
+                    wechat_fail(StatusCode::NOT_FOUND, "no such payment")
+                }
+                CallbackOutcome::AmountMismatch => wechat_fail(
+                    StatusCode::BAD_REQUEST,
+                    "the amount differs from the payment's",
+                ),
+                CallbackOutcome::TxnReused | CallbackOutcome::OrderMismatch => wechat_fail(
+                    StatusCode::BAD_REQUEST,
+                    "the transaction is recorded for another payment",
+                ),
+                _ => HttpResponse::NoContent().finish(),
+            }
+        }
+        Event::Refund(report) => {
+            let after = state.settings.payment.query_after_secs;
+            match sweeper::apply_refund(&state.pg.db, &state.metrics, report, after).await {
+                Ok(RefundOutcome::Unknown) => wechat_fail(StatusCode::NOT_FOUND, "no such refund"),
+                Ok(outcome) => {
+                    state
+                        .metrics
+                        .callbacks
+                        .with_label_values(&[outcome.label()])
+                        .inc();
+                    HttpResponse::NoContent().finish()
+                }
+                Err(e) => {
+                    tracing::warn!(error = format!("{e:#}"), "a refund callback not applied");
+                    wechat_fail(StatusCode::SERVICE_UNAVAILABLE, "try again")
+                }
+            }
+        }
+    }
+}
+
+/// `POST /api/v1/admin/orders/{order_no}/refund` body.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RefundBody {
+    /// Why (kept with the refund, sent to the provider): 1..=80 characters.
+    reason: String,
+}
+
+/// The answer to an after-sale refund.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RefundAnswer {
+    /// Decimal string.
+    refund_no: String,
+    /// Decimal string.
+    payment_no: String,
+    /// REFUNDING, REFUNDED or REFUND_FAILED
+    status: String,
+}
+
+/// `POST /api/v1/admin/orders/{order_no}/refund` (admin): an after-sale
+/// refund of a PAID order, sent through the provider by the sweeper. The
+/// same call again returns the same refund. The order stays PAID and its
+/// units sold (docs/SPEC.md, "Refunds").
+#[utoipa::path(post, path = "/api/v1/admin/orders/{order_no}/refund", tag = "payments",
+    params(("order_no" = String, Path, description = "order number (decimal)")),
+    request_body = RefundBody,
+    security(("bearer" = [])),
+    responses(
+        (status = 202, description = "the refund, under way (or as it stands)", body = RefundAnswer),
+        (status = 400, description = "BAD_REQUEST: a malformed body or reason", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "INVALID_STATE: the order is not PAID", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn refund(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+    body: web::Json<RefundBody>,
+) -> Result<HttpResponse, ApiError> {
+    let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
+    let reason = body.into_inner().reason;
+    let chars = reason.trim().chars().count();
+    if chars == 0 || chars > 80 {
+        return Err(ApiError::bad_request("reason must be 1..=80 characters"));
+    }
+    let after_sale = store::run(&state.pg.db, move |conn| {
+        Ok(repo::refund_paid_order(
+            conn,
+            order_no.get(),
+            reason.trim(),
+        )?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?;
+    match after_sale {
+        AfterSale::NotFound => Err(ApiError::not_found("no such order")),
+        AfterSale::InvalidState => Err(ApiError::new(
+            ErrorCode::InvalidState,
+            "only a PAID order can be refunded",
+        )),
+        AfterSale::Refund(r) => Ok(HttpResponse::Accepted().json(RefundAnswer {
+            refund_no: r.refund_no.to_string(),
+            payment_no: r.payment_no.to_string(),
+            status: r.status,
+        })),
+    }
 }

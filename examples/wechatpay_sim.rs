@@ -1,0 +1,683 @@
+//! A WeChat Pay API v3 platform simulator, for the tests (WeChat Pay has no
+//! sandbox for API v3). It keeps trades and refunds in memory, checks the
+//! merchant's request signatures, signs its answers and its callbacks with
+//! platform keys it makes at start, and seals callback resources with
+//! AEAD_AES_256_GCM under the APIv3 key. The official wechatpay-java SDK
+//! checks it (`tests/wechatpay-sdk`, run by `scripts/test.sh`): the SDK's
+//! client pays, queries, closes and refunds against it and verifies its
+//! answers, and the SDK's `NotificationParser` parses its callbacks.
+//!
+//!   wechatpay_sim --mchid 1900000001 --merchant-serial S \
+//!     --merchant-public-key merchant.pub.pem --apiv3-key <32 bytes> \
+//!     --platform-key-dir DIR
+//!
+//! It writes two platform public keys, `<serial>.pem`, to DIR (it signs
+//! with the first until told otherwise: a rotation), then prints one JSON
+//! line, `{"url", "serials"}`, once it listens.
+//!
+//! What a test drives, under `/sim`:
+//! - `POST /sim/pay/{out_trade_no}` `{"times", "deliver"}`: the buyer pays;
+//!   the payment callback is sent `times` times (none when `deliver` is
+//!   false: a dropped callback);
+//! - `POST /sim/deliver/{out_trade_no}` `{"tamper": "body" | "serial" |
+//!   "timestamp" | null}`: one more callback, spoiled as asked;
+//! - `POST /sim/sign-with` `{"serial"}`: sign with the other key from now;
+//! - `POST /sim/refund-callbacks` `{"deliver"}`: send refund callbacks, or not;
+//! - `POST /sim/notify-to` `{"url"}`: send callbacks there, whatever
+//!   `notify_url` the requests named;
+//! - `GET /sim/state`: trades, refunds, and every request with whether its
+//!   signature held.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
+use chrono::{SecondsFormat, Utc};
+use rsa::Generate;
+use rsa::pkcs8::{EncodePrivateKey, EncodePublicKey, LineEnding};
+use seckill::payments::wechatpay::crypto::{self, ApiV3Cipher, MerchantSigner, PlatformKeys};
+use serde_json::{Value, json};
+
+struct Trade {
+    out_trade_no: String,
+    amount: i64,
+    body: Value,
+    notify_url: String,
+    code_url: String,
+    state: &'static str,
+    transaction_id: Option<String>,
+    success_time: Option<String>,
+    /// Prepay calls made for it (one trade, however many calls).
+    creates: u32,
+}
+
+struct Refund {
+    out_refund_no: String,
+    out_trade_no: String,
+    refund_id: String,
+    amount: i64,
+    total: i64,
+    status: &'static str,
+    notify_url: String,
+    creates: u32,
+}
+
+struct Sim {
+    mchid: String,
+    merchant: PlatformKeys,
+    signers: Vec<(String, MerchantSigner)>,
+    current: Mutex<usize>,
+    cipher: ApiV3Cipher,
+    trades: Mutex<HashMap<String, Trade>>,
+    refunds: Mutex<HashMap<String, Refund>>,
+    requests: Mutex<Vec<Value>>,
+    refund_callbacks: Mutex<bool>,
+    /// Where callbacks go instead of the `notify_url` of the request (a
+    /// test's server listens on a port chosen when it starts).
+    notify_to: Mutex<Option<String>>,
+    http: reqwest::Client,
+}
+
+fn arg(args: &[String], name: &str) -> String {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| panic!("{name} is required"))
+}
+
+fn random(n: usize) -> String {
+    (0..n).map(|_| fastrand::alphanumeric()).collect()
+}
+
+impl Sim {
+    fn signer(&self) -> &(String, MerchantSigner) {
+        &self.signers[*self.current.lock().unwrap()]
+    }
+
+    /// Wechatpay-* headers over `body`, at `ts`.
+    fn sign(&self, ts: i64, body: &[u8]) -> Vec<(&'static str, String)> {
+        let (serial, signer) = self.signer();
+        let nonce = random(32);
+        let signature = signer.sign(&crypto::response_message(&ts.to_string(), &nonce, body));
+        vec![
+            ("Wechatpay-Timestamp", ts.to_string()),
+            ("Wechatpay-Nonce", nonce),
+            ("Wechatpay-Serial", serial.clone()),
+            ("Wechatpay-Signature", signature),
+            ("Wechatpay-Signature-Type", crypto::SCHEME.to_owned()),
+        ]
+    }
+
+    fn answer(&self, status: u16, body: Option<Value>) -> HttpResponse {
+        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+        let mut res = HttpResponse::build(actix_web::http::StatusCode::from_u16(status).unwrap());
+        for (k, v) in self.sign(Utc::now().timestamp(), bytes.as_bytes()) {
+            res.insert_header((k, v));
+        }
+        res.insert_header(("Request-ID", random(16)));
+        if bytes.is_empty() {
+            res.finish()
+        } else {
+            res.content_type("application/json").body(bytes)
+        }
+    }
+
+    fn error(&self, status: u16, code: &str, message: &str) -> HttpResponse {
+        self.answer(status, Some(json!({"code": code, "message": message})))
+    }
+
+    /// Checks the merchant's `Authorization` over the request.
+    fn verify(&self, req: &HttpRequest, body: &[u8]) -> Result<(), String> {
+        let auth = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .ok_or("no Authorization")?;
+        let params = auth
+            .strip_prefix(crypto::SCHEME)
+            .ok_or("not WECHATPAY2-SHA256-RSA2048")?
+            .trim();
+        let mut fields = HashMap::new();
+        for part in params.split(',') {
+            let (k, v) = part.split_once('=').ok_or("a malformed field")?;
+            fields.insert(k.trim(), v.trim().trim_matches('"'));
+        }
+        let get = |k: &str| fields.get(k).copied().ok_or(format!("no {k}"));
+        if get("mchid")? != self.mchid {
+            return Err("another mchid".into());
+        }
+        let ts: i64 = get("timestamp")?.parse().map_err(|_| "timestamp")?;
+        if (Utc::now().timestamp() - ts).abs() > 300 {
+            return Err("an old timestamp".into());
+        }
+        let path = req.uri().path_and_query().map_or("", |p| p.as_str());
+        let message = crypto::request_message(
+            req.method().as_str(),
+            path,
+            ts,
+            get("nonce_str")?,
+            std::str::from_utf8(body).map_err(|_| "a body not UTF-8")?,
+        );
+        self.merchant
+            .verify(get("serial_no")?, message.as_bytes(), get("signature")?)
+            .map_err(|e| format!("{e:?}"))
+    }
+
+    /// Logs the request and checks it; the error answer when it fails.
+    fn check(&self, req: &HttpRequest, body: &[u8]) -> Option<HttpResponse> {
+        let verified = self.verify(req, body);
+        self.requests.lock().unwrap().push(json!({
+            "method": req.method().as_str(),
+            "path": req.uri().to_string(),
+            "verified": verified.is_ok(),
+            "error": verified.as_ref().err(),
+        }));
+        verified
+            .err()
+            .map(|e| self.error(401, "SIGN_ERROR", &format!("signature: {e}")))
+    }
+
+    fn transaction(&self, t: &Trade) -> Value {
+        json!({
+            "appid": t.body["appid"],
+            "mchid": self.mchid,
+            "out_trade_no": t.out_trade_no,
+            "transaction_id": t.transaction_id,
+            "trade_type": "NATIVE",
+            "trade_state": t.state,
+            "trade_state_desc": t.state,
+            "bank_type": "OTHERS",
+            "attach": t.body["attach"],
+            "success_time": t.success_time,
+            "payer": {"openid": "o-simulated-payer"},
+            "amount": {"total": t.amount, "payer_total": t.amount, "currency": "CNY", "payer_currency": "CNY"},
+        })
+    }
+
+    fn refund_json(&self, r: &Refund) -> Value {
+        json!({
+            "refund_id": r.refund_id,
+            "out_refund_no": r.out_refund_no,
+            "transaction_id": self.trades.lock().unwrap().get(&r.out_trade_no).and_then(|t| t.transaction_id.clone()),
+            "out_trade_no": r.out_trade_no,
+            "channel": "ORIGINAL",
+            "user_received_account": "simulated balance",
+            "status": r.status,
+            "create_time": Utc::now().to_rfc3339_opts(SecondsFormat::Secs, false),
+            "amount": {"total": r.total, "refund": r.amount, "payer_total": r.total, "payer_refund": r.amount, "currency": "CNY"},
+        })
+    }
+
+    /// A callback `(headers, body)` of `event_type` carrying `resource`.
+    fn callback(
+        &self,
+        event_type: &str,
+        original: &str,
+        resource: &Value,
+        ts: i64,
+    ) -> (Vec<(&'static str, String)>, Vec<u8>) {
+        let nonce = random(12);
+        let ciphertext = self
+            .cipher
+            .encrypt(
+                original.as_bytes(),
+                nonce.as_bytes(),
+                resource.to_string().as_bytes(),
+            )
+            .expect("a 12-byte nonce");
+        let body = json!({
+            "id": uuid::Uuid::new_v4().to_string(),
+            "create_time": Utc::now().to_rfc3339_opts(SecondsFormat::Secs, false),
+            "resource_type": "encrypt-resource",
+            "event_type": event_type,
+            "summary": "simulated",
+            "resource": {
+                "original_type": original,
+                "algorithm": "AEAD_AES_256_GCM",
+                "ciphertext": ciphertext,
+                "associated_data": original,
+                "nonce": nonce,
+            },
+        })
+        .to_string()
+        .into_bytes();
+        (self.sign(ts, &body), body)
+    }
+
+    fn notify_url(&self, asked: String) -> String {
+        self.notify_to.lock().unwrap().clone().unwrap_or(asked)
+    }
+
+    async fn post(
+        &self,
+        url: &str,
+        headers: Vec<(&'static str, String)>,
+        body: Vec<u8>,
+    ) -> (u16, String) {
+        let mut req = self
+            .http
+            .post(url)
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        match req.body(body).send().await {
+            Ok(res) => {
+                let status = res.status().as_u16();
+                (status, res.text().await.unwrap_or_default())
+            }
+            Err(e) => (0, e.to_string()),
+        }
+    }
+
+    /// Sends the trade's payment callback, spoiled as `tamper` says.
+    async fn deliver(&self, no: &str, tamper: Option<&str>) -> Option<(u16, String)> {
+        let (resource, url) = {
+            let trades = self.trades.lock().unwrap();
+            let t = trades.get(no)?;
+            (self.transaction(t), self.notify_url(t.notify_url.clone()))
+        };
+        let ts = match tamper {
+            Some("timestamp") => Utc::now().timestamp() - 3600,
+            _ => Utc::now().timestamp(),
+        };
+        let (mut headers, mut body) =
+            self.callback("TRANSACTION.SUCCESS", "transaction", &resource, ts);
+        match tamper {
+            Some("body") => {
+                // One byte of the ciphertext changed after signing.
+                let text = String::from_utf8(body).unwrap();
+                let at = text.find("\"ciphertext\":\"").unwrap() + 14;
+                let mut bytes = text.into_bytes();
+                bytes[at] = if bytes[at] == b'A' { b'B' } else { b'A' };
+                body = bytes;
+            }
+            Some("serial") => {
+                for h in &mut headers {
+                    if h.0 == "Wechatpay-Serial" {
+                        h.1 = "UNKNOWN-SERIAL".into();
+                    }
+                }
+            }
+            _ => {}
+        }
+        Some(self.post(&url, headers, body).await)
+    }
+
+    async fn refund_callback(&self, no: &str) {
+        if !*self.refund_callbacks.lock().unwrap() {
+            return;
+        }
+        let (resource, url) = {
+            let refunds = self.refunds.lock().unwrap();
+            let Some(r) = refunds.get(no) else { return };
+            let mut resource = self.refund_json(r);
+            // A refund callback names it `refund_status`, an answer `status`.
+            let status = resource
+                .as_object_mut()
+                .and_then(|o| o.remove("status"))
+                .unwrap_or_default();
+            resource["refund_status"] = status;
+            resource["mchid"] = json!(self.mchid);
+            (resource, self.notify_url(r.notify_url.clone()))
+        };
+        let event = format!(
+            "REFUND.{}",
+            resource["refund_status"].as_str().unwrap_or("SUCCESS")
+        );
+        let (headers, body) = self.callback(&event, "refund", &resource, Utc::now().timestamp());
+        self.post(&url, headers, body).await;
+    }
+}
+
+async fn native(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> HttpResponse {
+    if let Some(refused) = sim.check(&req, &body) {
+        return refused;
+    }
+    let Ok(b) = serde_json::from_slice::<Value>(&body) else {
+        return sim.error(400, "PARAM_ERROR", "a body not JSON");
+    };
+    let (Some(no), Some(amount), Some(notify)) = (
+        b["out_trade_no"].as_str(),
+        b["amount"]["total"].as_i64(),
+        b["notify_url"].as_str(),
+    ) else {
+        return sim.error(
+            400,
+            "PARAM_ERROR",
+            "out_trade_no, amount.total and notify_url are required",
+        );
+    };
+    if b["mchid"] != json!(sim.mchid) {
+        return sim.error(400, "MCH_NOT_EXISTS", "another mchid");
+    }
+    let mut trades = sim.trades.lock().unwrap();
+    let trade = trades.entry(no.to_owned()).or_insert_with(|| Trade {
+        out_trade_no: no.to_owned(),
+        amount,
+        body: b.clone(),
+        notify_url: notify.to_owned(),
+        code_url: format!("weixin://wxpay/bizpayurl?pr={}", random(10)),
+        state: "NOTPAY",
+        transaction_id: None,
+        success_time: None,
+        creates: 0,
+    });
+    trade.creates += 1;
+    if trade.amount != amount || trade.body != b {
+        return sim.error(
+            400,
+            "INVALID_REQUEST",
+            "out_trade_no used with other parameters",
+        );
+    }
+    match trade.state {
+        "CLOSED" => return sim.error(400, "ORDER_CLOSED", "the trade is closed"),
+        "SUCCESS" | "REFUND" => return sim.error(400, "ORDERPAID", "the trade is paid"),
+        _ => {}
+    }
+    let code_url = trade.code_url.clone();
+    drop(trades);
+    sim.answer(200, Some(json!({"code_url": code_url})))
+}
+
+async fn query(sim: web::Data<Sim>, req: HttpRequest, path: web::Path<String>) -> HttpResponse {
+    if let Some(refused) = sim.check(&req, b"") {
+        return refused;
+    }
+    let trades = sim.trades.lock().unwrap();
+    match trades.get(path.as_str()) {
+        Some(t) => {
+            let body = sim.transaction(t);
+            drop(trades);
+            sim.answer(200, Some(body))
+        }
+        None => {
+            drop(trades);
+            sim.error(404, "ORDER_NOT_EXIST", "no such trade")
+        }
+    }
+}
+
+async fn close(
+    sim: web::Data<Sim>,
+    req: HttpRequest,
+    path: web::Path<String>,
+    body: web::Bytes,
+) -> HttpResponse {
+    if let Some(refused) = sim.check(&req, &body) {
+        return refused;
+    }
+    let mut trades = sim.trades.lock().unwrap();
+    let state = match trades.get_mut(path.as_str()) {
+        None => None,
+        Some(t) if t.state == "NOTPAY" => {
+            t.state = "CLOSED";
+            Some("CLOSED")
+        }
+        Some(t) => Some(t.state),
+    };
+    drop(trades);
+    match state {
+        None => sim.error(404, "ORDER_NOT_EXIST", "no such trade"),
+        Some("SUCCESS" | "REFUND") => sim.error(400, "ORDERPAID", "the trade is paid"),
+        Some(_) => sim.answer(204, None),
+    }
+}
+
+async fn refund(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> HttpResponse {
+    if let Some(refused) = sim.check(&req, &body) {
+        return refused;
+    }
+    let Ok(b) = serde_json::from_slice::<Value>(&body) else {
+        return sim.error(400, "PARAM_ERROR", "a body not JSON");
+    };
+    let (Some(no), Some(trade_no), Some(amount), Some(total)) = (
+        b["out_refund_no"].as_str(),
+        b["out_trade_no"].as_str(),
+        b["amount"]["refund"].as_i64(),
+        b["amount"]["total"].as_i64(),
+    ) else {
+        return sim.error(
+            400,
+            "PARAM_ERROR",
+            "out_refund_no, out_trade_no and amount are required",
+        );
+    };
+    {
+        let mut trades = sim.trades.lock().unwrap();
+        let Some(t) = trades.get_mut(trade_no) else {
+            drop(trades);
+            return sim.error(404, "RESOURCE_NOT_EXISTS", "no such trade");
+        };
+        if t.state != "SUCCESS" && t.state != "REFUND" {
+            drop(trades);
+            return sim.error(400, "INVALID_REQUEST", "the trade is not paid");
+        }
+        if total != t.amount || amount > total || amount <= 0 {
+            drop(trades);
+            return sim.error(
+                400,
+                "PARAM_ERROR",
+                "amount.total is not the trade's, or the refund exceeds it",
+            );
+        }
+        t.state = "REFUND";
+    }
+    let body = {
+        let mut refunds = sim.refunds.lock().unwrap();
+        let r = refunds.entry(no.to_owned()).or_insert_with(|| Refund {
+            out_refund_no: no.to_owned(),
+            out_trade_no: trade_no.to_owned(),
+            refund_id: format!("50{}", random(26)),
+            amount,
+            total,
+            status: "PROCESSING",
+            notify_url: b["notify_url"].as_str().unwrap_or_default().to_owned(),
+            creates: 0,
+        });
+        r.creates += 1;
+        let r = &*r;
+        sim.refund_json(r)
+    };
+    // The money arrives a moment later, and the refund callback says so.
+    let sim2 = sim.clone();
+    let no = no.to_owned();
+    actix_web::rt::spawn(async move {
+        actix_web::rt::time::sleep(std::time::Duration::from_millis(200)).await;
+        if let Some(r) = sim2.refunds.lock().unwrap().get_mut(&no) {
+            r.status = "SUCCESS";
+        }
+        sim2.refund_callback(&no).await;
+    });
+    sim.answer(200, Some(body))
+}
+
+async fn query_refund(
+    sim: web::Data<Sim>,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> HttpResponse {
+    if let Some(refused) = sim.check(&req, b"") {
+        return refused;
+    }
+    let body = sim
+        .refunds
+        .lock()
+        .unwrap()
+        .get(path.as_str())
+        .map(|r| sim.refund_json(r));
+    match body {
+        Some(body) => sim.answer(200, Some(body)),
+        None => sim.error(404, "RESOURCE_NOT_EXISTS", "no such refund"),
+    }
+}
+
+async fn sim_pay(
+    sim: web::Data<Sim>,
+    path: web::Path<String>,
+    body: web::Json<Value>,
+) -> HttpResponse {
+    let times = body["times"].as_u64().unwrap_or(1);
+    let deliver = body["deliver"].as_bool().unwrap_or(true);
+    {
+        let mut trades = sim.trades.lock().unwrap();
+        let Some(t) = trades.get_mut(path.as_str()) else {
+            return HttpResponse::NotFound().json(json!({"error": "no such trade"}));
+        };
+        if t.state != "NOTPAY" {
+            return HttpResponse::Conflict()
+                .json(json!({"error": format!("the trade is {}", t.state)}));
+        }
+        t.state = "SUCCESS";
+        t.transaction_id = Some(format!("42{}", random(26)));
+        t.success_time = Some(Utc::now().to_rfc3339_opts(SecondsFormat::Secs, false));
+    }
+    let mut statuses = Vec::new();
+    if deliver {
+        for _ in 0..times {
+            if let Some((status, _)) = sim.deliver(path.as_str(), None).await {
+                statuses.push(status);
+            }
+        }
+    }
+    HttpResponse::Ok().json(json!({"statuses": statuses}))
+}
+
+async fn sim_deliver(
+    sim: web::Data<Sim>,
+    path: web::Path<String>,
+    body: web::Json<Value>,
+) -> HttpResponse {
+    match sim.deliver(path.as_str(), body["tamper"].as_str()).await {
+        Some((status, body)) => HttpResponse::Ok().json(json!({"status": status, "body": body})),
+        None => HttpResponse::NotFound().json(json!({"error": "no such trade"})),
+    }
+}
+
+async fn sim_sign_with(sim: web::Data<Sim>, body: web::Json<Value>) -> HttpResponse {
+    let serial = body["serial"].as_str().unwrap_or_default();
+    match sim.signers.iter().position(|(s, _)| s == serial) {
+        Some(i) => {
+            *sim.current.lock().unwrap() = i;
+            HttpResponse::Ok().json(json!({"serial": serial}))
+        }
+        None => HttpResponse::NotFound().json(json!({"error": "no such key"})),
+    }
+}
+
+async fn sim_refund_callbacks(sim: web::Data<Sim>, body: web::Json<Value>) -> HttpResponse {
+    *sim.refund_callbacks.lock().unwrap() = body["deliver"].as_bool().unwrap_or(true);
+    HttpResponse::Ok().json(json!({}))
+}
+
+async fn sim_notify_to(sim: web::Data<Sim>, body: web::Json<Value>) -> HttpResponse {
+    *sim.notify_to.lock().unwrap() = body["url"].as_str().map(str::to_owned);
+    HttpResponse::Ok().json(json!({}))
+}
+
+async fn sim_state(sim: web::Data<Sim>) -> HttpResponse {
+    let trades: Vec<Value> = sim
+        .trades
+        .lock()
+        .unwrap()
+        .values()
+        .map(|t| json!({"out_trade_no": t.out_trade_no, "state": t.state, "amount": t.amount, "creates": t.creates, "code_url": t.code_url, "notify_url": t.notify_url}))
+        .collect();
+    let refunds: Vec<Value> = sim
+        .refunds
+        .lock()
+        .unwrap()
+        .values()
+        .map(|r| json!({"out_refund_no": r.out_refund_no, "out_trade_no": r.out_trade_no, "status": r.status, "amount": r.amount, "creates": r.creates}))
+        .collect();
+    let requests = sim.requests.lock().unwrap().clone();
+    HttpResponse::Ok().json(json!({"trades": trades, "refunds": refunds, "requests": requests}))
+}
+
+fn platform_key(dir: &str, serial: &str) -> MerchantSigner {
+    let key = rsa::PrivateKey::generate();
+    let public = key
+        .to_public_key()
+        .to_public_key_pem(LineEnding::LF)
+        .expect("an SPKI PEM");
+    std::fs::write(format!("{dir}/{serial}.pem"), public).expect("the key directory is writable");
+    let private = key.to_pkcs8_pem(LineEnding::LF).expect("a PKCS#8 PEM");
+    MerchantSigner::from_pem("platform", serial, &private).expect("its own key")
+}
+
+#[actix_web::main]
+async fn main() -> std::io::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let dir = arg(&args, "--platform-key-dir");
+    std::fs::create_dir_all(&dir)?;
+    let mut merchant = PlatformKeys::default();
+    let pem = std::fs::read_to_string(arg(&args, "--merchant-public-key"))?;
+    merchant
+        .add_pem(&arg(&args, "--merchant-serial"), &pem)
+        .expect("the merchant's public key");
+    let serials = [
+        format!("PUB_KEY_ID_{}", random(8)),
+        format!("PUB_KEY_ID_{}", random(8)),
+    ];
+    let signers = serials
+        .iter()
+        .map(|s| (s.clone(), platform_key(&dir, s)))
+        .collect();
+    let sim = web::Data::new(Sim {
+        mchid: arg(&args, "--mchid"),
+        merchant,
+        signers,
+        current: Mutex::new(0),
+        cipher: ApiV3Cipher::new(arg(&args, "--apiv3-key").as_bytes())
+            .expect("a 32-byte APIv3 key"),
+        trades: Mutex::default(),
+        refunds: Mutex::default(),
+        requests: Mutex::default(),
+        refund_callbacks: Mutex::new(true),
+        notify_to: Mutex::default(),
+        http: reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(10))
+            .build()
+            .expect("an HTTP client"),
+    });
+    let server = HttpServer::new({
+        let sim = sim.clone();
+        move || {
+            App::new()
+                .app_data(sim.clone())
+                .route("/v3/pay/transactions/native", web::post().to(native))
+                .route(
+                    "/v3/pay/transactions/out-trade-no/{no}",
+                    web::get().to(query),
+                )
+                .route(
+                    "/v3/pay/transactions/out-trade-no/{no}/close",
+                    web::post().to(close),
+                )
+                .route("/v3/refund/domestic/refunds", web::post().to(refund))
+                .route(
+                    "/v3/refund/domestic/refunds/{no}",
+                    web::get().to(query_refund),
+                )
+                .route("/sim/pay/{no}", web::post().to(sim_pay))
+                .route("/sim/deliver/{no}", web::post().to(sim_deliver))
+                .route("/sim/sign-with", web::post().to(sim_sign_with))
+                .route(
+                    "/sim/refund-callbacks",
+                    web::post().to(sim_refund_callbacks),
+                )
+                .route("/sim/notify-to", web::post().to(sim_notify_to))
+                .route("/sim/state", web::get().to(sim_state))
+        }
+    })
+    .workers(2)
+    .bind("127.0.0.1:0")?;
+    let addr = server.addrs()[0];
+    println!(
+        "{}",
+        json!({"url": format!("http://{addr}"), "serials": serials})
+    );
+    server.run().await
+}

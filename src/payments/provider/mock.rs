@@ -1,0 +1,241 @@
+//! The built-in mock provider, which behaves like a real one where it
+//! matters: it signs its callbacks with the shared secret, can deliver the
+//! same callback several times, and refunds at once. And `external`: a
+//! provider that signs callbacks the same way and has no API to call.
+
+use chrono::{DateTime, Utc};
+use futures_util::future::{BoxFuture, FutureExt};
+use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, NewPayment,
+    PaymentProvider, ProviderError, RefundReport, RefundRequest, RefundState,
+};
+use crate::payments::signature::{self, SignatureError};
+
+/// The mock provider (`payment.provider = "mock"`).
+pub struct MockProvider {
+    secret: SecretString,
+    tolerance_secs: i64,
+}
+
+/// The callback body (docs/HTTP.md, "Payment callbacks").
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Callback {
+    /// Our payment number (string).
+    pub payment_no: String,
+    /// The order it pays (string).
+    pub order_no: String,
+    /// Amount the provider charged, cents.
+    pub amount_cents: i64,
+    /// `SUCCESS` or `FAILED`.
+    #[schema(pattern = "^(SUCCESS|FAILED)$")]
+    pub status: String,
+    /// The provider's transaction id (unique per charge).
+    pub provider_txn_id: Option<String>,
+    /// When the provider charged.
+    pub paid_at: Option<DateTime<Utc>>,
+}
+
+impl Callback {
+    /// The charge it reports; `None` when its numbers are not ids.
+    pub fn charge(&self) -> Option<Charge> {
+        Some(Charge {
+            payment_no: self.payment_no.parse().ok().filter(|n| *n > 0)?,
+            order_no: Some(self.order_no.parse().ok().filter(|n| *n > 0)?),
+            amount_cents: self.amount_cents,
+            outcome: if self.status == "SUCCESS" {
+                ChargeOutcome::Paid
+            } else {
+                ChargeOutcome::Failed
+            },
+            txn_id: self.provider_txn_id.clone(),
+            paid_at: self.paid_at,
+        })
+    }
+}
+
+/// Verifies an `X-Pay-Signature` callback and parses it into an event.
+fn parse_signed(
+    secret: &SecretString,
+    tolerance_secs: i64,
+    headers: &actix_web::http::header::HeaderMap,
+    body: &[u8],
+    now: i64,
+) -> Result<Event, CallbackError> {
+    let header = headers.get("x-pay-signature").and_then(|v| v.to_str().ok());
+    signature::verify(
+        secret.expose_secret().as_bytes(),
+        header,
+        body,
+        now,
+        tolerance_secs,
+    )
+    .map_err(|e| match e {
+        SignatureError::Missing | SignatureError::Malformed => {
+            CallbackError::Malformed(e.to_string())
+        }
+        SignatureError::Stale => CallbackError::Stale,
+        SignatureError::Mismatch => CallbackError::BadSignature,
+    })?;
+    let cb: Callback =
+        serde_json::from_slice(body).map_err(|e| CallbackError::Malformed(e.to_string()))?;
+    cb.charge()
+        .map(Event::Charge)
+        .ok_or_else(|| CallbackError::Malformed("payment_no and order_no must be ids".into()))
+}
+
+impl MockProvider {
+    /// A mock that signs with `secret` (the same `payment.notify_secret` the
+    /// callback route verifies with).
+    pub fn new(secret: SecretString, tolerance_secs: i64) -> Self {
+        Self {
+            secret,
+            tolerance_secs,
+        }
+    }
+
+    /// A signed callback: `(body, X-Pay-Signature)`.
+    pub fn signed_callback(&self, callback: &Callback, now: DateTime<Utc>) -> (Vec<u8>, String) {
+        let body = serde_json::to_vec(callback).unwrap_or_default();
+        let header = signature::sign(
+            self.secret.expose_secret().as_bytes(),
+            now.timestamp(),
+            &body,
+        );
+        (body, header)
+    }
+}
+
+/// What a provider with nothing to ask answers about a payment: not paid
+/// (its callback will tell).
+fn not_paid(payment_no: i64) -> Charge {
+    Charge {
+        payment_no,
+        order_no: None,
+        amount_cents: 0,
+        outcome: ChargeOutcome::NotPaid,
+        txn_id: None,
+        paid_at: None,
+    }
+}
+
+impl PaymentProvider for MockProvider {
+    fn name(&self) -> &'static str {
+        "mock"
+    }
+
+    fn create<'a>(
+        &'a self,
+        _payment: &'a NewPayment,
+    ) -> BoxFuture<'a, Result<Checkout, ProviderError>> {
+        futures_util::future::ready(Ok(Checkout::default())).boxed()
+    }
+
+    fn parse_callback(
+        &self,
+        headers: &actix_web::http::header::HeaderMap,
+        body: &[u8],
+        now: i64,
+    ) -> Result<Event, CallbackError> {
+        parse_signed(&self.secret, self.tolerance_secs, headers, body, now)
+    }
+
+    fn close(&self, _payment_no: i64) -> BoxFuture<'_, Result<CloseOutcome, ProviderError>> {
+        futures_util::future::ready(Ok(CloseOutcome::Closed)).boxed()
+    }
+
+    fn query(&self, payment_no: i64) -> BoxFuture<'_, Result<Charge, ProviderError>> {
+        futures_util::future::ready(Ok(not_paid(payment_no))).boxed()
+    }
+
+    /// The mock gives the money back at once.
+    fn refund<'a>(
+        &'a self,
+        refund: &'a RefundRequest,
+    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
+        futures_util::future::ready(Ok(RefundReport {
+            refund_no: refund.refund_no,
+            provider_refund_id: Some(format!("mock-refund-{}", refund.refund_no)),
+            state: RefundState::Succeeded,
+        }))
+        .boxed()
+    }
+
+    fn query_refund(&self, refund_no: i64) -> BoxFuture<'_, Result<RefundReport, ProviderError>> {
+        futures_util::future::ready(Ok(RefundReport {
+            refund_no,
+            provider_refund_id: Some(format!("mock-refund-{refund_no}")),
+            state: RefundState::Succeeded,
+        }))
+        .boxed()
+    }
+}
+
+/// `payment.provider = "external"`: a provider that registers intents on
+/// its side and calls back, signed with `payment.notify_secret`. It has no
+/// API here: closes are taken as done, queries as not paid, and refunds
+/// fail at once (REFUND_FAILED, alerted: an operator gives the money back).
+pub struct ExternalProvider {
+    secret: SecretString,
+    tolerance_secs: i64,
+}
+
+impl ExternalProvider {
+    pub fn new(secret: SecretString, tolerance_secs: i64) -> Self {
+        Self {
+            secret,
+            tolerance_secs,
+        }
+    }
+}
+
+impl PaymentProvider for ExternalProvider {
+    fn name(&self) -> &'static str {
+        "external"
+    }
+
+    fn create<'a>(
+        &'a self,
+        _payment: &'a NewPayment,
+    ) -> BoxFuture<'a, Result<Checkout, ProviderError>> {
+        futures_util::future::ready(Ok(Checkout::default())).boxed()
+    }
+
+    fn parse_callback(
+        &self,
+        headers: &actix_web::http::header::HeaderMap,
+        body: &[u8],
+        now: i64,
+    ) -> Result<Event, CallbackError> {
+        parse_signed(&self.secret, self.tolerance_secs, headers, body, now)
+    }
+
+    fn close(&self, _payment_no: i64) -> BoxFuture<'_, Result<CloseOutcome, ProviderError>> {
+        futures_util::future::ready(Ok(CloseOutcome::Closed)).boxed()
+    }
+
+    fn query(&self, payment_no: i64) -> BoxFuture<'_, Result<Charge, ProviderError>> {
+        futures_util::future::ready(Ok(not_paid(payment_no))).boxed()
+    }
+
+    fn refund<'a>(
+        &'a self,
+        _refund: &'a RefundRequest,
+    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
+        futures_util::future::ready(Err(ProviderError::Refused {
+            code: "NO_REFUND_API".into(),
+            message: "the external provider has no refund API: refund by hand".into(),
+        }))
+        .boxed()
+    }
+
+    fn query_refund(&self, _refund_no: i64) -> BoxFuture<'_, Result<RefundReport, ProviderError>> {
+        futures_util::future::ready(Err(ProviderError::Refused {
+            code: "NO_REFUND_API".into(),
+            message: "the external provider has no refund API".into(),
+        }))
+        .boxed()
+    }
+}

@@ -1,0 +1,182 @@
+//! The payment provider boundary (docs/PAYMENTS.md): what this server asks
+//! of a provider, and the one shape every provider's callback is turned
+//! into before it touches an order.
+//!
+//! Every call is idempotent at the provider: a payment is created under our
+//! payment number, a refund under our refund number. So a call whose answer
+//! never came ([`ProviderError::Unknown`]) is simply made again, and never
+//! undone on our side.
+
+use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
+
+pub mod mock;
+
+pub use mock::{Callback, ExternalProvider, MockProvider};
+
+/// A payment to create at the provider.
+#[derive(Debug, Clone)]
+pub struct NewPayment {
+    /// Ours; the provider's idempotency key (WeChat Pay's `out_trade_no`).
+    pub payment_no: i64,
+    pub order_no: i64,
+    pub amount_cents: i64,
+    /// What the buyer sees on the provider's page.
+    pub description: String,
+    /// After this the provider refuses to take the money (the order's
+    /// payment deadline).
+    pub expires_at: Option<DateTime<Utc>>,
+}
+
+/// What the buyer's client needs to pay, as the provider answered it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Checkout {
+    /// WeChat Pay Native: the URL the buyer's phone scans (as a QR code).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub code_url: Option<String>,
+    /// Stripe: the PaymentIntent's client secret.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_secret: Option<String>,
+}
+
+/// A charge as the provider reports it (callback or query), normalised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charge {
+    pub payment_no: i64,
+    /// Only the mock's and `external` callbacks carry it; checked when set.
+    pub order_no: Option<i64>,
+    /// What the provider says was charged, in cents.
+    pub amount_cents: i64,
+    pub outcome: ChargeOutcome,
+    /// The provider's transaction id.
+    pub txn_id: Option<String>,
+    pub paid_at: Option<DateTime<Utc>>,
+}
+
+/// Where a charge stands at the provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChargeOutcome {
+    /// The money was taken.
+    Paid,
+    /// The charge failed; the buyer may try again.
+    Failed,
+    /// Not paid yet.
+    NotPaid,
+    /// Closed at the provider: it will never be paid.
+    Closed,
+}
+
+/// A refund as the provider reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefundReport {
+    pub refund_no: i64,
+    pub provider_refund_id: Option<String>,
+    pub state: RefundState,
+}
+
+/// Where a refund stands at the provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RefundState {
+    /// Accepted, not done yet: a callback or a query will tell.
+    Processing,
+    /// The money is back with the buyer.
+    Succeeded,
+    /// Refused or closed for good, with the provider's reason.
+    Failed(String),
+}
+
+/// A verified callback, normalised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Charge(Charge),
+    Refund(RefundReport),
+}
+
+/// A refund to send.
+#[derive(Debug, Clone)]
+pub struct RefundRequest {
+    /// Ours; the provider's idempotency key (`out_refund_no`).
+    pub refund_no: i64,
+    pub payment_no: i64,
+    /// How much goes back, and what the payment was.
+    pub amount_cents: i64,
+    pub total_cents: i64,
+    pub reason: String,
+}
+
+/// What closing a payment at the provider found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseOutcome {
+    /// Closed (or never existed there): it can no longer be paid.
+    Closed,
+    /// The buyer paid first: query it, and take the late-payment way.
+    AlreadyPaid,
+}
+
+/// Why a call to the provider did not give an answer to act on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProviderError {
+    /// No answer, or one that cannot be trusted (a timeout, a 5xx, a bad
+    /// signature on the answer): the effect may have happened. Repeat the
+    /// same call later.
+    #[error("provider outcome unknown: {0}")]
+    Unknown(String),
+    /// A definite no, with the provider's code.
+    #[error("provider refused ({code}): {message}")]
+    Refused { code: String, message: String },
+}
+
+/// Why a callback was not accepted. Each one is answered so that the
+/// provider sends it again (it may be ours, garbled on the way), and
+/// changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallbackError {
+    #[error("callback signature missing or malformed: {0}")]
+    Malformed(String),
+    #[error("callback timestamp outside the allowed window")]
+    Stale,
+    #[error("callback signed with an unknown key serial {0}")]
+    UnknownKey(String),
+    #[error("callback signature does not match")]
+    BadSignature,
+    #[error("callback resource could not be decrypted")]
+    Undecryptable,
+}
+
+/// A payment provider.
+pub trait PaymentProvider: Send + Sync {
+    /// Stored in `payments.provider`.
+    fn name(&self) -> &'static str;
+
+    /// Creates the payment, or returns the one created before under the
+    /// same payment number.
+    fn create<'a>(
+        &'a self,
+        payment: &'a NewPayment,
+    ) -> BoxFuture<'a, Result<Checkout, ProviderError>>;
+
+    /// Verifies a callback from its raw headers and body (at `now`, unix
+    /// seconds) and parses it.
+    fn parse_callback(
+        &self,
+        headers: &actix_web::http::header::HeaderMap,
+        body: &[u8],
+        now: i64,
+    ) -> Result<Event, CallbackError>;
+
+    /// Closes the payment: after this it cannot be paid.
+    fn close(&self, payment_no: i64) -> BoxFuture<'_, Result<CloseOutcome, ProviderError>>;
+
+    /// Where the payment stands.
+    fn query(&self, payment_no: i64) -> BoxFuture<'_, Result<Charge, ProviderError>>;
+
+    /// Sends the refund, or reports the one sent before under the same
+    /// refund number.
+    fn refund<'a>(
+        &'a self,
+        refund: &'a RefundRequest,
+    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>>;
+
+    /// Where the refund stands.
+    fn query_refund(&self, refund_no: i64) -> BoxFuture<'_, Result<RefundReport, ProviderError>>;
+}

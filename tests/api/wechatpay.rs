@@ -1,0 +1,590 @@
+//! WeChat Pay API v3 against the platform simulator
+//! (`examples/wechatpay_sim.rs`, a process; checked against the official
+//! wechatpay-java SDK by `tests/wechatpay-sdk`): prepay, callbacks applied
+//! once, spoiled callbacks refused with the answer that makes WeChat Pay
+//! send them again, the timeout close at the provider, late payments
+//! refunded, a dropped callback found by the query, and the provider
+//! stopped with SIGSTOP during pay and refund.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rsa::Generate;
+use rsa::pkcs8::{EncodePrivateKey, EncodePublicKey, LineEnding};
+use seckill::config::{ProviderKind, Settings, WechatPaySettings};
+use serde_json::{Value, json};
+
+use crate::helpers::{TestApp, eventually, json, spawn_app_with};
+
+const MCHID: &str = "1900000001";
+const MERCHANT_SERIAL: &str = "5157F09EFDC096DE15EBE81A47057A7232F1B8E1";
+
+/// The simulator process (killed when dropped) and the merchant's keys.
+struct Platform {
+    child: Child,
+    url: String,
+    serials: Vec<String>,
+    dir: PathBuf,
+    apiv3_key: String,
+    http: reqwest::Client,
+}
+
+impl Drop for Platform {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `target/<profile>/examples/wechatpay_sim`, built by `scripts/test.sh`
+/// (`cargo build --example wechatpay_sim`).
+fn simulator() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps");
+    profile.join("examples").join("wechatpay_sim")
+}
+
+impl Platform {
+    fn start() -> Self {
+        let dir = std::env::temp_dir().join(format!("seckill-wechatpay-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(dir.join("platform")).expect("a temporary directory");
+        // The merchant's key, made now (no key is committed).
+        let key = rsa::PrivateKey::generate();
+        std::fs::write(
+            dir.join("merchant.pem"),
+            key.to_pkcs8_pem(LineEnding::LF).expect("PKCS#8").as_bytes(),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("merchant.pub.pem"),
+            key.to_public_key()
+                .to_public_key_pem(LineEnding::LF)
+                .expect("SPKI"),
+        )
+        .unwrap();
+        let apiv3_key: String = (0..32).map(|_| fastrand::alphanumeric()).collect();
+        let path = simulator();
+        assert!(
+            path.exists(),
+            "{} is missing: `cargo build --example wechatpay_sim` (scripts/test.sh does)",
+            path.display()
+        );
+        let mut child = Command::new(&path)
+            .args(["--mchid", MCHID, "--merchant-serial", MERCHANT_SERIAL])
+            .arg("--merchant-public-key")
+            .arg(dir.join("merchant.pub.pem"))
+            .arg("--platform-key-dir")
+            .arg(dir.join("platform"))
+            .args(["--apiv3-key", &apiv3_key])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("the simulator runs");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the simulator's first line");
+        let ready: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("the simulator did not start: {e}: {line:?}"));
+        Self {
+            child,
+            url: ready["url"].as_str().unwrap().to_owned(),
+            serials: serde_json::from_value(ready["serials"].clone()).unwrap(),
+            dir,
+            apiv3_key,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(60))
+                .build()
+                .unwrap(),
+        }
+    }
+
+    fn settings(&self, s: &mut Settings) {
+        s.payment.provider = Some(ProviderKind::Wechatpay);
+        s.payment.wechatpay = Some(WechatPaySettings {
+            base_url: self.url.clone(),
+            mchid: MCHID.into(),
+            appid: "wxd678efh567hg6787".into(),
+            merchant_serial: MERCHANT_SERIAL.into(),
+            merchant_key_file: self.dir.join("merchant.pem").display().to_string(),
+            apiv3_key: self.apiv3_key.clone().into(),
+            platform_key_dir: self.dir.join("platform").display().to_string(),
+            notify_url: "https://shop.example/api/v1/payments/notify/wechatpay".into(),
+        });
+        s.payment.sweep_interval_ms = Duration::from_millis(200);
+    }
+
+    /// A server paying through this platform; the platform's callbacks go
+    /// to it.
+    async fn app(&self, tweak: impl FnOnce(&mut Settings)) -> TestApp {
+        let app = spawn_app_with(|s| {
+            self.settings(s);
+            tweak(s);
+        })
+        .await;
+        let url = format!("{}/api/v1/payments/notify/wechatpay", app.address);
+        self.sim("/sim/notify-to", json!({"url": url})).await;
+        app
+    }
+
+    async fn sim(&self, path: &str, body: Value) -> Value {
+        let res = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .json(&body)
+            .send()
+            .await
+            .expect("the simulator answers");
+        assert!(res.status().is_success(), "{path}: {}", res.status());
+        res.json().await.expect("JSON")
+    }
+
+    async fn state(&self) -> Value {
+        self.http
+            .get(format!("{}/sim/state", self.url))
+            .send()
+            .await
+            .expect("the simulator answers")
+            .json()
+            .await
+            .expect("JSON")
+    }
+
+    async fn trade(&self, payment_no: &str) -> Value {
+        let state = self.state().await;
+        let trades = state["trades"].as_array().unwrap();
+        let found: Vec<&Value> = trades
+            .iter()
+            .filter(|t| t["out_trade_no"] == payment_no)
+            .collect();
+        assert_eq!(found.len(), 1, "one trade for {payment_no}: {state}");
+        found[0].clone()
+    }
+
+    fn signal(&self, signal: &str) {
+        let _ = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status();
+    }
+}
+
+async fn pay(app: &TestApp, user: i64, order_no: &str) -> Value {
+    let res = app.pay(user, order_no).await;
+    assert_eq!(res.status(), 200);
+    json(res).await
+}
+
+async fn order(app: &TestApp, user: i64, order_no: &str) -> Value {
+    let res = app
+        .get(
+            &format!("/api/v1/orders/{order_no}"),
+            Some(&app.user_token(user)),
+        )
+        .await;
+    assert_eq!(res.status(), 200);
+    json(res).await
+}
+
+fn metric(text: &str, line: &str) -> i64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Purchase → prepay (Native: a `code_url`) → callback → PAID. The same
+/// callback five times changes nothing after the first, under the second
+/// platform key too (both loaded: a rotation). A tampered body, an unknown
+/// serial and an old timestamp are each answered 4xx `FAIL` and change
+/// nothing.
+#[tokio::test]
+async fn a_wechat_pay_sale_pays_once_and_refuses_spoiled_callbacks() {
+    let platform = Platform::start();
+    let app = platform.app(|_| {}).await;
+    let activity = app.live_activity(5, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 1).await;
+    let (user, order_no) = (orders[0].0, orders[0].1.as_str());
+
+    let first = pay(&app, user, order_no).await;
+    assert_eq!(first["provider"], "wechatpay");
+    let code_url = first["code_url"].as_str().unwrap().to_owned();
+    assert!(
+        code_url.starts_with("weixin://wxpay/bizpayurl?pr="),
+        "{first}"
+    );
+    let again = pay(&app, user, order_no).await;
+    assert_eq!(
+        (&again["payment_no"], &again["code_url"]),
+        (&first["payment_no"], &first["code_url"])
+    );
+    let payment_no = first["payment_no"].as_str().unwrap();
+    let trade = platform.trade(payment_no).await;
+    assert_eq!(trade["amount"], 9900);
+    assert_eq!(
+        trade["notify_url"],
+        "https://shop.example/api/v1/payments/notify/wechatpay"
+    );
+    let state = platform.state().await;
+    let requests = state["requests"].as_array().unwrap();
+    assert!(
+        !requests.is_empty() && requests.iter().all(|r| r["verified"] == true),
+        "every request our adapter made verified at the platform: {requests:?}"
+    );
+
+    // The buyer pays; the platform's callback is held back for now.
+    platform
+        .sim(&format!("/sim/pay/{payment_no}"), json!({"deliver": false}))
+        .await;
+    for (tamper, status) in [("body", 401), ("serial", 401), ("timestamp", 401)] {
+        let answer = platform
+            .sim(
+                &format!("/sim/deliver/{payment_no}"),
+                json!({"tamper": tamper}),
+            )
+            .await;
+        assert_eq!(answer["status"], status, "{tamper}: {answer}");
+        let body: Value = serde_json::from_str(answer["body"].as_str().unwrap()).unwrap();
+        assert_eq!(body["code"], "FAIL", "{tamper}: {body}");
+        assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert_eq!(
+            app.order_status(user, order_no).await,
+            "WAITING_PAY",
+            "{tamper}"
+        );
+    }
+
+    platform
+        .sim("/sim/sign-with", json!({"serial": platform.serials[1]}))
+        .await;
+    for i in 0..5 {
+        let answer = platform
+            .sim(
+                &format!("/sim/deliver/{payment_no}"),
+                json!({"tamper": null}),
+            )
+            .await;
+        assert_eq!(answer["status"], 204, "delivery {i}: {answer}");
+    }
+    assert_eq!(app.order_status(user, order_no).await, "PAID");
+    let stats = app.stats(activity).await;
+    assert_eq!(
+        (stats["orders"]["PAID"].as_i64(), stats["db_sold"].as_i64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(
+        app.count("SELECT count(*) AS n FROM outbox WHERE topic = 'order.paid'")
+            .await,
+        1,
+        "paid once"
+    );
+    let shown = order(&app, user, order_no).await;
+    assert_eq!(shown["payment"]["status"], "SUCCESS", "{shown}");
+    assert_eq!(shown["payment"]["provider"], "wechatpay");
+    let metrics = app.get("/metrics", None).await.text().await.unwrap();
+    assert_eq!(
+        metric(
+            &metrics,
+            "seckill_payment_callbacks_total{outcome=\"applied\"}"
+        ),
+        1
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "seckill_payment_callbacks_total{outcome=\"duplicate\"}"
+        ),
+        4
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "seckill_payment_callbacks_total{outcome=\"bad_signature\"}"
+        ),
+        3
+    );
+}
+
+/// The unpaid-timeout close closes the platform's trade; a buyer who paid
+/// there first (the callback not delivered) makes the order go the
+/// late-payment way: REFUND_REQUIRED, the refund sent under one refund
+/// number, REFUNDED by the refund callback.
+#[tokio::test]
+async fn the_timeout_closes_the_trade_and_a_payment_made_before_is_refunded_by_callback() {
+    let platform = Platform::start();
+    let app = platform
+        .app(|s| {
+            s.workers.closer_interval_ms = Duration::from_millis(200);
+            s.payment.query_after_secs = Duration::from_secs(3600);
+        })
+        .await;
+    let activity = app.live_activity_paying_within(2, 3).await;
+    let orders = app.waiting_orders(activity, 1, 2).await;
+    let (paid_user, paid_order) = (orders[0].0, orders[0].1.as_str());
+    let (idle_user, idle_order) = (orders[1].0, orders[1].1.as_str());
+    let paid = pay(&app, paid_user, paid_order).await;
+    let idle = pay(&app, idle_user, idle_order).await;
+    let paid_no = paid["payment_no"].as_str().unwrap();
+    let idle_no = idle["payment_no"].as_str().unwrap();
+    platform
+        .sim(&format!("/sim/pay/{paid_no}"), json!({"deliver": false}))
+        .await;
+
+    eventually("both orders closed", Duration::from_secs(60), || async {
+        let a = app.order_status(paid_user, paid_order).await;
+        let b = app.order_status(idle_user, idle_order).await;
+        (a == "CLOSED" && b == "CLOSED").then_some(())
+    })
+    .await;
+    eventually(
+        "the idle trade closed at the platform",
+        Duration::from_secs(60),
+        || async { (platform.trade(idle_no).await["state"] == "CLOSED").then_some(()) },
+    )
+    .await;
+    let refunded = eventually(
+        "the late payment refunded",
+        Duration::from_secs(60),
+        || async {
+            let shown = order(&app, paid_user, paid_order).await;
+            (shown["payment"]["status"] == "REFUNDED").then_some(shown)
+        },
+    )
+    .await;
+    assert_eq!(
+        refunded["status"], "CLOSED",
+        "the order is not revived: {refunded}"
+    );
+    let refund_no = refunded["payment"]["refund_no"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let state = platform.state().await;
+    let refunds = state["refunds"].as_array().unwrap();
+    assert_eq!(refunds.len(), 1, "{state}");
+    assert_eq!(refunds[0]["out_refund_no"], refund_no.as_str());
+    assert_eq!(refunds[0]["out_trade_no"], paid_no);
+    assert_eq!(refunds[0]["amount"], 9900);
+    assert_eq!(app.order_status(idle_user, idle_order).await, "CLOSED");
+    assert_eq!(
+        app.count(
+            "SELECT count(*) AS n FROM payments WHERE status = 'FAILED' AND closed_at IS NOT NULL"
+        )
+        .await,
+        1,
+        "the idle payment is closed"
+    );
+    let metrics = app.get("/metrics", None).await.text().await.unwrap();
+    assert_eq!(
+        metric(
+            &metrics,
+            "seckill_payment_callbacks_total{outcome=\"refund_settled\"}"
+        ),
+        1,
+        "settled by the refund callback"
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "seckill_payment_refunds_total{status=\"REFUNDED\"}"
+        ),
+        1
+    );
+    let stats = app.stats(activity).await;
+    assert_eq!(
+        (stats["db_sold"].as_i64(), stats["db_available"].as_i64()),
+        (Some(0), Some(2))
+    );
+}
+
+/// The platform never sends the callback: the payment is queried once
+/// `payment.query_after_secs` has passed, and the order is PAID through
+/// the same transition.
+#[tokio::test]
+async fn a_dropped_callback_is_found_by_the_query() {
+    let platform = Platform::start();
+    let app = platform
+        .app(|s| s.payment.query_after_secs = Duration::from_secs(2))
+        .await;
+    let activity = app.live_activity(1, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 1).await;
+    let (user, order_no) = (orders[0].0, orders[0].1.as_str());
+    let payment_no = pay(&app, user, order_no).await["payment_no"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    platform
+        .sim(&format!("/sim/pay/{payment_no}"), json!({"deliver": false}))
+        .await;
+    let paid_after = Instant::now();
+    eventually(
+        "paid through the query",
+        Duration::from_secs(60),
+        || async { (app.order_status(user, order_no).await == "PAID").then_some(()) },
+    )
+    .await;
+    println!(
+        "PAID {:.1}s after the buyer paid",
+        paid_after.elapsed().as_secs_f64()
+    );
+    let metrics = app.get("/metrics", None).await.text().await.unwrap();
+    assert_eq!(
+        metric(
+            &metrics,
+            "seckill_payment_callbacks_total{outcome=\"applied\"}"
+        ),
+        1
+    );
+    assert!(
+        metric(
+            &metrics,
+            "seckill_payment_provider_calls_total{call=\"query\",outcome=\"ok\"}"
+        ) >= 1
+    );
+    // The callback arriving now is a duplicate.
+    let answer = platform
+        .sim(
+            &format!("/sim/deliver/{payment_no}"),
+            json!({"tamper": null}),
+        )
+        .await;
+    assert_eq!(answer["status"], 204);
+    assert_eq!(app.stats(activity).await["db_sold"], 1);
+}
+
+/// The platform stopped (SIGSTOP) while the buyer pays: 503 RETRY_LATER,
+/// and once it is back the same payment is created there, once. An
+/// after-sale refund asked while it is stopped completes once it is back.
+#[tokio::test]
+async fn pay_and_refund_while_the_platform_is_stopped() {
+    let platform = Platform::start();
+    let app = platform
+        .app(|s| s.payment.provider_timeout_ms = Duration::from_millis(1000))
+        .await;
+    let activity = app.live_activity(1, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 1).await;
+    let (user, order_no) = (orders[0].0, orders[0].1.as_str());
+
+    platform.signal("STOP");
+    let res = app.pay(user, order_no).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(json(res).await["code"], "RETRY_LATER");
+    platform.signal("CONT");
+    let paid = pay(&app, user, order_no).await;
+    let payment_no = paid["payment_no"].as_str().unwrap();
+    let trade = platform.trade(payment_no).await;
+    assert!(trade["creates"].as_i64().unwrap() >= 1, "{trade}");
+    assert_eq!(paid["code_url"], trade["code_url"], "the same payment");
+
+    platform
+        .sim(&format!("/sim/pay/{payment_no}"), json!({"times": 1}))
+        .await;
+    assert_eq!(app.order_status(user, order_no).await, "PAID");
+
+    platform.signal("STOP");
+    let res = app
+        .post_json(
+            &format!("/api/v1/admin/orders/{order_no}/refund"),
+            &json!({"reason": "returned"}),
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(res.status(), 202);
+    let refund = json(res).await;
+    assert_eq!(refund["status"], "REFUNDING");
+    assert_eq!(refund["payment_no"], payment_no);
+    // Attempts time out while it is stopped.
+    eventually(
+        "an attempt without an answer",
+        Duration::from_secs(60),
+        || async {
+            let text = app.get("/metrics", None).await.text().await.unwrap();
+            (metric(
+                &text,
+                "seckill_payment_provider_calls_total{call=\"refund\",outcome=\"unknown\"}",
+            ) >= 1)
+                .then_some(())
+        },
+    )
+    .await;
+    platform.signal("CONT");
+    let shown = eventually(
+        "refunded once the platform is back",
+        Duration::from_secs(90),
+        || async {
+            let shown = order(&app, user, order_no).await;
+            (shown["payment"]["status"] == "REFUNDED").then_some(shown)
+        },
+    )
+    .await;
+    assert_eq!(
+        shown["status"], "PAID",
+        "an after-sale refund leaves the order PAID"
+    );
+    assert_eq!(shown["payment"]["refund_no"], refund["refund_no"]);
+    let state = platform.state().await;
+    assert_eq!(
+        state["refunds"].as_array().unwrap().len(),
+        1,
+        "one refund: {state}"
+    );
+
+    // The same call again: the same refund.
+    let res = app
+        .post_json(
+            &format!("/api/v1/admin/orders/{order_no}/refund"),
+            &json!({"reason": "returned"}),
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(res.status(), 202);
+    let again = json(res).await;
+    assert_eq!(
+        (&again["refund_no"], &again["status"]),
+        (&refund["refund_no"], &json!("REFUNDED"))
+    );
+}
+
+/// What an after-sale refund refuses.
+#[tokio::test]
+async fn an_after_sale_refund_needs_a_paid_order_an_admin_and_a_reason() {
+    let platform = Platform::start();
+    let app = platform.app(|_| {}).await;
+    let activity = app.live_activity(1, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 1).await;
+    let (user, order_no) = (orders[0].0, orders[0].1.as_str());
+    let path = format!("/api/v1/admin/orders/{order_no}/refund");
+    let res = app
+        .post_json(&path, &json!({"reason": "x"}), Some(&app.admin_token()))
+        .await;
+    assert_eq!(res.status(), 409);
+    assert_eq!(json(res).await["code"], "INVALID_STATE");
+    let res = app
+        .post_json(&path, &json!({"reason": "x"}), Some(&app.user_token(user)))
+        .await;
+    assert_eq!(res.status(), 403);
+    for body in [
+        json!({"reason": ""}),
+        json!({"reason": "r".repeat(81)}),
+        json!({}),
+    ] {
+        let res = app.post_json(&path, &body, Some(&app.admin_token())).await;
+        assert_eq!(res.status(), 400, "{body}");
+    }
+    let res = app
+        .post_json(
+            "/api/v1/admin/orders/123/refund",
+            &json!({"reason": "x"}),
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(res.status(), 404);
+    assert_eq!(app.count("SELECT count(*) AS n FROM refunds").await, 0);
+}
