@@ -116,11 +116,16 @@ impl Sim {
             res.insert_header((k, v));
         }
         res.insert_header(("Request-ID", random(16)));
-        if bytes.is_empty() {
+        let mut res = if bytes.is_empty() {
             res.finish()
         } else {
             res.content_type("application/json").body(bytes)
-        }
+        };
+        // Header names as WeChat Pay writes them (Wechatpay-Timestamp): the
+        // official SDK looks them up in that case only, and actix writes
+        // them in lower case otherwise.
+        res.head_mut().set_camel_case_headers(true);
+        res
     }
 
     fn error(&self, status: u16, code: &str, message: &str) -> HttpResponse {
@@ -172,6 +177,8 @@ impl Sim {
             "path": req.uri().to_string(),
             "verified": verified.is_ok(),
             "error": verified.as_ref().err(),
+            "authorization": req.headers().get("authorization").and_then(|v| v.to_str().ok()),
+            "body": String::from_utf8_lossy(body),
         }));
         verified
             .err()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the whole suite needs, and starts nothing: the services'
 # Debian packages and Kafka's jars (scripts/services.sh install), Chromium
-# and Selenium for the console's test, schemathesis for the fuzzing. Each
+# and Selenium for the console's test, schemathesis for the fuzzing, the
+# wechatpay-java SDK for the payment tests' check (Maven). Each
 # script also installs what it misses as it goes; .ci/run runs this one in
 # the background while clippy compiles, so that the downloads wait on the
 # network while the compiler has the CPU.
@@ -10,3 +11,4 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/services.sh install
 scripts/browser-test.sh --install-only
 scripts/fuzz.sh --install-only
+scripts/wechatpay-sdk.sh

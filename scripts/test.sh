@@ -40,8 +40,10 @@ command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup)" >
 THREADS=${SECKILL_TEST_THREADS:-8}
 FULL=
 if [ "${1:-}" = --full ]; then FULL=1; shift; fi
-# The WeChat Pay platform simulator the payment tests run as a process.
+# The WeChat Pay platform simulator the payment tests run as a process,
+# and the official SDK's check of it (tests/wechatpay-sdk, Java).
 cargo build --example wechatpay_sim
+scripts/wechatpay-sdk.sh
 if [ $# -gt 0 ]; then
   exec cargo test --lib --bins --tests "$@" -- --test-threads="$THREADS"
 fi

@@ -588,3 +588,193 @@ async fn an_after_sale_refund_needs_a_paid_order_an_admin_and_a_reason() {
     assert_eq!(res.status(), 404);
     assert_eq!(app.count("SELECT count(*) AS n FROM refunds").await, 0);
 }
+
+/// The official wechatpay-java SDK (`tests/wechatpay-sdk`, built by
+/// `scripts/wechatpay-sdk.sh`), run as `java SdkCheck <mode> …`.
+struct Sdk {
+    classpath: String,
+}
+
+impl Sdk {
+    fn find() -> Self {
+        let dir = PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/wechatpay-sdk/target"
+        ));
+        let deps = std::fs::read_to_string(dir.join("classpath.txt")).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}: scripts/wechatpay-sdk.sh builds the SDK check",
+                dir.display()
+            )
+        });
+        Self {
+            classpath: format!("{}:{}", dir.join("classes").display(), deps.trim()),
+        }
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("java");
+        c.args(["-cp", &self.classpath, "SdkCheck"]).args(args);
+        c
+    }
+
+    /// Runs a mode to its end; its last line of output, parsed.
+    async fn run(&self, args: &[&str]) -> Value {
+        let mut command = self.command(args);
+        let output = tokio::task::spawn_blocking(move || command.output())
+            .await
+            .unwrap()
+            .expect("java runs");
+        let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+        assert!(
+            output.status.success(),
+            "SdkCheck {args:?}: {}\n{stdout}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        serde_json::from_str(stdout.lines().last().unwrap_or_default())
+            .unwrap_or_else(|e| panic!("SdkCheck {args:?} printed {stdout:?}: {e}"))
+    }
+}
+
+/// The official SDK agrees with us, so that our adapter is not tested
+/// against our own misunderstanding: it verifies the signatures our
+/// adapter makes, its client pays, queries, refunds and closes against our
+/// simulator (taking our simulator's signed answers), its
+/// `NotificationParser` parses our simulator's callbacks (and refuses a
+/// tampered one), and a callback it seals and signs is accepted by our
+/// server.
+#[tokio::test]
+async fn the_official_sdk_agrees_with_our_adapter_and_our_simulator() {
+    let sdk = Sdk::find();
+    let platform = Platform::start();
+    // A platform key the SDK signs with, loaded by our server beside the
+    // simulator's two.
+    let sdk_serial = "PUB_KEY_ID_SDK_SIGNED";
+    let key = rsa::PrivateKey::generate();
+    let sdk_key = platform.dir.join("sdk-platform.pem");
+    std::fs::write(
+        &sdk_key,
+        key.to_pkcs8_pem(LineEnding::LF).unwrap().as_bytes(),
+    )
+    .unwrap();
+    std::fs::write(
+        platform.dir.join(format!("platform/{sdk_serial}.pem")),
+        key.to_public_key()
+            .to_public_key_pem(LineEnding::LF)
+            .unwrap(),
+    )
+    .unwrap();
+    let app = platform.app(|_| {}).await;
+    let activity = app.live_activity(1, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 1).await;
+    let (user, order_no) = (orders[0].0, orders[0].1.as_str());
+    let payment_no = pay(&app, user, order_no).await["payment_no"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let dir = platform.dir.display().to_string();
+
+    // 1. Our adapter's request signatures, verified by the SDK.
+    let requests = platform.state().await["requests"].clone();
+    let file = platform.dir.join("requests.json");
+    std::fs::write(&file, requests.to_string()).unwrap();
+    let verified = sdk
+        .run(&[
+            "verify-requests",
+            &format!("{dir}/merchant.pub.pem"),
+            &file.display().to_string(),
+        ])
+        .await;
+    assert!(verified["verified"].as_i64() >= Some(1), "{verified}");
+
+    // 2. The SDK's client against our simulator.
+    let serial = &platform.serials[0];
+    let client = sdk
+        .run(&[
+            "client",
+            &platform.url,
+            MCHID,
+            MERCHANT_SERIAL,
+            &format!("{dir}/merchant.pem"),
+            serial,
+            &format!("{dir}/platform/{serial}.pem"),
+            &platform.apiv3_key,
+            "880000001",
+        ])
+        .await;
+    assert_eq!(client["closed"], true, "{client}");
+
+    // 3. Our simulator's callbacks, parsed by the SDK.
+    let mut listener = sdk
+        .command(&[
+            "listen",
+            serial,
+            &format!("{dir}/platform/{serial}.pem"),
+            &platform.apiv3_key,
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("java runs");
+    let mut lines = BufReader::new(listener.stdout.take().unwrap()).lines();
+    let ready: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    platform
+        .sim("/sim/notify-to", json!({"url": ready["url"]}))
+        .await;
+    let paid = platform
+        .sim(&format!("/sim/pay/{payment_no}"), json!({"times": 2}))
+        .await;
+    assert_eq!(paid["statuses"], json!([204, 204]), "the SDK parsed both");
+    let spoiled = platform
+        .sim(
+            &format!("/sim/deliver/{payment_no}"),
+            json!({"tamper": "body"}),
+        )
+        .await;
+    assert_eq!(spoiled["status"], 401, "the SDK refused the tampered one");
+    let _ = listener.kill();
+    let _ = listener.wait();
+    let parsed: Vec<Value> = lines
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .collect();
+    assert_eq!(parsed.len(), 3, "{parsed:?}");
+    for p in &parsed[..2] {
+        assert_eq!(
+            (
+                &p["parsed"],
+                &p["out_trade_no"],
+                &p["trade_state"],
+                &p["total"]
+            ),
+            (
+                &json!(true),
+                &json!(payment_no),
+                &json!("SUCCESS"),
+                &json!(9900)
+            ),
+            "{p}"
+        );
+    }
+    assert_eq!(parsed[2]["parsed"], false);
+    assert_eq!(
+        app.order_status(user, order_no).await,
+        "WAITING_PAY",
+        "the callbacks went to the SDK"
+    );
+
+    // 4. A callback the SDK sealed and signed, accepted by our server.
+    let answer = sdk
+        .run(&[
+            "sign-callback",
+            &format!("{}/api/v1/payments/notify/wechatpay", app.address),
+            sdk_serial,
+            &sdk_key.display().to_string(),
+            &platform.apiv3_key,
+            &payment_no,
+            "9900",
+        ])
+        .await;
+    assert_eq!(answer["status"], 204, "{answer}");
+    assert_eq!(app.order_status(user, order_no).await, "PAID");
+}
