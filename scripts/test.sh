@@ -44,6 +44,8 @@ if [ "${1:-}" = --full ]; then FULL=1; shift; fi
 # and the official SDK's check of it (tests/wechatpay-sdk, Java).
 cargo build --example wechatpay_sim
 scripts/wechatpay-sdk.sh
+# localstripe, the Stripe-style tests' server (PyPI, its own venv).
+scripts/localstripe.sh >/dev/null
 if [ $# -gt 0 ]; then
   exec cargo test --lib --bins --tests "$@" -- --test-threads="$THREADS"
 fi

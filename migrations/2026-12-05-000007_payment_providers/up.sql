@@ -9,6 +9,9 @@ ALTER TABLE payments ADD CONSTRAINT payments_status_check CHECK (status IN (
 -- What the provider answered to the create (WeChat Pay Native's code_url,
 -- Stripe's client_secret): NULL until it answered.
 ALTER TABLE payments ADD COLUMN checkout JSONB;
+-- The provider's own id of the payment, when it names it (Stripe's
+-- PaymentIntent); WeChat Pay goes by our payment number.
+ALTER TABLE payments ADD COLUMN provider_ref TEXT;
 -- When the sweeper looks at a PENDING payment next (a query when its
 -- callback is late, a close at the provider once its order is closed),
 -- and how many times it has.

@@ -13,7 +13,7 @@ use serde::Deserialize;
 mod payment;
 mod waiting_room;
 
-pub use payment::{PaymentSettings, ProviderKind, WechatPaySettings};
+pub use payment::{PaymentSettings, ProviderKind, StripeSettings, WechatPaySettings};
 pub use waiting_room::WaitingRoomSettings;
 
 /// Durations as the files write them: whole milliseconds or seconds, the
@@ -688,9 +688,9 @@ impl Settings {
                  merchant_serial, merchant_key_file, apiv3_key, platform_key_dir, notify_url \
                  (docs/PAYMENTS.md)"
             ),
-            ProviderKind::Stripe => bail!(
-                "payment.provider = \"stripe\" is not built yet (docs/PAYMENTS.md); use \
-                 \"wechatpay\", \"external\" or, in development, \"mock\""
+            ProviderKind::Stripe if self.payment.stripe.is_none() => bail!(
+                "payment.provider = \"stripe\" needs [payment.stripe]: secret_key, \
+                 webhook_secret (docs/PAYMENTS.md)"
             ),
             _ => {}
         }

@@ -46,6 +46,36 @@ pub struct PaymentSettings {
     /// WeChat Pay API v3 (`provider = "wechatpay"`).
     #[serde(default)]
     pub wechatpay: Option<WechatPaySettings>,
+    /// A Stripe account (`provider = "stripe"`).
+    #[serde(default)]
+    pub stripe: Option<StripeSettings>,
+}
+
+/// A Stripe account (or a Stripe-style server such as localstripe).
+#[derive(Debug, Clone, Deserialize)]
+pub struct StripeSettings {
+    /// `https://api.stripe.com`, or a Stripe-style server's address.
+    #[serde(default = "stripe_api_base")]
+    pub api_base: String,
+    /// The secret API key (`sk_…`).
+    pub secret_key: SecretString,
+    /// The webhook endpoint's signing secret (`whsec_…`).
+    pub webhook_secret: SecretString,
+    /// The secret before it, accepted too while a rotation lasts.
+    #[serde(default)]
+    pub previous_webhook_secret: Option<SecretString>,
+    /// The currency of the intents (ISO 4217, lower case); amounts are in
+    /// its smallest unit, as `amount_cents`.
+    #[serde(default = "stripe_currency")]
+    pub currency: String,
+}
+
+fn stripe_api_base() -> String {
+    "https://api.stripe.com".into()
+}
+
+fn stripe_currency() -> String {
+    "cny".into()
 }
 
 /// The providers pay intents can go to.
@@ -60,7 +90,7 @@ pub enum ProviderKind {
     External,
     /// WeChat Pay API v3.
     Wechatpay,
-    /// A Stripe-style provider (not built yet).
+    /// A Stripe-style provider.
     Stripe,
 }
 

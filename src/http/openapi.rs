@@ -46,6 +46,7 @@ use super::routes;
         routes::payments::pay,
         routes::payments::notify,
         routes::payments::notify_wechatpay,
+        routes::payments::notify_stripe,
         routes::payments::refund,
         routes::payments::simulate,
         routes::dev_token,

@@ -7,6 +7,7 @@ pub mod refunds;
 pub mod repo;
 pub mod signature;
 pub mod status;
+pub mod stripe;
 pub mod sweeper;
 pub mod wechatpay;
 
@@ -32,6 +33,15 @@ pub fn provider(settings: &Settings) -> anyhow::Result<Box<dyn provider::Payment
                 tolerance,
             )?)
         }
-        ProviderKind::Stripe => anyhow::bail!("payment.provider = \"stripe\" is not built yet"),
+        ProviderKind::Stripe => {
+            let Some(stripe) = payment.stripe.as_ref() else {
+                anyhow::bail!("payment.provider = \"stripe\" needs [payment.stripe]");
+            };
+            Box::new(stripe::Stripe::from_settings(
+                stripe,
+                payment.provider_timeout_ms,
+                tolerance,
+            )?)
+        }
     })
 }

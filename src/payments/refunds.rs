@@ -113,6 +113,10 @@ pub struct DueRefund {
     pub accepted: bool,
     #[diesel(sql_type = Int4)]
     pub attempts: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub payment_ref: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub provider_refund_id: Option<String>,
 }
 
 /// Up to `limit` refunds whose next attempt is due, each leased until its
@@ -130,7 +134,8 @@ pub fn lease_due(conn: &mut PgConn, limit: i64, max_secs: i64) -> QueryResult<Ve
              FROM due, payments p \
              WHERE r.refund_no = due.refund_no AND p.payment_no = r.payment_no \
              RETURNING r.refund_no, r.payment_no, r.amount_cents, p.amount_cents AS total_cents, \
-               r.reason, r.accepted, r.attempts",
+               r.reason, r.accepted, r.attempts, p.provider_ref AS payment_ref, \
+               r.provider_refund_id",
         )
         .bind::<BigInt, _>(limit)
         .bind::<BigInt, _>(max_secs)

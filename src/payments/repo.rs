@@ -272,7 +272,10 @@ pub fn apply_charge(conn: &mut PgConn, charge: &Charge) -> QueryResult<CallbackO
 pub fn set_checkout(conn: &mut PgConn, payment_no: i64, checkout: &Checkout) -> QueryResult<()> {
     let value = serde_json::to_value(checkout).unwrap_or_default();
     diesel::update(payments::table.find(payment_no))
-        .set(payments::checkout.eq(Some(value)))
+        .set((
+            payments::checkout.eq(Some(value)),
+            payments::provider_ref.eq(checkout.provider_ref.as_deref()),
+        ))
         .execute(conn)?;
     Ok(())
 }
@@ -319,6 +322,8 @@ pub fn view_for_order(conn: &mut PgConn, order_no: i64) -> QueryResult<Option<Pa
 pub struct DuePayment {
     #[diesel(sql_type = BigInt)]
     pub payment_no: i64,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub provider_ref: Option<String>,
     /// Its order is no longer payable: close it at the provider. Else its
     /// callback is late: query it.
     #[diesel(sql_type = diesel::sql_types::Bool)]
@@ -345,7 +350,7 @@ pub fn lease_pending(
          UPDATE payments p SET checks = p.checks + 1, \
            next_check_at = now() + make_interval(secs => least($3, power(2, least(p.checks, 20)))) \
          FROM due WHERE p.payment_no = due.payment_no \
-         RETURNING p.payment_no, due.to_close",
+         RETURNING p.payment_no, p.provider_ref, due.to_close",
         waiting = OrderStatus::WaitingPay.sql()
     ))
     .bind::<BigInt, _>(limit)

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::provider::{
-    Charge, ChargeOutcome, CloseOutcome, PaymentProvider, ProviderError, RefundReport,
-    RefundRequest, RefundState,
+    Charge, ChargeOutcome, CloseOutcome, PaymentProvider, PaymentRef, ProviderError, RefundRef,
+    RefundReport, RefundRequest, RefundState,
 };
 use super::refunds::{self, DueRefund, RefundOutcome};
 use super::repo::{self, CallbackOutcome, DuePayment};
@@ -100,8 +100,12 @@ impl Sweeper {
 
     async fn follow_payment(&self, due: DuePayment) {
         let no = due.payment_no;
+        let payment = PaymentRef {
+            payment_no: no,
+            provider_ref: due.provider_ref.clone(),
+        };
         let charge = if due.to_close {
-            let closed = self.provider.close(no).await;
+            let closed = self.provider.close(&payment).await;
             self.count("close", closed.as_ref().map(|_| ()));
             match closed {
                 Ok(CloseOutcome::Closed) => Ok(Charge {
@@ -112,11 +116,11 @@ impl Sweeper {
                     txn_id: None,
                     paid_at: None,
                 }),
-                Ok(CloseOutcome::AlreadyPaid) => self.query(no).await,
+                Ok(CloseOutcome::AlreadyPaid) => self.query(&payment).await,
                 Err(e) => Err(e),
             }
         } else {
-            self.query(no).await
+            self.query(&payment).await
         };
         match charge {
             Ok(charge) => {
@@ -134,8 +138,8 @@ impl Sweeper {
         }
     }
 
-    async fn query(&self, payment_no: i64) -> Result<Charge, ProviderError> {
-        let answer = self.provider.query(payment_no).await;
+    async fn query(&self, payment: &PaymentRef) -> Result<Charge, ProviderError> {
+        let answer = self.provider.query(payment).await;
         self.count("query", answer.as_ref().map(|_| ()));
         answer
     }
@@ -158,14 +162,23 @@ impl Sweeper {
     }
 
     async fn follow_refund(&self, due: DueRefund) {
+        let payment = PaymentRef {
+            payment_no: due.payment_no,
+            provider_ref: due.payment_ref.clone(),
+        };
         let answer = if due.accepted {
-            let a = self.provider.query_refund(due.refund_no).await;
+            let refund = RefundRef {
+                refund_no: due.refund_no,
+                payment,
+                provider_refund_id: due.provider_refund_id.clone(),
+            };
+            let a = self.provider.query_refund(&refund).await;
             self.count("query_refund", a.as_ref().map(|_| ()));
             a
         } else {
             let request = RefundRequest {
                 refund_no: due.refund_no,
-                payment_no: due.payment_no,
+                payment,
                 amount_cents: due.amount_cents,
                 total_cents: due.total_cents,
                 reason: due.reason.clone(),

@@ -112,6 +112,7 @@ diesel::table! {
         updated_at -> Timestamptz,
         paid_at -> Nullable<Timestamptz>,
         checkout -> Nullable<Jsonb>,
+        provider_ref -> Nullable<Text>,
         next_check_at -> Timestamptz,
         checks -> Int4,
         closed_at -> Nullable<Timestamptz>,

@@ -28,6 +28,7 @@ mod redis_loading;
 mod shards;
 mod sold_out;
 mod streams;
+mod stripe;
 mod waiting_room;
 mod wechatpay;
 #[path = "../common/wire.rs"]

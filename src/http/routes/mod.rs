@@ -75,6 +75,7 @@ routes! {
     post "/api/v1/orders/{order_no}/pay" => payments::pay;
     post "/api/v1/payments/notify" => payments::notify;
     post "/api/v1/payments/notify/wechatpay" => payments::notify_wechatpay;
+    post "/api/v1/payments/notify/stripe" => payments::notify_stripe;
     post "/api/v1/admin/orders/{order_no}/refund" => payments::refund;
     post "/api/v1/dev/payments/{payment_no}/simulate" => payments::simulate;
     post "/api/v1/dev/token" => dev_token;

@@ -402,16 +402,27 @@ pub async fn notify_wechatpay(
     req: HttpRequest,
     body: web::Bytes,
 ) -> HttpResponse {
+    provider_notify(&state, &req, &body, crate::config::ProviderKind::Wechatpay).await
+}
+
+/// A provider's callback to `notify/<provider>`: verified and parsed by
+/// the provider's adapter, then applied.
+async fn provider_notify(
+    state: &AppState,
+    req: &HttpRequest,
+    body: &[u8],
+    kind: crate::config::ProviderKind,
+) -> HttpResponse {
     use actix_web::http::StatusCode;
-    if state.settings.payment.kind() != crate::config::ProviderKind::Wechatpay {
+    if state.settings.payment.kind() != kind {
         return wechat_fail(
             StatusCode::NOT_FOUND,
-            "WeChat Pay is not this server's provider",
+            format!("{} is not this server's provider", kind.as_str()),
         );
     }
     let event = match state.payments.provider.parse_callback(
         req.headers(),
-        &body,
+        body,
         state.clock.now().timestamp(),
     ) {
         Ok(event) => event,
@@ -421,7 +432,7 @@ pub async fn notify_wechatpay(
                 .callbacks
                 .with_label_values(&["bad_signature"])
                 .inc();
-            tracing::warn!(error = %e, "a WeChat Pay callback was refused");
+            tracing::warn!(error = %e, provider = kind.as_str(), "a provider callback was refused");
             let status = match e {
                 CallbackError::Undecryptable | CallbackError::Malformed(_) => {
                     StatusCode::BAD_REQUEST
@@ -431,7 +442,7 @@ pub async fn notify_wechatpay(
             return wechat_fail(status, e.to_string());
         }
     };
-    apply_event(&state, event).await
+    apply_event(state, event).await
 }
 
 /// Applies a verified provider event; the answer a provider expects.
@@ -474,6 +485,10 @@ async fn apply_event(state: &AppState, event: Event) -> HttpResponse {
                 _ => HttpResponse::NoContent().finish(),
             }
         }
+        Event::Ignored(kind) => {
+            tracing::debug!(kind, "a provider event not acted on");
+            HttpResponse::NoContent().finish()
+        }
         Event::Refund(report) => {
             let after = state.settings.payment.query_after_secs;
             match sweeper::apply_refund(&state.pg.db, &state.metrics, report, after).await {
@@ -493,6 +508,28 @@ async fn apply_event(state: &AppState, event: Event) -> HttpResponse {
             }
         }
     }
+}
+
+/// `POST /api/v1/payments/notify/stripe`: Stripe-style webhooks, verified
+/// by `Stripe-Signature: t=…,v1=…` within `payment.signature_tolerance_secs`
+/// before anything is read, applied once. 204 when applied, a duplicate,
+/// or an event this server does not act on; 4xx/5xx (Stripe sends it
+/// again) otherwise.
+#[utoipa::path(post, path = "/api/v1/payments/notify/stripe", tag = "payments",
+    params(("Stripe-Signature" = String, Header, description = "t=<unix seconds>,v1=<hex HMAC-SHA256 of t.body>")),
+    responses(
+        (status = 204, description = "applied, a duplicate, or not acted on"),
+        (status = 401, description = "FAIL: the signature or its timestamp is not accepted; nothing changed", body = ProviderFail),
+        (status = 400, description = "FAIL: the body cannot be read, or the amount differs; nothing changed", body = ProviderFail),
+        (status = 404, description = "FAIL: no such payment or refund here, or Stripe is not this server's provider", body = ProviderFail),
+        (status = 503, description = "FAIL: the database is unavailable; send it again", body = ProviderFail),
+    ))]
+pub async fn notify_stripe(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    body: web::Bytes,
+) -> HttpResponse {
+    provider_notify(&state, &req, &body, crate::config::ProviderKind::Stripe).await
 }
 
 /// `POST /api/v1/admin/orders/{order_no}/refund` body.

@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, NewPayment,
-    PaymentProvider, ProviderError, RefundReport, RefundRequest, RefundState,
+    PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
+    RefundState,
 };
 use crate::payments::signature::{self, SignatureError};
 
@@ -142,12 +143,18 @@ impl PaymentProvider for MockProvider {
         parse_signed(&self.secret, self.tolerance_secs, headers, body, now)
     }
 
-    fn close(&self, _payment_no: i64) -> BoxFuture<'_, Result<CloseOutcome, ProviderError>> {
+    fn close<'a>(
+        &'a self,
+        _payment: &'a PaymentRef,
+    ) -> BoxFuture<'a, Result<CloseOutcome, ProviderError>> {
         futures_util::future::ready(Ok(CloseOutcome::Closed)).boxed()
     }
 
-    fn query(&self, payment_no: i64) -> BoxFuture<'_, Result<Charge, ProviderError>> {
-        futures_util::future::ready(Ok(not_paid(payment_no))).boxed()
+    fn query<'a>(
+        &'a self,
+        payment: &'a PaymentRef,
+    ) -> BoxFuture<'a, Result<Charge, ProviderError>> {
+        futures_util::future::ready(Ok(not_paid(payment.payment_no))).boxed()
     }
 
     /// The mock gives the money back at once.
@@ -163,7 +170,11 @@ impl PaymentProvider for MockProvider {
         .boxed()
     }
 
-    fn query_refund(&self, refund_no: i64) -> BoxFuture<'_, Result<RefundReport, ProviderError>> {
+    fn query_refund<'a>(
+        &'a self,
+        refund: &'a RefundRef,
+    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
+        let refund_no = refund.refund_no;
         futures_util::future::ready(Ok(RefundReport {
             refund_no,
             provider_refund_id: Some(format!("mock-refund-{refund_no}")),
@@ -212,12 +223,18 @@ impl PaymentProvider for ExternalProvider {
         parse_signed(&self.secret, self.tolerance_secs, headers, body, now)
     }
 
-    fn close(&self, _payment_no: i64) -> BoxFuture<'_, Result<CloseOutcome, ProviderError>> {
+    fn close<'a>(
+        &'a self,
+        _payment: &'a PaymentRef,
+    ) -> BoxFuture<'a, Result<CloseOutcome, ProviderError>> {
         futures_util::future::ready(Ok(CloseOutcome::Closed)).boxed()
     }
 
-    fn query(&self, payment_no: i64) -> BoxFuture<'_, Result<Charge, ProviderError>> {
-        futures_util::future::ready(Ok(not_paid(payment_no))).boxed()
+    fn query<'a>(
+        &'a self,
+        payment: &'a PaymentRef,
+    ) -> BoxFuture<'a, Result<Charge, ProviderError>> {
+        futures_util::future::ready(Ok(not_paid(payment.payment_no))).boxed()
     }
 
     fn refund<'a>(
@@ -231,7 +248,10 @@ impl PaymentProvider for ExternalProvider {
         .boxed()
     }
 
-    fn query_refund(&self, _refund_no: i64) -> BoxFuture<'_, Result<RefundReport, ProviderError>> {
+    fn query_refund<'a>(
+        &'a self,
+        _refund: &'a RefundRef,
+    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
         futures_util::future::ready(Err(ProviderError::Refused {
             code: "NO_REFUND_API".into(),
             message: "the external provider has no refund API".into(),

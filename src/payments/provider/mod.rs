@@ -28,6 +28,23 @@ pub struct NewPayment {
     pub expires_at: Option<DateTime<Utc>>,
 }
 
+/// A payment as the provider knows it: our number, and its own id when it
+/// gives one (Stripe's PaymentIntent id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PaymentRef {
+    pub payment_no: i64,
+    pub provider_ref: Option<String>,
+}
+
+/// A refund as the provider knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefundRef {
+    pub refund_no: i64,
+    pub payment: PaymentRef,
+    /// Its own id of the refund, once it answered.
+    pub provider_refund_id: Option<String>,
+}
+
 /// What the buyer's client needs to pay, as the provider answered it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Checkout {
@@ -37,6 +54,10 @@ pub struct Checkout {
     /// Stripe: the PaymentIntent's client secret.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_secret: Option<String>,
+    /// The provider's own id of the payment (kept in
+    /// `payments.provider_ref`, not shown).
+    #[serde(skip)]
+    pub provider_ref: Option<String>,
 }
 
 /// A charge as the provider reports it (callback or query), normalised.
@@ -90,6 +111,9 @@ pub enum RefundState {
 pub enum Event {
     Charge(Charge),
     Refund(RefundReport),
+    /// A kind of event this server does not act on (acknowledged, so that
+    /// the provider stops sending it).
+    Ignored(String),
 }
 
 /// A refund to send.
@@ -97,7 +121,7 @@ pub enum Event {
 pub struct RefundRequest {
     /// Ours; the provider's idempotency key (`out_refund_no`).
     pub refund_no: i64,
-    pub payment_no: i64,
+    pub payment: PaymentRef,
     /// How much goes back, and what the payment was.
     pub amount_cents: i64,
     pub total_cents: i64,
@@ -165,10 +189,14 @@ pub trait PaymentProvider: Send + Sync {
     ) -> Result<Event, CallbackError>;
 
     /// Closes the payment: after this it cannot be paid.
-    fn close(&self, payment_no: i64) -> BoxFuture<'_, Result<CloseOutcome, ProviderError>>;
+    fn close<'a>(
+        &'a self,
+        payment: &'a PaymentRef,
+    ) -> BoxFuture<'a, Result<CloseOutcome, ProviderError>>;
 
     /// Where the payment stands.
-    fn query(&self, payment_no: i64) -> BoxFuture<'_, Result<Charge, ProviderError>>;
+    fn query<'a>(&'a self, payment: &'a PaymentRef)
+    -> BoxFuture<'a, Result<Charge, ProviderError>>;
 
     /// Sends the refund, or reports the one sent before under the same
     /// refund number.
@@ -178,5 +206,8 @@ pub trait PaymentProvider: Send + Sync {
     ) -> BoxFuture<'a, Result<RefundReport, ProviderError>>;
 
     /// Where the refund stands.
-    fn query_refund(&self, refund_no: i64) -> BoxFuture<'_, Result<RefundReport, ProviderError>>;
+    fn query_refund<'a>(
+        &'a self,
+        refund: &'a RefundRef,
+    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>>;
 }

@@ -22,7 +22,8 @@ use serde_json::json;
 use self::crypto::{ApiV3Cipher, MerchantSigner, PlatformKeys, SCHEME, VerifyError};
 use super::provider::{
     CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, NewPayment,
-    PaymentProvider, ProviderError, RefundReport, RefundRequest, RefundState,
+    PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
+    RefundState,
 };
 use crate::config::WechatPaySettings;
 
@@ -222,7 +223,7 @@ impl WechatPay {
         let prepay: Prepay = Self::parse(&answer)?;
         Ok(Checkout {
             code_url: Some(prepay.code_url),
-            client_secret: None,
+            ..Checkout::default()
         })
     }
 
@@ -266,7 +267,7 @@ impl WechatPay {
 
     async fn send_refund(&self, r: &RefundRequest) -> Result<RefundReport, ProviderError> {
         let body = json!({
-            "out_trade_no": r.payment_no.to_string(),
+            "out_trade_no": r.payment.payment_no.to_string(),
             "out_refund_no": r.refund_no.to_string(),
             "reason": r.reason,
             "notify_url": self.notify_url,
@@ -406,12 +407,18 @@ impl PaymentProvider for WechatPay {
         }
     }
 
-    fn close(&self, payment_no: i64) -> BoxFuture<'_, Result<CloseOutcome, ProviderError>> {
-        self.close_trade(payment_no).boxed()
+    fn close<'a>(
+        &'a self,
+        payment: &'a PaymentRef,
+    ) -> BoxFuture<'a, Result<CloseOutcome, ProviderError>> {
+        self.close_trade(payment.payment_no).boxed()
     }
 
-    fn query(&self, payment_no: i64) -> BoxFuture<'_, Result<Charge, ProviderError>> {
-        self.query_trade(payment_no).boxed()
+    fn query<'a>(
+        &'a self,
+        payment: &'a PaymentRef,
+    ) -> BoxFuture<'a, Result<Charge, ProviderError>> {
+        self.query_trade(payment.payment_no).boxed()
     }
 
     fn refund<'a>(
@@ -421,7 +428,10 @@ impl PaymentProvider for WechatPay {
         self.send_refund(refund).boxed()
     }
 
-    fn query_refund(&self, refund_no: i64) -> BoxFuture<'_, Result<RefundReport, ProviderError>> {
-        self.find_refund(refund_no).boxed()
+    fn query_refund<'a>(
+        &'a self,
+        refund: &'a RefundRef,
+    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
+        self.find_refund(refund.refund_no).boxed()
     }
 }
