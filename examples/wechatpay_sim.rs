@@ -25,6 +25,9 @@
 //! - `POST /sim/refund-callbacks` `{"deliver"}`: send refund callbacks, or not;
 //! - `POST /sim/notify-to` `{"url"}`: send callbacks there, whatever
 //!   `notify_url` the requests named;
+//! - `POST /sim/plant` `{"out_trade_no", "amount"}`, `POST
+//!   /sim/forget/{out_trade_no}`: a trade paid behind the merchant's back,
+//!   an amount changed, a trade gone (for the statement reconciliation);
 //! - `GET /sim/state`: trades, refunds, and every request with whether its
 //!   signature held.
 
@@ -84,6 +87,14 @@ fn arg(args: &[String], name: &str) -> String {
         .and_then(|i| args.get(i + 1))
         .cloned()
         .unwrap_or_else(|| panic!("{name} is required"))
+}
+
+/// Now in China time, as WeChat Pay writes its times.
+fn china_now() -> String {
+    let china = chrono::FixedOffset::east_opt(8 * 3600).unwrap();
+    Utc::now()
+        .with_timezone(&china)
+        .to_rfc3339_opts(SecondsFormat::Secs, false)
 }
 
 fn random(n: usize) -> String {
@@ -250,6 +261,51 @@ impl Sim {
         .to_string()
         .into_bytes();
         (self.sign(ts, &body), body)
+    }
+
+    /// The trade bill of `date` (China time): header, one row per trade
+    /// paid that day (a REFUND row too for a refunded one), the summary.
+    fn bill(&self, date: &str) -> String {
+        let mut out = String::from(
+            "交易时间,公众账号ID,商户号,特约商户号,设备号,微信订单号,商户订单号,用户标识,交易类型,交易状态,付款银行,货币种类,应结订单金额,代金券金额,微信退款单号,商户退款单号,退款金额,充值券退款金额,退款类型,退款状态,商品名称,商户数据包,手续费,费率,订单金额,申请退款金额,费率备注\n",
+        );
+        let yuan = |fen: i64| format!("{}.{:02}", fen / 100, fen % 100);
+        let trades = self.trades.lock().unwrap();
+        let (mut count, mut total) = (0, 0);
+        let mut paid: Vec<&Trade> = trades
+            .values()
+            .filter(|t| {
+                t.success_time
+                    .as_deref()
+                    .is_some_and(|s| s.starts_with(date))
+            })
+            .collect();
+        paid.sort_by(|a, b| a.out_trade_no.cmp(&b.out_trade_no));
+        for t in paid {
+            let time = t
+                .success_time
+                .as_deref()
+                .unwrap_or_default()
+                .replace('T', " ");
+            let time = &time[..19.min(time.len())];
+            out.push_str(&format!(
+                "`{time},`wxd678efh567hg6787,`{},`0,`,`{},`{},`o-simulated-payer,`NATIVE,`SUCCESS,`OTHERS,`CNY,`{},`0.00,`0,`0,`0.00,`0.00,`,`,`seckill, simulated,`,`0.00000,`0.60%,`{},`0.00,`\n",
+                self.mchid,
+                t.transaction_id.as_deref().unwrap_or_default(),
+                t.out_trade_no,
+                yuan(t.amount),
+                yuan(t.amount),
+            ));
+            count += 1;
+            total += t.amount;
+        }
+        out.push_str("总交易单数,应结订单总金额,退款总金额,充值券退款总金额,手续费总金额,订单总金额,申请退款总金额\n");
+        out.push_str(&format!(
+            "`{count},`{},`0.00,`0.00,`0.00000,`{},`0.00\n",
+            yuan(total),
+            yuan(total)
+        ));
+        out
     }
 
     fn notify_url(&self, asked: String) -> String {
@@ -539,7 +595,7 @@ async fn sim_pay(
         }
         t.state = "SUCCESS";
         t.transaction_id = Some(format!("42{}", random(26)));
-        t.success_time = Some(Utc::now().to_rfc3339_opts(SecondsFormat::Secs, false));
+        t.success_time = Some(china_now());
     }
     let mut statuses = Vec::new();
     if deliver {
@@ -579,6 +635,77 @@ async fn sim_refund_callbacks(sim: web::Data<Sim>, body: web::Json<Value>) -> Ht
     HttpResponse::Ok().json(json!({}))
 }
 
+/// `GET /v3/bill/tradebill?bill_date=`: where the day's trade bill is,
+/// and its SHA-1.
+async fn trade_bill(sim: web::Data<Sim>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = sim.check(&req, b"") {
+        return refused;
+    }
+    let query = req.query_string();
+    let Some(date) = query
+        .split('&')
+        .find_map(|p| p.strip_prefix("bill_date="))
+        .map(str::to_owned)
+    else {
+        return sim.error(400, "PARAM_ERROR", "bill_date is required");
+    };
+    let file = sim.bill(&date);
+    use sha1::Digest;
+    let hash = hex::encode(sha1::Sha1::digest(file.as_bytes()));
+    sim.answer(
+        200,
+        Some(json!({
+            "hash_type": "SHA1",
+            "hash_value": hash,
+            "download_url": format!("https://api.mch.weixin.qq.com/v3/billdownload/file?token={date}"),
+        })),
+    )
+}
+
+/// `GET /v3/billdownload/file?token=`: the bill itself (not signed).
+async fn bill_file(sim: web::Data<Sim>, req: HttpRequest) -> HttpResponse {
+    if let Some(refused) = sim.check(&req, b"") {
+        return refused;
+    }
+    let date = req
+        .query_string()
+        .split('&')
+        .find_map(|p| p.strip_prefix("token="))
+        .unwrap_or_default()
+        .to_owned();
+    HttpResponse::Ok()
+        .content_type("text/plain; charset=utf-8")
+        .body(sim.bill(&date))
+}
+
+/// `POST /sim/plant` `{"out_trade_no", "amount"}`: a paid trade the
+/// merchant never asked for, or a paid trade's amount changed.
+async fn sim_plant(sim: web::Data<Sim>, body: web::Json<Value>) -> HttpResponse {
+    let (Some(no), Some(amount)) = (body["out_trade_no"].as_str(), body["amount"].as_i64()) else {
+        return HttpResponse::BadRequest().finish();
+    };
+    let mut trades = sim.trades.lock().unwrap();
+    let t = trades.entry(no.to_owned()).or_insert_with(|| Trade {
+        out_trade_no: no.to_owned(),
+        amount,
+        body: json!({}),
+        notify_url: String::new(),
+        code_url: String::new(),
+        state: "SUCCESS",
+        transaction_id: Some(format!("42{}", random(26))),
+        success_time: Some(china_now()),
+        creates: 0,
+    });
+    t.amount = amount;
+    HttpResponse::Ok().json(json!({}))
+}
+
+/// `POST /sim/forget/{out_trade_no}`: the trade is gone from the platform.
+async fn sim_forget(sim: web::Data<Sim>, path: web::Path<String>) -> HttpResponse {
+    sim.trades.lock().unwrap().remove(path.as_str());
+    HttpResponse::Ok().json(json!({}))
+}
+
 async fn sim_notify_to(sim: web::Data<Sim>, body: web::Json<Value>) -> HttpResponse {
     *sim.notify_to.lock().unwrap() = body["url"].as_str().map(str::to_owned);
     HttpResponse::Ok().json(json!({}))
@@ -590,7 +717,7 @@ async fn sim_state(sim: web::Data<Sim>) -> HttpResponse {
         .lock()
         .unwrap()
         .values()
-        .map(|t| json!({"out_trade_no": t.out_trade_no, "state": t.state, "amount": t.amount, "creates": t.creates, "code_url": t.code_url, "notify_url": t.notify_url}))
+        .map(|t| json!({"out_trade_no": t.out_trade_no, "state": t.state, "amount": t.amount, "creates": t.creates, "code_url": t.code_url, "notify_url": t.notify_url, "success_time": t.success_time}))
         .collect();
     let refunds: Vec<Value> = sim
         .refunds
@@ -675,6 +802,10 @@ async fn main() -> std::io::Result<()> {
                     "/sim/refund-callbacks",
                     web::post().to(sim_refund_callbacks),
                 )
+                .route("/v3/bill/tradebill", web::get().to(trade_bill))
+                .route("/v3/billdownload/file", web::get().to(bill_file))
+                .route("/sim/plant", web::post().to(sim_plant))
+                .route("/sim/forget/{no}", web::post().to(sim_forget))
                 .route("/sim/notify-to", web::post().to(sim_notify_to))
                 .route("/sim/state", web::get().to(sim_state))
         }

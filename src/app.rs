@@ -98,6 +98,7 @@ impl Worker {
                     settings: s.payment.clone(),
                     metrics: state.metrics.clone(),
                     events: state.redis.order_events.clone(),
+                    statement_tried: Default::default(),
                 })
             }),
             Worker::Relay => w.relay_enabled.then(|| relay::spawn(state.relay())),

@@ -1,3 +1,4 @@
+DROP TABLE payment_statements;
 DROP TABLE refunds;
 DROP INDEX payments_pending_check;
 ALTER TABLE payments DROP COLUMN closed_at;

@@ -44,3 +44,17 @@ CREATE TABLE refunds (
     refunded_at        TIMESTAMPTZ
 );
 CREATE INDEX refunds_due ON refunds (next_attempt_at) WHERE status = 'REFUNDING';
+
+-- Statement reconciliation: one report per provider and bill date, what
+-- the provider's statement has that we don't, the other way round, and
+-- amounts that differ.
+CREATE TABLE payment_statements (
+    provider      TEXT        NOT NULL,
+    bill_date     DATE        NOT NULL,
+    provider_rows INTEGER     NOT NULL,
+    our_rows      INTEGER     NOT NULL,
+    differences   INTEGER     NOT NULL,
+    report        JSONB       NOT NULL,
+    created_at    TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (provider, bill_date)
+);

@@ -48,6 +48,8 @@ use super::routes;
         routes::payments::notify_wechatpay,
         routes::payments::notify_stripe,
         routes::payments::refund,
+        routes::payments::statement,
+        routes::payments::statements,
         routes::payments::simulate,
         routes::dev_token,
         routes::reconcile::run,

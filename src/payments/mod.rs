@@ -6,6 +6,7 @@ pub mod provider;
 pub mod refunds;
 pub mod repo;
 pub mod signature;
+pub mod statement;
 pub mod status;
 pub mod stripe;
 pub mod sweeper;

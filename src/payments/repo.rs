@@ -234,7 +234,13 @@ pub fn apply_charge(conn: &mut PgConn, charge: &Charge) -> QueryResult<CallbackO
             // Closed, cancelled, or paid by another payment: never revived,
             // never charged twice. The money goes back (one refund per
             // payment), sent by the sweeper.
-            settle(conn, payment_no, PaymentStatus::RefundRequired, txn, None)?;
+            settle(
+                conn,
+                payment_no,
+                PaymentStatus::RefundRequired,
+                txn,
+                Some(paid_at),
+            )?;
             refunds::create(
                 conn,
                 payment_no,

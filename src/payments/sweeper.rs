@@ -23,6 +23,7 @@ use super::provider::{
 };
 use super::refunds::{self, DueRefund, RefundOutcome};
 use super::repo::{self, CallbackOutcome, DuePayment};
+use super::statement;
 use crate::config::PaymentSettings;
 use crate::metrics::Metrics;
 use crate::orders::OrderStatus;
@@ -41,6 +42,9 @@ pub struct Sweeper {
     pub settings: PaymentSettings,
     pub metrics: Metrics,
     pub events: Arc<OrderEvents>,
+    /// When yesterday's statement was last asked for (at most every 10
+    /// minutes until it is kept).
+    pub statement_tried: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 /// Starts the sweeper loop.
@@ -83,7 +87,43 @@ impl Sweeper {
         for refund in due {
             self.follow_refund(refund).await;
         }
+        self.daily_statement().await;
         Ok(())
+    }
+
+    /// Yesterday's statement, once it is made (WeChat Pay: after 10:00
+    /// China time) and until its report is kept.
+    async fn daily_statement(&self) {
+        let name = self.provider.name();
+        let now = chrono::Utc::now();
+        if name != "wechatpay" || !statement::due(now) {
+            return;
+        }
+        {
+            let mut last = self
+                .statement_tried
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(600)) {
+                return;
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        let date = statement::yesterday(now);
+        match store::run(&self.db, move |conn| Ok(statement::kept(conn, name, date)?)).await {
+            Ok(false) => {}
+            Ok(true) => return,
+            Err(e) => {
+                tracing::info!(
+                    error = format!("{e:#}"),
+                    "statement: the database did not answer"
+                );
+                return;
+            }
+        }
+        if let Err(e) = statement::run(&self.db, self.provider.as_ref(), date).await {
+            tracing::warn!(error = format!("{e:#}"), bill_date = %date, "statement reconciliation failed; tried again in 10 minutes");
+        }
     }
 
     fn count(&self, call: &str, result: Result<(), &ProviderError>) {

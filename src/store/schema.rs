@@ -120,6 +120,18 @@ diesel::table! {
 }
 
 diesel::table! {
+    payment_statements (provider, bill_date) {
+        provider -> Text,
+        bill_date -> Date,
+        provider_rows -> Int4,
+        our_rows -> Int4,
+        differences -> Int4,
+        report -> Jsonb,
+        created_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
     refunds (refund_no) {
         refund_no -> Int8,
         payment_no -> Int8,
@@ -186,6 +198,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     consume_log,
     outbox,
     payments,
+    payment_statements,
     refunds,
     user_coupons,
     waiting_rooms,

@@ -778,3 +778,131 @@ async fn the_official_sdk_agrees_with_our_adapter_and_our_simulator() {
     assert_eq!(answer["status"], 204, "{answer}");
     assert_eq!(app.order_status(user, order_no).await, "PAID");
 }
+
+/// The daily statement reconciliation against the simulator's trade bill
+/// finds a payment the platform has and we don't (planted), an amount that
+/// differs (planted), and a payment we have and the platform doesn't; the
+/// report is kept and listed for the operator page.
+#[tokio::test]
+async fn the_statement_reconciliation_finds_planted_differences() {
+    let platform = Platform::start();
+    let app = platform.app(|_| {}).await;
+    let activity = app.live_activity(3, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 3).await;
+    let mut numbers = Vec::new();
+    for (user, order_no) in &orders {
+        let no = pay(&app, *user, order_no).await["payment_no"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        platform
+            .sim(&format!("/sim/pay/{no}"), json!({"times": 1}))
+            .await;
+        assert_eq!(app.order_status(*user, order_no).await, "PAID");
+        numbers.push(no);
+    }
+    let planted = "990000000000000001";
+    platform
+        .sim(
+            "/sim/plant",
+            json!({"out_trade_no": planted, "amount": 5000}),
+        )
+        .await;
+    platform
+        .sim(
+            "/sim/plant",
+            json!({"out_trade_no": numbers[1], "amount": 9800}),
+        )
+        .await;
+    platform
+        .sim(&format!("/sim/forget/{}", numbers[2]), json!({}))
+        .await;
+    // The bill's day: China's, when the trades were paid (one day for all,
+    // unless this ran across midnight there).
+    let state = platform.state().await;
+    let days: std::collections::BTreeSet<String> = state["trades"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["success_time"].as_str())
+        .map(|s| s[..10].to_owned())
+        .collect();
+    let day = paid_day(&platform, &numbers[0]).await;
+    assert!(
+        days.len() <= 1,
+        "trades paid across midnight in China: {days:?}"
+    );
+
+    let res = app
+        .post_json(
+            "/api/v1/admin/payments/statement",
+            &json!({"date": day}),
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(res.status(), 200);
+    let report = json(res).await;
+    assert_eq!(report["provider_rows"], 3, "{report}");
+    assert_eq!(report["our_rows"], 3, "{report}");
+    assert_eq!(
+        report["missing_here"],
+        json!([{"reference": planted, "txn_id": report["missing_here"][0]["txn_id"], "amount_cents": 5000}]),
+        "{report}"
+    );
+    assert_eq!(
+        report["mismatched"],
+        json!([{"payment_no": numbers[1], "ours_cents": 9900, "theirs_cents": 9800}])
+    );
+    assert_eq!(
+        report["missing_there"].as_array().unwrap().len(),
+        1,
+        "{report}"
+    );
+    assert_eq!(
+        report["missing_there"][0]["payment_no"],
+        numbers[2].as_str()
+    );
+
+    let res = app
+        .get(
+            "/api/v1/admin/payments/statements",
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(res.status(), 200);
+    let kept = json(res).await;
+    assert_eq!(kept["reports"][0]["mismatched"], report["mismatched"]);
+    assert!(kept["reports"][0]["checked_at"].is_string());
+
+    let res = app
+        .post_json(
+            "/api/v1/admin/payments/statement",
+            &json!({"date": "2999-01-01"}),
+            Some(&app.admin_token()),
+        )
+        .await;
+    assert_eq!(res.status(), 400);
+    for body in [json!({"date": "yesterday"}), json!({"day": day})] {
+        let res = app
+            .post_json(
+                "/api/v1/admin/payments/statement",
+                &body,
+                Some(&app.admin_token()),
+            )
+            .await;
+        assert_eq!(res.status(), 400, "{body}");
+    }
+}
+
+/// The China day a trade was paid on, as the simulator recorded it.
+async fn paid_day(platform: &Platform, payment_no: &str) -> String {
+    let state = platform.state().await;
+    state["trades"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["out_trade_no"] == payment_no)
+        .and_then(|t| t["success_time"].as_str())
+        .map(|s| s[..10].to_owned())
+        .expect("a paid trade has a success time")
+}

@@ -712,12 +712,17 @@ const operator = {
       this.create(new FormData(e.target));
     });
     $("#reconcile").addEventListener("click", () => this.reconcile());
+    $("#statement").addEventListener("click", () => this.checkStatement());
     await this.tick();
     setInterval(() => this.tick(), 1000);
   },
 
+  ticks: 0,
+
   async tick() {
-    await Promise.all([this.live(), this.table(), this.lastReport()]);
+    // The statements change once a day: every tenth tick is plenty.
+    const statements = this.ticks++ % 10 === 0 ? this.statements() : null;
+    await Promise.all([this.live(), this.table(), this.lastReport(), statements]);
   },
 
   async live() {
@@ -943,6 +948,54 @@ const operator = {
     } finally {
       $("#reconcile").disabled = false;
     }
+  },
+
+  async checkStatement() {
+    clearMessage();
+    $("#statement").disabled = true;
+    try {
+      const res = await api("POST", "/api/v1/admin/payments/statement", {}, session.token);
+      if (!res.ok) return showProblem(res);
+      const n = res.data.missing_here.length + res.data.missing_there.length + res.data.mismatched.length;
+      showMessage(
+        "Statement of " + res.data.bill_date + ": " + (n ? n + " differences." : "it agrees."),
+        "STATEMENT",
+        n ? "error" : "ok",
+      );
+      await this.statements();
+    } finally {
+      $("#statement").disabled = false;
+    }
+  },
+
+  async statements() {
+    if (!session.token) return;
+    const res = await api("GET", "/api/v1/admin/payments/statements", undefined, session.token);
+    if (!res.ok) return;
+    const cents = (c) => (c / 100).toFixed(2);
+    const list = (items, text) => (items.length ? el("ul", {}, ...items.map((i) => el("li", {}, text(i)))) : "–");
+    $("#statements tbody").replaceChildren(
+      ...res.data.reports.map((r) =>
+        el(
+          "tr",
+          {
+            "data-day": r.bill_date,
+            class: r.missing_here.length + r.missing_there.length + r.mismatched.length ? "alarm" : "",
+          },
+          el("td", {}, r.bill_date),
+          el("td", {}, r.provider),
+          el("td", {}, r.provider_rows),
+          el("td", {}, r.our_rows),
+          el("td", { class: "only-there" }, list(r.missing_here, (l) => l.reference + ": " + cents(l.amount_cents))),
+          el("td", { class: "only-here" }, list(r.missing_there, (o) => o.payment_no + ": " + cents(o.amount_cents) + " " + o.status)),
+          el(
+            "td",
+            { class: "amounts-differ" },
+            list(r.mismatched, (m) => m.payment_no + ": ours " + cents(m.ours_cents) + ", theirs " + cents(m.theirs_cents)),
+          ),
+        ),
+      ),
+    );
   },
 
   async lastReport() {

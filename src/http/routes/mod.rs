@@ -77,6 +77,8 @@ routes! {
     post "/api/v1/payments/notify/wechatpay" => payments::notify_wechatpay;
     post "/api/v1/payments/notify/stripe" => payments::notify_stripe;
     post "/api/v1/admin/orders/{order_no}/refund" => payments::refund;
+    post "/api/v1/admin/payments/statement" => payments::statement;
+    get "/api/v1/admin/payments/statements" => payments::statements;
     post "/api/v1/dev/payments/{payment_no}/simulate" => payments::simulate;
     post "/api/v1/dev/token" => dev_token;
     post "/api/v1/admin/reconcile" => reconcile::run;

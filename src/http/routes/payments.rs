@@ -20,7 +20,7 @@ use crate::payments::refunds::RefundOutcome;
 use crate::payments::repo::AfterSale;
 use crate::payments::repo::{self, CallbackOutcome, PayIntent};
 use crate::payments::signature;
-use crate::payments::sweeper;
+use crate::payments::{statement, sweeper};
 use crate::state::AppState;
 use crate::store;
 
@@ -601,4 +601,78 @@ pub async fn refund(
             status: r.status,
         })),
     }
+}
+
+/// `POST /api/v1/admin/payments/statement` body.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StatementBody {
+    /// The day (the provider's; China's for WeChat Pay), `YYYY-MM-DD`;
+    /// yesterday when absent.
+    #[schema(value_type = Option<String>, format = Date)]
+    date: Option<chrono::NaiveDate>,
+}
+
+/// `POST /api/v1/admin/payments/statement` (admin): reconciles the
+/// provider's statement of a day with our payments now, and keeps the
+/// report (the sweeper does it daily for yesterday).
+#[utoipa::path(post, path = "/api/v1/admin/payments/statement", tag = "payments",
+    request_body = StatementBody,
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "the report: missing_here, missing_there, mismatched"),
+        (status = 400, description = "BAD_REQUEST: a malformed body, or a day not over yet", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "UNAUTHORIZED", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "INVALID_STATE: the provider has no statement of that day", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: the provider or the database did not answer", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn statement(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+    body: web::Json<StatementBody>,
+) -> Result<HttpResponse, ApiError> {
+    let now = state.clock.now();
+    let date = body
+        .into_inner()
+        .date
+        .unwrap_or_else(|| statement::yesterday(now));
+    if date
+        > now
+            .with_timezone(
+                &chrono::FixedOffset::east_opt(8 * 3600).unwrap_or_else(|| unreachable!()),
+            )
+            .date_naive()
+    {
+        return Err(ApiError::bad_request("that day has not come yet"));
+    }
+    match statement::run(&state.pg.db, state.payments.provider.as_ref(), date).await {
+        Ok(report) => Ok(HttpResponse::Ok().json(report)),
+        Err(e) => match e.downcast_ref::<ProviderError>() {
+            Some(ProviderError::Refused { code, message }) => Err(ApiError::new(
+                ErrorCode::InvalidState,
+                format!("no statement of {date} ({code}): {message}"),
+            )),
+            _ => Err(ApiError::unavailable(e)),
+        },
+    }
+}
+
+/// `GET /api/v1/admin/payments/statements` (admin): the latest reports kept.
+#[utoipa::path(get, path = "/api/v1/admin/payments/statements", tag = "payments",
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "{reports: [...]}, newest day first"),
+        (status = 401, description = "UNAUTHORIZED", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "FORBIDDEN: not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: the database is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn statements(
+    _admin: AdminUser,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    let reports = store::run(&state.pg.db, |conn| Ok(statement::latest(conn, 14)?))
+        .await
+        .map_err(ApiError::unavailable)?;
+    Ok(HttpResponse::Ok().json(serde_json::json!({ "reports": reports })))
 }

@@ -8,7 +8,7 @@
 //! undone on our side.
 
 use chrono::{DateTime, Utc};
-use futures_util::future::BoxFuture;
+use futures_util::future::{BoxFuture, FutureExt};
 
 pub mod mock;
 
@@ -167,6 +167,16 @@ pub enum CallbackError {
     Undecryptable,
 }
 
+/// One charge on the provider's statement of a day.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct StatementLine {
+    /// Our payment number as the provider holds it (`out_trade_no`).
+    pub reference: String,
+    /// The provider's transaction id.
+    pub txn_id: Option<String>,
+    pub amount_cents: i64,
+}
+
 /// A payment provider.
 pub trait PaymentProvider: Send + Sync {
     /// Stored in `payments.provider`.
@@ -204,6 +214,20 @@ pub trait PaymentProvider: Send + Sync {
         &'a self,
         refund: &'a RefundRequest,
     ) -> BoxFuture<'a, Result<RefundReport, ProviderError>>;
+
+    /// The charges on the provider's statement of `date` (its own time
+    /// zone's day). `Refused` by a provider that publishes none.
+    fn statement(
+        &self,
+        date: chrono::NaiveDate,
+    ) -> BoxFuture<'_, Result<Vec<StatementLine>, ProviderError>> {
+        let _ = date;
+        futures_util::future::ready(Err(ProviderError::Refused {
+            code: "NO_STATEMENT".into(),
+            message: format!("{} publishes no statement here", self.name()),
+        }))
+        .boxed()
+    }
 
     /// Where the refund stands.
     fn query_refund<'a>(

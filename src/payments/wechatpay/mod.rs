@@ -23,7 +23,7 @@ use self::crypto::{ApiV3Cipher, MerchantSigner, PlatformKeys, SCHEME, VerifyErro
 use super::provider::{
     CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, NewPayment,
     PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
-    RefundState,
+    RefundState, StatementLine,
 };
 use crate::config::WechatPaySettings;
 
@@ -136,6 +136,18 @@ impl WechatPay {
         path_and_query: &str,
         body: Option<serde_json::Value>,
     ) -> Result<(u16, Vec<u8>), ProviderError> {
+        self.send(method, path_and_query, body, true).await
+    }
+
+    /// [`Self::call`], the answer's signature checked when `signed` (a
+    /// bill's download is not signed: its hash is).
+    async fn send(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<serde_json::Value>,
+        signed: bool,
+    ) -> Result<(u16, Vec<u8>), ProviderError> {
         let body = body.map(|b| b.to_string()).unwrap_or_default();
         let ts = Utc::now().timestamp();
         let nonce = nonce();
@@ -176,6 +188,9 @@ impl WechatPay {
                 "{status}: {}",
                 String::from_utf8_lossy(&bytes)
             )));
+        }
+        if !signed {
+            return Ok((status, bytes.to_vec()));
         }
         let (Some(ts), Some(nonce), Some(serial), Some(signature)) = (
             header(&headers, "wechatpay-timestamp"),
@@ -279,11 +294,119 @@ impl WechatPay {
         report_of(Self::parse(&answer)?)
     }
 
+    /// The trade bill of `date` (China time): its download address, then
+    /// the file, checked against the SHA-1 the first answer gave.
+    async fn trade_bill(
+        &self,
+        date: chrono::NaiveDate,
+    ) -> Result<Vec<StatementLine>, ProviderError> {
+        #[derive(Deserialize)]
+        struct Bill {
+            download_url: String,
+            hash_type: Option<String>,
+            hash_value: Option<String>,
+        }
+        let path = format!(
+            "/v3/bill/tradebill?bill_date={}&bill_type=ALL",
+            date.format("%Y-%m-%d")
+        );
+        let (_, answer) = self.call(Method::GET, &path, None).await?;
+        let bill: Bill = Self::parse(&answer)?;
+        // Signed like any request, at this server's base (the address names
+        // WeChat Pay's host).
+        let at = bill
+            .download_url
+            .find("/v3/")
+            .ok_or_else(|| ProviderError::Unknown(format!("download_url {}", bill.download_url)))?;
+        let (_, file) = self
+            .send(Method::GET, &bill.download_url[at..], None, false)
+            .await?;
+        if bill
+            .hash_type
+            .as_deref()
+            .is_some_and(|t| t.eq_ignore_ascii_case("SHA1"))
+        {
+            use sha1::Digest;
+            let digest = hex::encode(sha1::Sha1::digest(&file));
+            if !bill
+                .hash_value
+                .as_deref()
+                .is_some_and(|h| h.eq_ignore_ascii_case(&digest))
+            {
+                return Err(ProviderError::Unknown(
+                    "the bill does not match its hash".into(),
+                ));
+            }
+        }
+        parse_trade_bill(&String::from_utf8_lossy(&file))
+    }
+
     async fn find_refund(&self, refund_no: i64) -> Result<RefundReport, ProviderError> {
         let path = format!("/v3/refund/domestic/refunds/{refund_no}");
         let (_, answer) = self.call(Method::GET, &path, None).await?;
         report_of(Self::parse(&answer)?)
     }
+}
+
+/// Yuan with two decimals ("99.00") in fen.
+fn fen(yuan: &str) -> Option<i64> {
+    let (whole, frac) = yuan.trim().split_once('.').unwrap_or((yuan.trim(), "0"));
+    if frac.len() > 2 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let frac: i64 = format!("{frac:0<2}").parse().ok()?;
+    Some(whole.parse::<i64>().ok()? * 100 + frac)
+}
+
+/// The charges of a trade bill: every field starts with a backtick (so a
+/// comma inside one is no separator), the header names the columns, and a
+/// summary follows the rows. A row of state SUCCESS is a charge; REFUND
+/// rows are refunds of charges billed on their own day.
+pub fn parse_trade_bill(text: &str) -> Result<Vec<StatementLine>, ProviderError> {
+    let bad = |why: &str| ProviderError::Unknown(format!("a trade bill not understood: {why}"));
+    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
+    let split = |line: &str| -> Vec<String> {
+        line.trim_start_matches('\u{feff}')
+            .trim_start_matches('`')
+            .split(",`")
+            .map(|f| f.trim().to_owned())
+            .collect()
+    };
+    let header: Vec<String> = lines
+        .next()
+        .ok_or_else(|| bad("empty"))?
+        .trim_start_matches('\u{feff}')
+        .split(',')
+        .map(|f| f.trim().trim_start_matches('`').to_owned())
+        .collect();
+    let column = |name: &str| header.iter().position(|h| h == name);
+    let (Some(trade_no), Some(state), Some(amount)) = (
+        column("商户订单号"),
+        column("交易状态"),
+        column("订单金额").or_else(|| column("应结订单金额")),
+    ) else {
+        return Err(bad("no 商户订单号, 交易状态 or 订单金额 column"));
+    };
+    let txn = column("微信订单号");
+    let mut out = Vec::new();
+    for line in lines {
+        if !line.starts_with('`') {
+            break; // the summary
+        }
+        let fields = split(line);
+        let get = |i: usize| fields.get(i).map(String::as_str);
+        if get(state) != Some("SUCCESS") {
+            continue;
+        }
+        let reference = get(trade_no).ok_or_else(|| bad("a short row"))?.to_owned();
+        let amount_cents = get(amount).and_then(fen).ok_or_else(|| bad("an amount"))?;
+        out.push(StatementLine {
+            reference,
+            txn_id: txn.and_then(get).map(str::to_owned),
+            amount_cents,
+        });
+    }
+    Ok(out)
 }
 
 fn charge_of(t: Transaction) -> Result<Charge, ProviderError> {
@@ -414,6 +537,13 @@ impl PaymentProvider for WechatPay {
         self.close_trade(payment.payment_no).boxed()
     }
 
+    fn statement(
+        &self,
+        date: chrono::NaiveDate,
+    ) -> BoxFuture<'_, Result<Vec<StatementLine>, ProviderError>> {
+        self.trade_bill(date).boxed()
+    }
+
     fn query<'a>(
         &'a self,
         payment: &'a PaymentRef,
@@ -433,5 +563,43 @@ impl PaymentProvider for WechatPay {
         refund: &'a RefundRef,
     ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
         self.find_refund(refund.refund_no).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trade_bill_yields_its_successful_charges_in_fen() {
+        let bill = "交易时间,公众账号ID,商户号,特约商户号,设备号,微信订单号,商户订单号,用户标识,交易类型,交易状态,付款银行,货币种类,应结订单金额,代金券金额,微信退款单号,商户退款单号,退款金额,充值券退款金额,退款类型,退款状态,商品名称,商户数据包,手续费,费率,订单金额,申请退款金额,费率备注\n\
+`2026-12-04 10:00:00,`wx1,`1900000001,`0,`,`4200001,`101,`o1,`NATIVE,`SUCCESS,`OTHERS,`CNY,`99.00,`0.00,`0,`0,`0.00,`0.00,`,`,`Phone, black,`,`0.59000,`0.60%,`99.00,`0.00,`\n\
+`2026-12-04 11:00:00,`wx1,`1900000001,`0,`,`4200002,`102,`o2,`NATIVE,`REFUND,`OTHERS,`CNY,`0.00,`0.00,`5000001,`9001,`99.00,`0.00,`ORIGINAL,`SUCCESS,`Phone,`,`-0.59000,`0.60%,`0.00,`99.00,`\n\
+`2026-12-04 12:00:00,`wx1,`1900000001,`0,`,`4200003,`103,`o3,`NATIVE,`SUCCESS,`OTHERS,`CNY,`0.5,`0.00,`0,`0,`0.00,`0.00,`,`,`Case,`,`0.00000,`0.60%,`0.5,`0.00,`\n\
+总交易单数,应结订单总金额,退款总金额,充值券退款总金额,手续费总金额,订单总金额,申请退款总金额\n\
+`2,`99.50,`99.00,`0.00,`0.59000,`99.50,`99.00\n";
+        let lines = parse_trade_bill(bill).unwrap();
+        assert_eq!(
+            lines,
+            [
+                StatementLine {
+                    reference: "101".into(),
+                    txn_id: Some("4200001".into()),
+                    amount_cents: 9900
+                },
+                StatementLine {
+                    reference: "103".into(),
+                    txn_id: Some("4200003".into()),
+                    amount_cents: 50
+                },
+            ],
+            "a comma inside a field is no separator; REFUND rows are not charges"
+        );
+        assert!(parse_trade_bill("").is_err());
+        assert!(parse_trade_bill("a,b\n`1,`2\n").is_err());
+        assert_eq!(fen("12.3"), Some(1230));
+        assert_eq!(fen("7"), Some(700));
+        assert_eq!(fen("1.234"), None);
+        assert_eq!(fen("x.00"), None);
     }
 }
