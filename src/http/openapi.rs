@@ -44,6 +44,7 @@ use super::routes;
         routes::streams::order_events,
         routes::orders::cancel,
         routes::payments::pay,
+        routes::payments::pay_qr,
         routes::payments::notify,
         routes::payments::notify_wechatpay,
         routes::payments::notify_stripe,

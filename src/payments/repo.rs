@@ -439,3 +439,23 @@ fn settle(
     .execute(conn)?;
     Ok(())
 }
+
+/// The `code_url` of the pending payment of the caller's order, if the
+/// provider gave one.
+pub fn pending_code_url(
+    conn: &mut PgConn,
+    order_no: OrderNo,
+    user_id: UserId,
+) -> QueryResult<Option<String>> {
+    let checkout: Option<Option<serde_json::Value>> = payments::table
+        .inner_join(orders::table)
+        .filter(payments::order_no.eq(order_no.get()))
+        .filter(orders::user_id.eq(user_id.get()))
+        .filter(payments::status.eq(PaymentStatus::Pending.as_str()))
+        .select(payments::checkout)
+        .first(conn)
+        .optional()?;
+    Ok(checkout
+        .flatten()
+        .and_then(|c| c["code_url"].as_str().map(str::to_owned)))
+}

@@ -226,6 +226,19 @@ async fn a_wechat_pay_sale_pays_once_and_refuses_spoiled_callbacks() {
         (&first["payment_no"], &first["code_url"])
     );
     let payment_no = first["payment_no"].as_str().unwrap();
+    // The buyer page shows the code_url as a QR code; nobody else gets it.
+    let qr = format!("/api/v1/orders/{order_no}/pay/qr");
+    let res = app.get(&qr, Some(&app.user_token(user))).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["content-type"], "image/svg+xml");
+    let svg = res.text().await.unwrap();
+    assert!(svg.contains("<svg") && svg.contains("<path"), "{svg}");
+    assert_eq!(
+        app.get(&qr, Some(&app.user_token(user + 1000)))
+            .await
+            .status(),
+        404
+    );
     let trade = platform.trade(payment_no).await;
     assert_eq!(trade["amount"], 9900);
     assert_eq!(
@@ -274,6 +287,11 @@ async fn a_wechat_pay_sale_pays_once_and_refuses_spoiled_callbacks() {
         assert_eq!(answer["status"], 204, "delivery {i}: {answer}");
     }
     assert_eq!(app.order_status(user, order_no).await, "PAID");
+    assert_eq!(
+        app.get(&qr, Some(&app.user_token(user))).await.status(),
+        404,
+        "nothing left to pay"
+    );
     let stats = app.stats(activity).await;
     assert_eq!(
         (stats["orders"]["PAID"].as_i64(), stats["db_sold"].as_i64()),

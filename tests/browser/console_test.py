@@ -248,6 +248,9 @@ def buyer_page(driver, main, sold_out, hot):
     driver.find_element(By.ID, "pay").click()
     wait_for(driver, "PAID", lambda d: text(d, "#order-status") == "PAID")
     wait_for(driver, "the paid message", lambda d: message_code(d) == "PAID")
+    # The payment as the server has it, on the page.
+    wait_for(driver, "the payment shown", lambda d: text(d, "#payment-status") == "SUCCESS")
+    assert "(mock)" in text(driver, "#payment-no"), text(driver, "#payment-no")
     wait_for(driver, "the order in the list", lambda d: text(
         d, f'#orders tr[data-order="{order_no}"] .status') == "PAID")
     shot(driver, "buyer-paid.png")

@@ -606,6 +606,36 @@ const buyer = {
     }
     $("#pay").hidden = o.status !== "WAITING_PAY";
     $("#cancel").hidden = o.status !== "WAITING_PAY";
+    if (o.status !== "WAITING_PAY") $("#pay-qr").hidden = true;
+    const p = o.payment;
+    $("#payment").hidden = !p;
+    if (p) {
+      $("#payment-no").textContent = p.payment_no + " (" + p.provider + ")";
+      $("#payment-status").textContent = p.status;
+      $("#payment-status").dataset.status = p.status;
+      $("#payment-refund").textContent = p.refund_no ? "refund " + p.refund_no : "";
+    }
+  },
+
+  /** The order's payment as the server has it now. */
+  async refreshPayment() {
+    const res = await api("GET", "/api/v1/orders/" + this.order.order_no, undefined, session.token);
+    if (res.ok && this.order && res.data.order_no === this.order.order_no) {
+      this.order.payment = res.data.payment;
+      this.renderOrder();
+    }
+  },
+
+  /** WeChat Pay Native: the code_url as a QR code (fetched with the token). */
+  async showQr(no) {
+    const res = await fetch("/api/v1/orders/" + no + "/pay/qr", {
+      headers: { authorization: "Bearer " + session.token },
+    });
+    if (!res.ok) return;
+    const image = $("#pay-qr-image");
+    if (image.src) URL.revokeObjectURL(image.src);
+    image.src = URL.createObjectURL(await res.blob());
+    $("#pay-qr").hidden = false;
   },
 
   async pay() {
@@ -615,6 +645,22 @@ const buyer = {
     try {
       const payment = await api("POST", "/api/v1/orders/" + no + "/pay", {}, session.token);
       if (!payment.ok) return showProblem(payment);
+      await this.refreshPayment();
+      if (payment.data.code_url) {
+        await this.showQr(no);
+        showMessage("Scan the code with WeChat to pay " + money(payment.data.amount_cents) + ".", "PENDING", "ok");
+        await this.follow(["PAID", "CLOSED", "CANCELLED", "FAILED"]);
+        await this.refreshPayment();
+        if (this.order.status === "PAID") showMessage("Paid. Thank you!", "PAID", "ok");
+        return;
+      }
+      if (payment.data.client_secret) {
+        return showMessage(
+          "Stripe payment " + payment.data.payment_no + " is ready: the shop's Stripe.js confirms it with its client secret.",
+          "PENDING",
+          "ok",
+        );
+      }
       const sent = await api(
         "POST",
         "/api/v1/dev/payments/" + payment.data.payment_no + "/simulate",
@@ -628,6 +674,7 @@ const buyer = {
         return showProblem(sent);
       }
       await this.follow(["PAID", "CLOSED", "CANCELLED", "FAILED"]);
+      await this.refreshPayment();
       if (this.order.status === "PAID") showMessage("Paid. Thank you!", "PAID", "ok");
     } finally {
       $("#pay").disabled = false;

@@ -73,6 +73,7 @@ routes! {
     get "/api/v1/orders/{order_no}/events" => streams::order_events;
     post "/api/v1/orders/{order_no}/cancel" => orders::cancel;
     post "/api/v1/orders/{order_no}/pay" => payments::pay;
+    get "/api/v1/orders/{order_no}/pay/qr" => payments::pay_qr;
     post "/api/v1/payments/notify" => payments::notify;
     post "/api/v1/payments/notify/wechatpay" => payments::notify_wechatpay;
     post "/api/v1/payments/notify/stripe" => payments::notify_stripe;

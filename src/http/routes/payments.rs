@@ -676,3 +676,40 @@ pub async fn statements(
         .map_err(ApiError::unavailable)?;
     Ok(HttpResponse::Ok().json(serde_json::json!({ "reports": reports })))
 }
+
+/// `GET /api/v1/orders/{order_no}/pay/qr` (the order's owner): the WeChat
+/// Pay Native `code_url` of the order's pending payment as an SVG QR code,
+/// for the buyer's phone to scan.
+#[utoipa::path(get, path = "/api/v1/orders/{order_no}/pay/qr", tag = "payments",
+    params(("order_no" = String, Path, description = "order number (decimal)")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "image/svg+xml: the QR code of the payment's code_url"),
+        (status = 401, description = "UNAUTHORIZED", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "NOT_FOUND: no such order of the caller, or no pending payment with a code_url", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: the database is unavailable", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub async fn pay_qr(
+    user: AuthUser,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
+    let user_id = user.user_id;
+    let code_url = store::run(&state.pg.db, move |conn| {
+        Ok(repo::pending_code_url(conn, order_no, user_id)?)
+    })
+    .await
+    .map_err(ApiError::unavailable)?
+    .ok_or_else(|| ApiError::not_found("no pending payment with a code_url"))?;
+    let code = qrcode::QrCode::new(code_url.as_bytes())
+        .map_err(|e| ApiError::not_found(format!("no QR code for it: {e}")))?;
+    let svg = code
+        .render::<qrcode::render::svg::Color>()
+        .min_dimensions(200, 200)
+        .build();
+    Ok(HttpResponse::Ok()
+        .content_type("image/svg+xml")
+        .insert_header(("cache-control", "no-store"))
+        .body(svg))
+}
