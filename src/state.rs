@@ -33,7 +33,7 @@ use crate::metrics::Metrics;
 use crate::orders::consumer::ConsumerDeps;
 use crate::orders::events::{OrderEvents, StreamCounts};
 use crate::outbox::relay::Relay;
-use crate::payments::provider::{MockProvider, PaymentProvider};
+use crate::payments::provider::{PaymentProvider, SignedProvider};
 use crate::reconcile::Reconciler;
 use crate::room::Rooms;
 use crate::store::notes::Notes;
@@ -296,7 +296,7 @@ pub struct Payments {
     /// Where pay intents are registered.
     pub provider: Arc<dyn PaymentProvider>,
     /// The mock provider, when `payment.provider` is `mock`.
-    pub mock: Option<MockProvider>,
+    pub mock: Option<SignedProvider>,
     /// Outgoing HTTP (the mock provider's callbacks).
     pub http: reqwest::Client,
     /// This server's own base URL (the mock provider calls it back).
@@ -311,7 +311,7 @@ impl Payments {
         let tolerance = crate::clock::millis(payment.signature_tolerance_secs) / 1000;
         Ok(Self {
             provider: Arc::from(crate::payments::provider(settings)?),
-            mock: is_mock.then(|| MockProvider::new(payment.notify_secret.clone(), tolerance)),
+            mock: is_mock.then(|| SignedProvider::mock(payment.notify_secret.clone(), tolerance)),
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(10))
                 .build()?,

@@ -22,8 +22,8 @@ pub fn provider(settings: &Settings) -> anyhow::Result<Box<dyn provider::Payment
     let tolerance = crate::clock::millis(payment.signature_tolerance_secs) / 1000;
     let secret = payment.notify_secret.clone();
     Ok(match payment.kind() {
-        ProviderKind::Mock => Box::new(provider::MockProvider::new(secret, tolerance)),
-        ProviderKind::External => Box::new(provider::ExternalProvider::new(secret, tolerance)),
+        ProviderKind::Mock => Box::new(provider::SignedProvider::mock(secret, tolerance)),
+        ProviderKind::External => Box::new(provider::SignedProvider::external(secret, tolerance)),
         ProviderKind::Wechatpay => {
             let Some(wechat) = payment.wechatpay.as_ref() else {
                 anyhow::bail!("payment.provider = \"wechatpay\" needs [payment.wechatpay]");

@@ -803,6 +803,41 @@ impl TestApp {
         .await
     }
 
+    /// The pending payment of `order_no`, asserting 200.
+    pub async fn payment(&self, user_id: i64, order_no: &str) -> serde_json::Value {
+        let res = self.pay(user_id, order_no).await;
+        assert_eq!(res.status(), 200, "pay {order_no}");
+        json(res).await
+    }
+
+    /// The order as `GET /orders/{no}` shows it once its payment is
+    /// `status` (a minute and a half at most).
+    pub async fn order_once_payment_is(
+        &self,
+        user_id: i64,
+        order_no: &str,
+        status: &str,
+    ) -> serde_json::Value {
+        let what = format!("the payment of {order_no} {status}");
+        eventually(&what, std::time::Duration::from_secs(90), || async {
+            let path = format!("/api/v1/orders/{order_no}");
+            let res = self.get(&path, Some(&self.user_token(user_id))).await;
+            let shown = json(res).await;
+            (shown["payment"]["status"] == status).then_some(shown)
+        })
+        .await
+    }
+
+    /// Payment callbacks counted with `outcome` (applied, duplicate,
+    /// bad_signature, refund_settled, …).
+    pub async fn callbacks(&self, outcome: &str) -> i64 {
+        self.metric(&format!(
+            "seckill_payment_callbacks_total{{outcome=\"{outcome}\"}}"
+        ))
+        .await
+        .unwrap_or(0)
+    }
+
     /// `POST /orders/{no}/cancel` as `user_id`.
     pub async fn cancel(&self, user_id: i64, order_no: &str) -> reqwest::Response {
         let path = format!("/api/v1/orders/{order_no}/cancel");

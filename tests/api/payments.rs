@@ -8,12 +8,6 @@ use serde_json::json;
 
 use crate::helpers::{eventually, json, spawn_app, spawn_app_with};
 
-async fn payment(app: &crate::helpers::TestApp, user: i64, order_no: &str) -> serde_json::Value {
-    let res = app.pay(user, order_no).await;
-    assert_eq!(res.status(), 200);
-    json(res).await
-}
-
 #[tokio::test]
 async fn thirty_orders_with_each_callback_delivered_five_times_shuffled_are_paid_once() {
     let app = spawn_app().await;
@@ -21,7 +15,7 @@ async fn thirty_orders_with_each_callback_delivered_five_times_shuffled_are_paid
     let orders = app.waiting_orders(activity, 1, 30).await;
     let mut callbacks = Vec::new();
     for (user, order_no) in &orders {
-        let p = payment(&app, *user, order_no).await;
+        let p = app.payment(*user, order_no).await;
         assert_eq!(p["status"], "PENDING");
         assert_eq!(p["amount_cents"], 9900);
         for _ in 0..5 {
@@ -69,7 +63,7 @@ async fn forged_stale_or_unsigned_callbacks_are_401_and_a_wrong_amount_400_chang
     let activity = app.live_activity(5, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = &orders[0];
-    let p = payment(&app, *user, order_no).await;
+    let p = app.payment(*user, order_no).await;
 
     let (body, sig) = app.signed_callback(&p, "SUCCESS", 9900, Some("not-the-secret"), 0);
     let res = app.notify(body, Some(&sig)).await;
@@ -118,7 +112,7 @@ async fn a_failed_callback_fails_the_payment_and_the_order_stays_payable() {
     let activity = app.live_activity(5, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = &orders[0];
-    let p = payment(&app, *user, order_no).await;
+    let p = app.payment(*user, order_no).await;
     let (body, sig) = app.signed_callback(&p, "FAILED", 9900, None, 0);
     assert_eq!(app.notify(body, Some(&sig)).await.status(), 200);
     assert_eq!(app.order_status(*user, order_no).await, "WAITING_PAY");
@@ -128,7 +122,7 @@ async fn a_failed_callback_fails_the_payment_and_the_order_stays_payable() {
         1
     );
     // A new attempt gets a new pending payment.
-    let again = payment(&app, *user, order_no).await;
+    let again = app.payment(*user, order_no).await;
     assert_ne!(again["payment_no"], p["payment_no"]);
 }
 
@@ -139,8 +133,8 @@ async fn pay_intents_are_reused_while_pending_and_the_mock_provider_pays_through
     let activity = app.live_activity(5, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = &orders[0];
-    let first = payment(&app, *user, order_no).await;
-    let second = payment(&app, *user, order_no).await;
+    let first = app.payment(*user, order_no).await;
+    let second = app.payment(*user, order_no).await;
     assert_eq!(first["payment_no"], second["payment_no"]);
 
     let res = app
@@ -240,7 +234,7 @@ async fn another_users_order_is_404_for_pay_cancel_and_get() {
         assert_eq!(res.status(), 404);
         assert_eq!(json(res).await["code"], "NOT_FOUND");
     }
-    let p = payment(&app, 1, order_no).await;
+    let p = app.payment(1, order_no).await;
     let res = app
         .post_json(
             &format!(

@@ -15,7 +15,7 @@ use seckill::config::{ProviderKind, Settings, StripeSettings};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::helpers::{TestApp, eventually, json, spawn_app_with};
+use crate::helpers::{TestApp, eventually, spawn_app_with};
 
 const SECRET_KEY: &str = "sk_test_seckill";
 
@@ -285,19 +285,6 @@ async fn deliver(http: &reqwest::Client, url: &str, signature: &str, body: Vec<u
         .unwrap_or(0)
 }
 
-fn metric(text: &str, line: &str) -> i64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(line))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
-async fn pay(app: &TestApp, user: i64, order_no: &str) -> Value {
-    let res = app.pay(user, order_no).await;
-    assert_eq!(res.status(), 200);
-    json(res).await
-}
-
 /// Purchase → PaymentIntent (its client secret for the buyer) → webhook →
 /// PAID. The same webhook five times changes nothing after the first; a
 /// tampered body, a foreign secret's signature and an old timestamp are
@@ -318,11 +305,11 @@ async fn a_stripe_sale_pays_once_and_refuses_spoiled_webhooks() {
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = (orders[0].0, orders[0].1.as_str());
 
-    let first = pay(&app, user, order_no).await;
+    let first = app.payment(user, order_no).await;
     assert_eq!(first["provider"], "stripe");
     let client_secret = first["client_secret"].as_str().unwrap().to_owned();
     assert!(client_secret.starts_with("pi_"), "{first}");
-    let again = pay(&app, user, order_no).await;
+    let again = app.payment(user, order_no).await;
     assert_eq!(again["client_secret"], first["client_secret"]);
     assert_eq!(
         stripe.intents().await.len(),
@@ -381,28 +368,12 @@ async fn a_stripe_sale_pays_once_and_refuses_spoiled_webhooks() {
             .await,
         1
     );
-    let metrics = app.get("/metrics", None).await.text().await.unwrap();
-    assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_callbacks_total{outcome=\"applied\"}"
-        ),
-        1
-    );
-    assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_callbacks_total{outcome=\"duplicate\"}"
-        ),
-        4
-    );
-    assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_callbacks_total{outcome=\"bad_signature\"}"
-        ),
-        3
-    );
+    let outcomes = [
+        app.callbacks("applied").await,
+        app.callbacks("duplicate").await,
+        app.callbacks("bad_signature").await,
+    ];
+    assert_eq!(outcomes, [1, 4, 3], "applied, duplicates, refused");
 }
 
 /// `Stripe-Signature` of `body` at `t` under `secret` (for a signature by
@@ -430,8 +401,8 @@ async fn the_timeout_cancels_the_intent_and_a_payment_made_before_is_refunded() 
     let orders = app.waiting_orders(activity, 1, 2).await;
     let (paid_user, paid_order) = (orders[0].0, orders[0].1.as_str());
     let (idle_user, idle_order) = (orders[1].0, orders[1].1.as_str());
-    let paid = pay(&app, paid_user, paid_order).await;
-    let idle = pay(&app, idle_user, idle_order).await;
+    let paid = app.payment(paid_user, paid_order).await;
+    let idle = app.payment(idle_user, idle_order).await;
     let paid_intent = intent_of(paid["client_secret"].as_str().unwrap()).to_owned();
     let idle_intent = intent_of(idle["client_secret"].as_str().unwrap()).to_owned();
     stripe.pay(&paid_intent).await;
@@ -442,21 +413,9 @@ async fn the_timeout_cancels_the_intent_and_a_payment_made_before_is_refunded() 
         || async { (stripe.intent(&idle_intent).await["status"] == "canceled").then_some(()) },
     )
     .await;
-    let shown = eventually(
-        "the late payment refunded",
-        Duration::from_secs(60),
-        || async {
-            let res = app
-                .get(
-                    &format!("/api/v1/orders/{paid_order}"),
-                    Some(&app.user_token(paid_user)),
-                )
-                .await;
-            let shown = json(res).await;
-            (shown["payment"]["status"] == "REFUNDED").then_some(shown)
-        },
-    )
-    .await;
+    let shown = app
+        .order_once_payment_is(paid_user, paid_order, "REFUNDED")
+        .await;
     assert_eq!(shown["status"], "CLOSED");
     let refunds = stripe
         .call(
@@ -494,7 +453,7 @@ async fn a_dropped_webhook_is_found_by_the_retrieve() {
     let activity = app.live_activity(1, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = (orders[0].0, orders[0].1.as_str());
-    let paid = pay(&app, user, order_no).await;
+    let paid = app.payment(user, order_no).await;
     stripe
         .pay(intent_of(paid["client_secret"].as_str().unwrap()))
         .await;
@@ -504,12 +463,11 @@ async fn a_dropped_webhook_is_found_by_the_retrieve() {
         || async { (app.order_status(user, order_no).await == "PAID").then_some(()) },
     )
     .await;
-    let metrics = app.get("/metrics", None).await.text().await.unwrap();
     assert!(
-        metric(
-            &metrics,
-            "seckill_payment_provider_calls_total{call=\"query\",outcome=\"ok\"}"
-        ) >= 1
+        app.metric("seckill_payment_provider_calls_total{call=\"query\",outcome=\"ok\"}")
+            .await
+            .unwrap_or(0)
+            >= 1
     );
     assert_eq!(app.stats(activity).await["db_sold"], json!(1));
 }

@@ -176,12 +176,6 @@ impl Platform {
     }
 }
 
-async fn pay(app: &TestApp, user: i64, order_no: &str) -> Value {
-    let res = app.pay(user, order_no).await;
-    assert_eq!(res.status(), 200);
-    json(res).await
-}
-
 async fn order(app: &TestApp, user: i64, order_no: &str) -> Value {
     let res = app
         .get(
@@ -191,13 +185,6 @@ async fn order(app: &TestApp, user: i64, order_no: &str) -> Value {
         .await;
     assert_eq!(res.status(), 200);
     json(res).await
-}
-
-fn metric(text: &str, line: &str) -> i64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(line))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// Purchase → prepay (Native: a `code_url`) → callback → PAID. The same
@@ -213,14 +200,14 @@ async fn a_wechat_pay_sale_pays_once_and_refuses_spoiled_callbacks() {
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = (orders[0].0, orders[0].1.as_str());
 
-    let first = pay(&app, user, order_no).await;
+    let first = app.payment(user, order_no).await;
     assert_eq!(first["provider"], "wechatpay");
     let code_url = first["code_url"].as_str().unwrap().to_owned();
     assert!(
         code_url.starts_with("weixin://wxpay/bizpayurl?pr="),
         "{first}"
     );
-    let again = pay(&app, user, order_no).await;
+    let again = app.payment(user, order_no).await;
     assert_eq!(
         (&again["payment_no"], &again["code_url"]),
         (&first["payment_no"], &first["code_url"])
@@ -306,28 +293,12 @@ async fn a_wechat_pay_sale_pays_once_and_refuses_spoiled_callbacks() {
     let shown = order(&app, user, order_no).await;
     assert_eq!(shown["payment"]["status"], "SUCCESS", "{shown}");
     assert_eq!(shown["payment"]["provider"], "wechatpay");
-    let metrics = app.get("/metrics", None).await.text().await.unwrap();
-    assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_callbacks_total{outcome=\"applied\"}"
-        ),
-        1
-    );
-    assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_callbacks_total{outcome=\"duplicate\"}"
-        ),
-        4
-    );
-    assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_callbacks_total{outcome=\"bad_signature\"}"
-        ),
-        3
-    );
+    let outcomes = [
+        app.callbacks("applied").await,
+        app.callbacks("duplicate").await,
+        app.callbacks("bad_signature").await,
+    ];
+    assert_eq!(outcomes, [1, 4, 3], "applied, duplicates, refused");
 }
 
 /// The unpaid-timeout close closes the platform's trade; a buyer who paid
@@ -347,8 +318,8 @@ async fn the_timeout_closes_the_trade_and_a_payment_made_before_is_refunded_by_c
     let orders = app.waiting_orders(activity, 1, 2).await;
     let (paid_user, paid_order) = (orders[0].0, orders[0].1.as_str());
     let (idle_user, idle_order) = (orders[1].0, orders[1].1.as_str());
-    let paid = pay(&app, paid_user, paid_order).await;
-    let idle = pay(&app, idle_user, idle_order).await;
+    let paid = app.payment(paid_user, paid_order).await;
+    let idle = app.payment(idle_user, idle_order).await;
     let paid_no = paid["payment_no"].as_str().unwrap();
     let idle_no = idle["payment_no"].as_str().unwrap();
     platform
@@ -367,15 +338,9 @@ async fn the_timeout_closes_the_trade_and_a_payment_made_before_is_refunded_by_c
         || async { (platform.trade(idle_no).await["state"] == "CLOSED").then_some(()) },
     )
     .await;
-    let refunded = eventually(
-        "the late payment refunded",
-        Duration::from_secs(60),
-        || async {
-            let shown = order(&app, paid_user, paid_order).await;
-            (shown["payment"]["status"] == "REFUNDED").then_some(shown)
-        },
-    )
-    .await;
+    let refunded = app
+        .order_once_payment_is(paid_user, paid_order, "REFUNDED")
+        .await;
     assert_eq!(
         refunded["status"], "CLOSED",
         "the order is not revived: {refunded}"
@@ -399,20 +364,15 @@ async fn the_timeout_closes_the_trade_and_a_payment_made_before_is_refunded_by_c
         1,
         "the idle payment is closed"
     );
-    let metrics = app.get("/metrics", None).await.text().await.unwrap();
     assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_callbacks_total{outcome=\"refund_settled\"}"
-        ),
+        app.callbacks("refund_settled").await,
         1,
         "settled by the refund callback"
     );
     assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_refunds_total{status=\"REFUNDED\"}"
-        ),
+        app.metric("seckill_payment_refunds_total{status=\"REFUNDED\"}")
+            .await
+            .unwrap_or(0),
         1
     );
     let stats = app.stats(activity).await;
@@ -434,7 +394,7 @@ async fn a_dropped_callback_is_found_by_the_query() {
     let activity = app.live_activity(1, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = (orders[0].0, orders[0].1.as_str());
-    let payment_no = pay(&app, user, order_no).await["payment_no"]
+    let payment_no = app.payment(user, order_no).await["payment_no"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -452,19 +412,12 @@ async fn a_dropped_callback_is_found_by_the_query() {
         "PAID {:.1}s after the buyer paid",
         paid_after.elapsed().as_secs_f64()
     );
-    let metrics = app.get("/metrics", None).await.text().await.unwrap();
-    assert_eq!(
-        metric(
-            &metrics,
-            "seckill_payment_callbacks_total{outcome=\"applied\"}"
-        ),
-        1
-    );
+    assert_eq!(app.callbacks("applied").await, 1);
     assert!(
-        metric(
-            &metrics,
-            "seckill_payment_provider_calls_total{call=\"query\",outcome=\"ok\"}"
-        ) >= 1
+        app.metric("seckill_payment_provider_calls_total{call=\"query\",outcome=\"ok\"}")
+            .await
+            .unwrap_or(0)
+            >= 1
     );
     // The callback arriving now is a duplicate.
     let answer = platform
@@ -495,7 +448,7 @@ async fn pay_and_refund_while_the_platform_is_stopped() {
     assert_eq!(res.status(), 503);
     assert_eq!(json(res).await["code"], "RETRY_LATER");
     platform.signal("CONT");
-    let paid = pay(&app, user, order_no).await;
+    let paid = app.payment(user, order_no).await;
     let payment_no = paid["payment_no"].as_str().unwrap();
     let trade = platform.trade(payment_no).await;
     assert!(trade["creates"].as_i64().unwrap() >= 1, "{trade}");
@@ -523,25 +476,18 @@ async fn pay_and_refund_while_the_platform_is_stopped() {
         "an attempt without an answer",
         Duration::from_secs(60),
         || async {
-            let text = app.get("/metrics", None).await.text().await.unwrap();
-            (metric(
-                &text,
+            (app.metric(
                 "seckill_payment_provider_calls_total{call=\"refund\",outcome=\"unknown\"}",
-            ) >= 1)
+            )
+            .await
+            .unwrap_or(0)
+                >= 1)
                 .then_some(())
         },
     )
     .await;
     platform.signal("CONT");
-    let shown = eventually(
-        "refunded once the platform is back",
-        Duration::from_secs(90),
-        || async {
-            let shown = order(&app, user, order_no).await;
-            (shown["payment"]["status"] == "REFUNDED").then_some(shown)
-        },
-    )
-    .await;
+    let shown = app.order_once_payment_is(user, order_no, "REFUNDED").await;
     assert_eq!(
         shown["status"], "PAID",
         "an after-sale refund leaves the order PAID"
@@ -687,7 +633,7 @@ async fn the_official_sdk_agrees_with_our_adapter_and_our_simulator() {
     let activity = app.live_activity(1, 1, 1).await;
     let orders = app.waiting_orders(activity, 1, 1).await;
     let (user, order_no) = (orders[0].0, orders[0].1.as_str());
-    let payment_no = pay(&app, user, order_no).await["payment_no"]
+    let payment_no = app.payment(user, order_no).await["payment_no"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -809,7 +755,7 @@ async fn the_statement_reconciliation_finds_planted_differences() {
     let orders = app.waiting_orders(activity, 1, 3).await;
     let mut numbers = Vec::new();
     for (user, order_no) in &orders {
-        let no = pay(&app, *user, order_no).await["payment_no"]
+        let no = app.payment(*user, order_no).await["payment_no"]
             .as_str()
             .unwrap()
             .to_owned();

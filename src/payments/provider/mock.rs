@@ -15,10 +15,16 @@ use super::{
 };
 use crate::payments::signature::{self, SignatureError};
 
-/// The mock provider (`payment.provider = "mock"`).
-pub struct MockProvider {
+/// The providers that sign callbacks with `X-Pay-Signature` under
+/// `payment.notify_secret`: the built-in mock (`payment.provider =
+/// "mock"`), which refunds at once, and `external`, a provider with no API
+/// here: closes are taken as done, queries as not paid, and refunds fail at
+/// once (REFUND_FAILED, alerted: an operator gives the money back).
+pub struct SignedProvider {
     secret: SecretString,
     tolerance_secs: i64,
+    /// `external`: no refund API.
+    external: bool,
 }
 
 /// The callback body (docs/HTTP.md, "Payment callbacks").
@@ -87,13 +93,22 @@ fn parse_signed(
         .ok_or_else(|| CallbackError::Malformed("payment_no and order_no must be ids".into()))
 }
 
-impl MockProvider {
-    /// A mock that signs with `secret` (the same `payment.notify_secret` the
-    /// callback route verifies with).
-    pub fn new(secret: SecretString, tolerance_secs: i64) -> Self {
+impl SignedProvider {
+    /// The mock, signing with `secret` (the same `payment.notify_secret`
+    /// the callback route verifies with).
+    pub fn mock(secret: SecretString, tolerance_secs: i64) -> Self {
         Self {
             secret,
             tolerance_secs,
+            external: false,
+        }
+    }
+
+    /// `external`: its callbacks signed with `secret`.
+    pub fn external(secret: SecretString, tolerance_secs: i64) -> Self {
+        Self {
+            external: true,
+            ..Self::mock(secret, tolerance_secs)
         }
     }
 
@@ -122,9 +137,9 @@ fn not_paid(payment_no: i64) -> Charge {
     }
 }
 
-impl PaymentProvider for MockProvider {
+impl PaymentProvider for SignedProvider {
     fn name(&self) -> &'static str {
-        "mock"
+        if self.external { "external" } else { "mock" }
     }
 
     fn create<'a>(
@@ -157,105 +172,34 @@ impl PaymentProvider for MockProvider {
         futures_util::future::ready(Ok(not_paid(payment.payment_no))).boxed()
     }
 
-    /// The mock gives the money back at once.
+    /// The mock gives the money back at once; `external` cannot.
     fn refund<'a>(
         &'a self,
         refund: &'a RefundRequest,
     ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
-        futures_util::future::ready(Ok(RefundReport {
-            refund_no: refund.refund_no,
-            provider_refund_id: Some(format!("mock-refund-{}", refund.refund_no)),
-            state: RefundState::Succeeded,
-        }))
-        .boxed()
+        futures_util::future::ready(self.refunded(refund.refund_no)).boxed()
     }
 
     fn query_refund<'a>(
         &'a self,
         refund: &'a RefundRef,
     ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
-        let refund_no = refund.refund_no;
-        futures_util::future::ready(Ok(RefundReport {
+        futures_util::future::ready(self.refunded(refund.refund_no)).boxed()
+    }
+}
+
+impl SignedProvider {
+    fn refunded(&self, refund_no: i64) -> Result<RefundReport, ProviderError> {
+        if self.external {
+            return Err(ProviderError::Refused {
+                code: "NO_REFUND_API".into(),
+                message: "the external provider has no refund API: refund by hand".into(),
+            });
+        }
+        Ok(RefundReport {
             refund_no,
             provider_refund_id: Some(format!("mock-refund-{refund_no}")),
             state: RefundState::Succeeded,
-        }))
-        .boxed()
-    }
-}
-
-/// `payment.provider = "external"`: a provider that registers intents on
-/// its side and calls back, signed with `payment.notify_secret`. It has no
-/// API here: closes are taken as done, queries as not paid, and refunds
-/// fail at once (REFUND_FAILED, alerted: an operator gives the money back).
-pub struct ExternalProvider {
-    secret: SecretString,
-    tolerance_secs: i64,
-}
-
-impl ExternalProvider {
-    pub fn new(secret: SecretString, tolerance_secs: i64) -> Self {
-        Self {
-            secret,
-            tolerance_secs,
-        }
-    }
-}
-
-impl PaymentProvider for ExternalProvider {
-    fn name(&self) -> &'static str {
-        "external"
-    }
-
-    fn create<'a>(
-        &'a self,
-        _payment: &'a NewPayment,
-    ) -> BoxFuture<'a, Result<Checkout, ProviderError>> {
-        futures_util::future::ready(Ok(Checkout::default())).boxed()
-    }
-
-    fn parse_callback(
-        &self,
-        headers: &actix_web::http::header::HeaderMap,
-        body: &[u8],
-        now: i64,
-    ) -> Result<Event, CallbackError> {
-        parse_signed(&self.secret, self.tolerance_secs, headers, body, now)
-    }
-
-    fn close<'a>(
-        &'a self,
-        _payment: &'a PaymentRef,
-    ) -> BoxFuture<'a, Result<CloseOutcome, ProviderError>> {
-        futures_util::future::ready(Ok(CloseOutcome::Closed)).boxed()
-    }
-
-    fn query<'a>(
-        &'a self,
-        payment: &'a PaymentRef,
-    ) -> BoxFuture<'a, Result<Charge, ProviderError>> {
-        futures_util::future::ready(Ok(not_paid(payment.payment_no))).boxed()
-    }
-
-    fn refund<'a>(
-        &'a self,
-        _refund: &'a RefundRequest,
-    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
-        futures_util::future::ready(Err(ProviderError::Refused {
-            code: "NO_REFUND_API".into(),
-            message: "the external provider has no refund API: refund by hand".into(),
-        }))
-        .boxed()
-    }
-
-    fn query_refund<'a>(
-        &'a self,
-        _refund: &'a RefundRef,
-    ) -> BoxFuture<'a, Result<RefundReport, ProviderError>> {
-        futures_util::future::ready(Err(ProviderError::Refused {
-            code: "NO_REFUND_API".into(),
-            message: "the external provider has no refund API".into(),
-        }))
-        .boxed()
+        })
     }
 }

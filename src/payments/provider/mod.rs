@@ -12,7 +12,7 @@ use futures_util::future::{BoxFuture, FutureExt};
 
 pub mod mock;
 
-pub use mock::{Callback, ExternalProvider, MockProvider};
+pub use mock::{Callback, SignedProvider};
 
 /// A payment to create at the provider.
 #[derive(Debug, Clone)]
