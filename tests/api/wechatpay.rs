@@ -453,6 +453,10 @@ async fn pay_and_refund_while_the_platform_is_stopped() {
     let trade = platform.trade(payment_no).await;
     assert!(trade["creates"].as_i64().unwrap() >= 1, "{trade}");
     assert_eq!(paid["code_url"], trade["code_url"], "the same payment");
+    // The call that timed out reached the platform once it was resumed,
+    // under the same payment number: one payment there, whatever came first.
+    let state = platform.state().await;
+    assert_eq!(state["trades"].as_array().unwrap().len(), 1, "{state}");
 
     platform
         .sim(&format!("/sim/pay/{payment_no}"), json!({"times": 1}))
