@@ -18,7 +18,7 @@ use serde_json::Value;
 use sha2::Sha256;
 
 use super::provider::{
-    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, NewPayment,
+    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, Headers, NewPayment,
     PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
     RefundState,
 };
@@ -398,13 +398,11 @@ impl PaymentProvider for Stripe {
 
     fn parse_callback(
         &self,
-        headers: &actix_web::http::header::HeaderMap,
+        headers: &dyn Headers,
         body: &[u8],
         now: i64,
     ) -> Result<Event, CallbackError> {
-        let header = headers
-            .get("stripe-signature")
-            .and_then(|v| v.to_str().ok());
+        let header = headers.header("stripe-signature");
         verify_signature(
             &self.webhook_secrets,
             header,

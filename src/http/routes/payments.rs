@@ -364,6 +364,15 @@ pub struct Delivered {
     responses: Vec<u16>,
 }
 
+/// The request's headers, as the payment adapters read them.
+struct RequestHeaders<'a>(&'a actix_web::http::header::HeaderMap);
+
+impl crate::payments::provider::Headers for RequestHeaders<'_> {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.0.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
 /// WeChat Pay's error answer to a callback: it sends the callback again.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ProviderFail {
@@ -421,7 +430,7 @@ async fn provider_notify(
         );
     }
     let event = match state.payments.provider.parse_callback(
-        req.headers(),
+        &RequestHeaders(req.headers()),
         body,
         state.clock.now().timestamp(),
     ) {

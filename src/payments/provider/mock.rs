@@ -9,7 +9,7 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, NewPayment,
+    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, Headers, NewPayment,
     PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
     RefundState,
 };
@@ -67,11 +67,11 @@ impl Callback {
 fn parse_signed(
     secret: &SecretString,
     tolerance_secs: i64,
-    headers: &actix_web::http::header::HeaderMap,
+    headers: &dyn Headers,
     body: &[u8],
     now: i64,
 ) -> Result<Event, CallbackError> {
-    let header = headers.get("x-pay-signature").and_then(|v| v.to_str().ok());
+    let header = headers.header("x-pay-signature");
     signature::verify(
         secret.expose_secret().as_bytes(),
         header,
@@ -151,7 +151,7 @@ impl PaymentProvider for SignedProvider {
 
     fn parse_callback(
         &self,
-        headers: &actix_web::http::header::HeaderMap,
+        headers: &dyn Headers,
         body: &[u8],
         now: i64,
     ) -> Result<Event, CallbackError> {

@@ -177,6 +177,13 @@ pub struct StatementLine {
     pub amount_cents: i64,
 }
 
+/// A callback's headers, as the HTTP edge hands them over (names in any
+/// case).
+pub trait Headers {
+    /// The value of header `name`, if it is there and readable as text.
+    fn header(&self, name: &str) -> Option<&str>;
+}
+
 /// A payment provider.
 pub trait PaymentProvider: Send + Sync {
     /// Stored in `payments.provider`.
@@ -193,7 +200,7 @@ pub trait PaymentProvider: Send + Sync {
     /// seconds) and parses it.
     fn parse_callback(
         &self,
-        headers: &actix_web::http::header::HeaderMap,
+        headers: &dyn Headers,
         body: &[u8],
         now: i64,
     ) -> Result<Event, CallbackError>;

@@ -9,6 +9,7 @@
 //! that does not is an unknown outcome, like no answer at all.
 
 pub mod crypto;
+pub mod status;
 
 use std::time::Duration;
 
@@ -21,9 +22,9 @@ use serde_json::json;
 
 use self::crypto::{ApiV3Cipher, MerchantSigner, PlatformKeys, SCHEME, VerifyError};
 use super::provider::{
-    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, NewPayment,
+    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, Headers, NewPayment,
     PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
-    RefundState, StatementLine,
+    StatementLine,
 };
 use crate::config::WechatPaySettings;
 
@@ -395,7 +396,7 @@ pub fn parse_trade_bill(text: &str) -> Result<Vec<StatementLine>, ProviderError>
         }
         let fields = split(line);
         let get = |i: usize| fields.get(i).map(String::as_str);
-        if get(state) != Some("SUCCESS") {
+        if !get(state).is_some_and(status::is_charge_row) {
             continue;
         }
         let reference = get(trade_no).ok_or_else(|| bad("a short row"))?.to_owned();
@@ -414,13 +415,7 @@ fn charge_of(t: Transaction) -> Result<Charge, ProviderError> {
         .out_trade_no
         .parse()
         .map_err(|_| ProviderError::Unknown(format!("out_trade_no {:?}", t.out_trade_no)))?;
-    let outcome = match t.trade_state.as_str() {
-        // REFUND: paid, then (partly) refunded; the payment was made.
-        "SUCCESS" | "REFUND" => ChargeOutcome::Paid,
-        "CLOSED" | "REVOKED" => ChargeOutcome::Closed,
-        "PAYERROR" => ChargeOutcome::Failed,
-        _ => ChargeOutcome::NotPaid,
-    };
+    let outcome = status::trade_outcome(&t.trade_state);
     Ok(Charge {
         payment_no,
         order_no: None,
@@ -437,11 +432,7 @@ fn report_of(r: Refund) -> Result<RefundReport, ProviderError> {
         .parse()
         .map_err(|_| ProviderError::Unknown(format!("out_refund_no {:?}", r.out_refund_no)))?;
     let status = r.status.or(r.refund_status).unwrap_or_default();
-    let state = match status.as_str() {
-        "SUCCESS" => RefundState::Succeeded,
-        "PROCESSING" => RefundState::Processing,
-        other => RefundState::Failed(other.to_owned()),
-    };
+    let state = status::refund_state(&status);
     Ok(RefundReport {
         refund_no,
         provider_refund_id: r.refund_id,
@@ -463,11 +454,11 @@ impl PaymentProvider for WechatPay {
 
     fn parse_callback(
         &self,
-        headers: &actix_web::http::header::HeaderMap,
+        headers: &dyn Headers,
         body: &[u8],
         now: i64,
     ) -> Result<Event, CallbackError> {
-        let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let get = |name: &str| headers.header(name);
         let (Some(ts), Some(nonce), Some(serial), Some(signature)) = (
             get("wechatpay-timestamp"),
             get("wechatpay-nonce"),
