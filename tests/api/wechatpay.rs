@@ -555,6 +555,13 @@ async fn an_after_sale_refund_needs_a_paid_order_an_admin_and_a_reason() {
         .await;
     assert_eq!(res.status(), 404);
     assert_eq!(app.count("SELECT count(*) AS n FROM refunds").await, 0);
+    // Another provider's callback route is not there: a problem, like any
+    // unknown route.
+    let res = app
+        .post_json("/api/v1/payments/notify/stripe", &json!({}), None)
+        .await;
+    assert_eq!(res.status(), 404);
+    assert_eq!(json(res).await["code"], "NOT_FOUND");
 }
 
 /// The official wechatpay-java SDK (`tests/wechatpay-sdk`, built by

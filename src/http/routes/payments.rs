@@ -403,7 +403,10 @@ fn wechat_fail(status: actix_web::http::StatusCode, message: impl Into<String>) 
         (status = 204, description = "applied, or applied before"),
         (status = 401, description = "FAIL: the signature, its key serial or its timestamp is not accepted; nothing changed", body = ProviderFail),
         (status = 400, description = "FAIL: the body or its resource cannot be read, or the amount differs; nothing changed", body = ProviderFail),
-        (status = 404, description = "FAIL: no such payment or refund here, or WeChat Pay is not this server's provider", body = ProviderFail),
+        (status = 404, description = "FAIL: no such payment or refund here; NOT_FOUND (a problem) when WeChat Pay is not this server's provider", content(
+            (ProviderFail = "application/json"),
+            (Problem = "application/problem+json"),
+        )),
         (status = 503, description = "FAIL: the database is unavailable; send it again", body = ProviderFail),
     ))]
 pub async fn notify_wechatpay(
@@ -424,10 +427,12 @@ async fn provider_notify(
 ) -> HttpResponse {
     use actix_web::http::StatusCode;
     if state.settings.payment.kind() != kind {
-        return wechat_fail(
-            StatusCode::NOT_FOUND,
-            format!("{} is not this server's provider", kind.as_str()),
-        );
+        // Not this server's provider: the route is not there (a problem,
+        // like any unknown route), not a callback to send again.
+        return actix_web::ResponseError::error_response(&ApiError::not_found(format!(
+            "{} is not this server's provider",
+            kind.as_str()
+        )));
     }
     let event = match state.payments.provider.parse_callback(
         &RequestHeaders(req.headers()),
@@ -530,7 +535,10 @@ async fn apply_event(state: &AppState, event: Event) -> HttpResponse {
         (status = 204, description = "applied, a duplicate, or not acted on"),
         (status = 401, description = "FAIL: the signature or its timestamp is not accepted; nothing changed", body = ProviderFail),
         (status = 400, description = "FAIL: the body cannot be read, or the amount differs; nothing changed", body = ProviderFail),
-        (status = 404, description = "FAIL: no such payment or refund here, or Stripe is not this server's provider", body = ProviderFail),
+        (status = 404, description = "FAIL: no such payment or refund here; NOT_FOUND (a problem) when Stripe is not this server's provider", content(
+            (ProviderFail = "application/json"),
+            (Problem = "application/problem+json"),
+        )),
         (status = 503, description = "FAIL: the database is unavailable; send it again", body = ProviderFail),
     ))]
 pub async fn notify_stripe(
