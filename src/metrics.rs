@@ -5,8 +5,8 @@
 //! metric and registers it.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    Counter, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 /// `metrics! { /// doc  field: Type = constructor; ... }`: the struct
@@ -93,6 +93,16 @@ metrics! {
     consumer_batch_size: Histogram = Histogram::with_opts(
         HistogramOpts::new("consumer_batch_size", "Messages per order consumer batch")
             .buckets(vec![1.0, 5.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0]),
+    );
+    /// Seconds order batches waited for `orders.max_write_rate`.
+    order_consumer_paced: Counter = Counter::new(
+        "order_consumer_paced_seconds_total",
+        "Seconds order consumer batches waited for orders.max_write_rate",
+    );
+    /// `orders.max_write_rate` of this instance (0: unlimited).
+    order_consumer_max_rate: IntGauge = IntGauge::new(
+        "order_consumer_max_write_rate",
+        "Orders per second this instance's order consumer may write (0: unlimited)",
     );
     /// Consumed order events by result (created, failed, duplicate, …).
     consumer_events: IntCounterVec = counters(

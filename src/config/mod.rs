@@ -226,6 +226,13 @@ pub struct OrderSettings {
     /// Batches applied at once, each in its own transaction.
     #[serde(default = "default_batches_in_flight")]
     pub batches_in_flight: usize,
+    /// Orders per second this instance's order consumer writes at most
+    /// (a token bucket; 0 = unlimited). Set it to about 80 % of the write
+    /// rate the database sustained in a drain test: the backlog it leaves
+    /// in the topic turns purchases to 503 `BUSY` past
+    /// `admission.max_consumer_lag`.
+    #[serde(default)]
+    pub max_write_rate: u32,
     /// How long an order's event stream stays open without reaching a
     /// final status, in seconds.
     #[serde(

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::OrderStatus;
 use super::events::StatusChange;
+use super::pacing::Pacer;
 use super::repo::{self, BatchOutcome};
 use crate::admission::Layout;
 use crate::admission::gate::Status;
@@ -102,29 +103,48 @@ impl ConsumerDeps {
 pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
     let orders = &deps.settings.orders;
     let wait = orders.batch_wait_ms;
+    deps.metrics
+        .order_consumer_max_rate
+        .set(i64::from(orders.max_write_rate));
+    let pacer = Pacer::new(
+        orders.max_write_rate,
+        deps.metrics.order_consumer_paced.clone(),
+    )
+    .map(Arc::new);
+    let batch_size = pacer
+        .as_ref()
+        .map_or(orders.batch_size, |p| p.batch_size(orders.batch_size));
     deps.subscribe_in_flight(
         CONSUMER,
         &deps.topics.order_requested,
-        orders.batch_size,
+        batch_size,
         wait,
         orders.batches_in_flight,
-        OrderCreator(deps.clone()),
+        OrderCreator {
+            deps: deps.clone(),
+            pacer,
+        },
     )
 }
 
-struct OrderCreator(ConsumerDeps);
+struct OrderCreator {
+    deps: ConsumerDeps,
+    /// `orders.max_write_rate`, when set.
+    pacer: Option<Arc<Pacer>>,
+}
 
 impl Handler for OrderCreator {
-    fn handle<'a>(
-        &'a self,
-        batch: &'a [OwnedMessage],
-        shutdown: &'a CancellationToken,
-    ) -> impl Future<Output = bool> + Send + 'a {
-        self.0
+    async fn handle(&self, batch: &[OwnedMessage], shutdown: &CancellationToken) -> bool {
+        if let Some(pacer) = &self.pacer
+            && !pacer.admit(batch.len(), shutdown).await
+        {
+            return false;
+        }
+        self.deps
             .metrics
             .consumer_batch_size
             .observe(batch.len() as f64);
-        process(&self.0, batch, shutdown)
+        process(&self.deps, batch, shutdown).await
     }
 }
 

@@ -191,7 +191,7 @@ async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
 }
 
 /// The order-consumer lag `/metrics` reports now (-1: no figure yet).
-async fn sampled_lag(app: &TestApp) -> i64 {
+pub(crate) async fn sampled_lag(app: &TestApp) -> i64 {
     let text = app.get("/metrics", None).await.text().await.unwrap();
     text.lines()
         .find_map(|l| l.strip_prefix("seckill_order_consumer_lag "))
@@ -202,7 +202,7 @@ async fn sampled_lag(app: &TestApp) -> i64 {
 /// Polls `/metrics` until the sampled order-consumer lag satisfies `ok`;
 /// the figure. A timeout names the last figure sampled (-1: none) and what
 /// readiness said of Kafka then.
-async fn wait_for_lag(app: &TestApp, what: &str, ok: impl Fn(i64) -> bool) -> i64 {
+pub(crate) async fn wait_for_lag(app: &TestApp, what: &str, ok: impl Fn(i64) -> bool) -> i64 {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     loop {
         let lag = sampled_lag(app).await;

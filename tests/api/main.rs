@@ -21,6 +21,7 @@ mod migrations;
 mod ops;
 mod orders;
 mod outbox;
+mod pacing;
 mod payments;
 mod production;
 mod reconcile;
