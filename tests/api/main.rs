@@ -9,6 +9,7 @@ mod coupons;
 mod db;
 mod degradation;
 mod delivery;
+mod deploy;
 mod errors_and_auth;
 mod fallback;
 mod forensics;
