@@ -112,8 +112,8 @@ fn purchase(
         }
         diesel::sql_query(
             "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, \
-             status, pay_deadline) VALUES ($1, $2, $3, $4, $5, $6, 'WAITING_PAY', \
-             now() + make_interval(secs => $7))",
+             status, pay_deadline, user_slot) VALUES ($1, $2, $3, $4, $5, $6, 'WAITING_PAY', \
+             now() + make_interval(secs => $7), $8)",
         )
         .bind::<BigInt, _>(order_no)
         .bind::<Text, _>(request_id)
@@ -122,6 +122,7 @@ fn purchase(
         .bind::<Integer, _>(quantity)
         .bind::<BigInt, _>(terms.price_cents * i64::from(quantity))
         .bind::<diesel::sql_types::Double, _>(f64::from(terms.pay_timeout_secs))
+        .bind::<diesel::sql_types::SmallInt, _>(i16::from(seckill::ids::user_slot(user_id)))
         .execute(conn)?;
         diesel::sql_query(
             "INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) VALUES ($1, 'LOCK', $2, $3)",
@@ -146,13 +147,18 @@ async fn place(
     if body.request_id.is_empty() || body.request_id.len() > 64 || quantity < 1 {
         return Err(ApiError::bad_request("bad request_id or quantity"));
     }
-    let Some(order_no) = state.sale.ids.next_id() else {
+    let user_id = user.user_id.get();
+    // The buyer's slot in the number: the partition of the order table.
+    let Some(order_no) = state
+        .sale
+        .ids
+        .next_id_with_gene(seckill::ids::user_gene(user_id))
+    else {
         return Err(ApiError::new(
             ErrorCode::RetryLater,
             "no instance id leased",
         ));
     };
-    let user_id = user.user_id.get();
     let request_id = body.request_id.clone();
     let outcome = store::run(&state.pg.db, move |conn| {
         // A limit breach rolls back after the stock moved; report it as such.

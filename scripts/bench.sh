@@ -196,12 +196,12 @@ psql_bench -c "insert into activities (sku_id, name, price_cents, start_at, end_
 AID=$(psql_bench -c "select max(id) from activities")
 psql_bench -c "create sequence if not exists bench_seq"
 cat >"$OUT/single.sql" <<EOF
-INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
-SELECT n, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes' FROM (SELECT nextval('bench_seq') AS n) s;
+INSERT INTO orders (order_no, user_slot, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
+SELECT n, (n & 15)::smallint, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes' FROM (SELECT nextval('bench_seq') AS n) s;
 EOF
 cat >"$OUT/batch.sql" <<EOF
-INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
-SELECT n, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes'
+INSERT INTO orders (order_no, user_slot, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
+SELECT n, (n & 15)::smallint, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes'
 FROM (SELECT nextval('bench_seq') AS n FROM generate_series(1, 100)) s;
 EOF
 # What one order of the drain writes, 100 orders per transaction: its row,
@@ -209,8 +209,8 @@ EOF
 # per batch, left out).
 cat >"$OUT/batch3.sql" <<EOF
 WITH s AS (SELECT nextval('bench_seq') AS n FROM generate_series(1, 100)),
-o AS (INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
-  SELECT n, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes' FROM s RETURNING order_no),
+o AS (INSERT INTO orders (order_no, user_slot, request_id, activity_id, user_id, quantity, amount_cents, status, pay_deadline)
+  SELECT n, (n & 15)::smallint, 'r' || n, $AID, n, 1, 100, 'WAITING_PAY', now() + interval '15 minutes' FROM s RETURNING order_no),
 c AS (INSERT INTO consume_log (event_id, consumer) SELECT 'e' || order_no, 'pgbench' FROM o)
 INSERT INTO stock_flow (activity_id, biz_type, biz_no, quantity) SELECT $AID, 'LOCK', order_no, 1 FROM o;
 EOF

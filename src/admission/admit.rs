@@ -347,7 +347,7 @@ impl Admitter {
             ));
         };
         let layout = meta.layout;
-        let order_no = self.number(layout, p.user_id)?;
+        let order_no = self.number(p.user_id)?;
         let token = p
             .token
             .as_deref()
@@ -639,16 +639,13 @@ impl Admitter {
         Ok(())
     }
 
-    /// A number for the order; a sharded activity's carries its buyer's
-    /// shard.
-    fn number(&self, layout: Layout, user_id: UserId) -> Result<i64, Refusal> {
-        let minted = if layout.is_sharded() {
-            let shard = layout.shard_of_user(user_id.get());
-            self.ids.next_id_with_gene(shard as u8)
-        } else {
-            self.ids.next_id()
-        };
-        minted.ok_or(Refusal::NoOrderNumber)
+    /// A number for the order, carrying its buyer's gene: the partition
+    /// of the order table, and a sharded activity's shard.
+    fn number(&self, user_id: UserId) -> Result<i64, Refusal> {
+        let gene = crate::ids::user_gene(user_id.get());
+        self.ids
+            .next_id_with_gene(gene)
+            .ok_or(Refusal::NoOrderNumber)
     }
 
     /// A request id already bound to `order_no`: accepted now if this

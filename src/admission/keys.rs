@@ -26,9 +26,9 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// The most shards an activity can have: an order's shard is the gene
-    /// in its number ([`crate::ids::GENE_BITS`] bits).
-    pub const MAX_SHARDS: usize = 1 << crate::ids::GENE_BITS;
+    /// The most shards an activity can have (an order's shard is the gene
+    /// in its number, [`crate::ids::GENE_BITS`] bits, modulo the shards).
+    pub const MAX_SHARDS: usize = 16;
 
     /// A layout, with both counts clamped into range.
     pub fn new(buckets: usize, shards: usize) -> Self {
@@ -48,16 +48,17 @@ impl Layout {
         self.shards > 1
     }
 
-    /// The shard of a buyer: a fixed hash, the same in every process.
+    /// The shard of a buyer: their gene ([`crate::ids::user_gene`], a
+    /// fixed hash, the same in every process) modulo the shards.
     pub fn shard_of_user(self, user_id: i64) -> usize {
         if !self.is_sharded() {
             return 0;
         }
-        (splitmix64(user_id as u64) % self.shards as u64) as usize
+        usize::from(crate::ids::user_gene(user_id)) % self.shards
     }
 
-    /// The shard of an order: the gene in its number. Orders of sharded
-    /// activities are minted with their buyer's shard as gene.
+    /// The shard of an order: the gene in its number (its buyer's)
+    /// modulo the shards, as [`Layout::shard_of_user`].
     pub fn shard_of_order(self, order_no: i64) -> usize {
         if !self.is_sharded() {
             return 0;
@@ -81,13 +82,6 @@ pub fn split_evenly(units: i64, parts: usize) -> Vec<i64> {
     (0..n)
         .map(|i| units / n + i64::from(i < units % n))
         .collect()
-}
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Redis Cluster's key hash (CRC16-XMODEM) of a hash tag, as a slot.

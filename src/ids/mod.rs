@@ -11,11 +11,12 @@
 //!   taking the next millisecond once that one's 4096 numbers are spent.
 //!   It never panics and never repeats a number.
 //!
-//! An order of a sharded activity carries its shard in the low
-//! [`GENE_BITS`] bits of its number (the "gene", see
-//! [`IdGenerator::next_id_with_gene`]), so the number alone says where its
-//! reservation lives. The generator skips ahead to the next sequence value
-//! with that gene: at most 16 values per number, 256 numbers per
+//! Every order number carries its buyer's gene ([`user_gene`]) in its low
+//! [`GENE_BITS`] bits (see [`IdGenerator::next_id_with_gene`]), so the
+//! number alone says which partition of the order table holds the order
+//! (the gene's low 4 bits, [`user_slot`]) and, in a sharded activity,
+//! which shard holds its reservation (the gene modulo the shards). The generator skips ahead to the next sequence value
+//! with that gene: at most 64 values per number, 64 numbers per
 //! millisecond per instance.
 
 pub mod lease;
@@ -58,8 +59,39 @@ pub trait IdGenerator: Send + Sync {
     fn next_id_with_gene(&self, gene: u8) -> Option<i64>;
 }
 
-/// Bits at the bottom of an order number that name its shard.
-pub const GENE_BITS: u32 = 4;
+/// Bits at the bottom of an order number that name its buyer's gene: 6,
+/// so that 16 partitions (the gene's low 4 bits) and any shard count up
+/// to 16 (the gene modulo it) each get an even share of buyers (64 values
+/// over 3 shards: 22, 21, 21; over 16 values it would be 6, 5, 5).
+pub const GENE_BITS: u32 = 6;
+
+/// Bits of the gene that name the order table's partition.
+pub const SLOT_BITS: u32 = 4;
+
+/// The order table's partitions (`orders::partition`), one per slot.
+pub const PARTITIONS: u8 = 1 << SLOT_BITS;
+
+/// A buyer's gene, `splitmix64(user_id) mod 64`: in every order number
+/// minted for them, and (modulo the shards) their shard in a sharded
+/// activity. The same in every process.
+pub fn user_gene(user_id: i64) -> u8 {
+    (splitmix64(user_id as u64) % (1 << GENE_BITS)) as u8
+}
+
+/// A buyer's slot, `splitmix64(user_id) mod 16` (their gene's low 4
+/// bits): the partition of their orders. The same in every process and in
+/// the database (`seckill_user_slot`).
+pub fn user_slot(user_id: i64) -> u8 {
+    user_gene(user_id) % PARTITIONS
+}
+
+/// A fixed 64-bit mix (the splitmix64 finaliser).
+pub fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
 
 /// The gene of an id: its low [`GENE_BITS`] bits.
 pub fn gene_of(id: i64) -> u8 {
@@ -179,7 +211,7 @@ impl IdGenerator for Snowflake {
 /// A number of [`DATABASE_INSTANCE`] for millisecond `ms` (since the
 /// epoch) and `seq` (a database sequence's value, of which the low 12 bits
 /// are kept), with `gene` in its low bits when it has one. Distinct as long
-/// as fewer than 4,096 (256 with a gene) come from the sequence within one
+/// as fewer than 4,096 (64 with a gene) come from the sequence within one
 /// millisecond; a clash is refused by the orders' primary key anyway.
 pub fn database_id(ms: u64, seq: u64, gene: Option<u8>) -> i64 {
     let seq = match gene {

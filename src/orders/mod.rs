@@ -5,6 +5,7 @@ pub mod closer;
 pub mod consumer;
 pub mod events;
 pub mod pacing;
+pub mod partition;
 pub mod releaser;
 pub mod repo;
 pub mod status;

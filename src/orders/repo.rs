@@ -4,11 +4,14 @@
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Duration, Utc};
+use diesel::dsl::{AsSelect, SqlTypeOf};
+use diesel::pg::Pg;
 use diesel::prelude::*;
-use diesel::sql_types::{Array, BigInt, Integer, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Integer, Nullable, SmallInt, Text, Timestamptz};
 use serde::Serialize;
 
 use super::OrderStatus;
+use super::partition::{seckill_order_slot, user_slot_column};
 use crate::admission::Layout;
 use crate::bus::events::OrderRequested;
 use crate::coupons::repo as coupons;
@@ -41,28 +44,47 @@ fn as_string<S: serde::Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(v)
 }
 
+/// A query for order rows.
+pub type OrderQuery = orders::BoxedQuery<'static, Pg, SqlTypeOf<AsSelect<Order, Pg>>>;
+
 /// The caller's order, if it is theirs.
 pub fn find_for_user(
     conn: &mut PgConn,
     order_no: OrderNo,
     user_id: UserId,
 ) -> QueryResult<Option<Order>> {
-    orders::table
-        .find(order_no.get())
-        .filter(orders::user_id.eq(user_id.get()))
-        .select(Order::as_select())
+    find_for_user_query(order_no, user_id)
         .first(conn)
         .optional()
 }
 
+/// [`find_for_user`]'s query: in the buyer's partition, where all of one
+/// user's orders are.
+pub fn find_for_user_query(order_no: OrderNo, user_id: UserId) -> OrderQuery {
+    orders::table
+        .filter(orders::order_no.eq(order_no.get()))
+        .filter(orders::user_slot.eq(user_slot_column(user_id.get())))
+        .filter(orders::user_id.eq(user_id.get()))
+        .select(Order::as_select())
+        .into_boxed()
+}
+
+/// The order numbered `order_no`, whoever's it is: its number names its
+/// partition (`seckill_order_slot`), which the executor reads alone.
+pub fn by_number_query(order_no: OrderNo) -> OrderQuery {
+    orders::table
+        .filter(orders::order_no.eq(order_no.get()))
+        .filter(orders::user_slot.eq(seckill_order_slot(order_no.get())))
+        .select(Order::as_select())
+        .into_boxed()
+}
+
 /// The order's payment deadline (the provider stops taking money then).
 pub fn pay_deadline(conn: &mut PgConn, order_no: OrderNo) -> QueryResult<Option<DateTime<Utc>>> {
-    Ok(orders::table
-        .find(order_no.get())
-        .select(orders::pay_deadline)
-        .first::<Option<DateTime<Utc>>>(conn)
+    Ok(by_number_query(order_no)
+        .first::<Order>(conn)
         .optional()?
-        .flatten())
+        .and_then(|o| o.pay_deadline))
 }
 
 /// The caller's orders, newest first, after `cursor` (an order_no).
@@ -73,7 +95,18 @@ pub fn list_for_user(
     cursor: Option<OrderNo>,
     limit: i64,
 ) -> QueryResult<Vec<Order>> {
+    list_for_user_query(user_id, status, cursor, limit).load(conn)
+}
+
+/// [`list_for_user`]'s query: one partition, the buyer's.
+pub fn list_for_user_query(
+    user_id: UserId,
+    status: Option<OrderStatus>,
+    cursor: Option<OrderNo>,
+    limit: i64,
+) -> OrderQuery {
     let mut query = orders::table
+        .filter(orders::user_slot.eq(user_slot_column(user_id.get())))
         .filter(orders::user_id.eq(user_id.get()))
         .select(Order::as_select())
         .order(orders::order_no.desc())
@@ -85,7 +118,7 @@ pub fn list_for_user(
     if let Some(cursor) = cursor {
         query = query.filter(orders::order_no.lt(cursor.get()));
     }
-    query.load(conn)
+    query
 }
 
 /// What the consumer needs of an activity.
@@ -359,7 +392,8 @@ fn over_limit(conn: &mut PgConn, batch: &[Units]) -> QueryResult<Vec<Units>> {
          JOIN activities a ON a.id = o.activity_id \
          WHERE o.order_no = ANY($1) AND a.per_user_limit < ( \
            SELECT COALESCE(sum(p.quantity), 0) FROM orders p \
-           WHERE p.user_id = o.user_id AND p.activity_id = o.activity_id \
+           WHERE p.user_slot = o.user_slot AND p.user_id = o.user_id \
+             AND p.activity_id = o.activity_id \
              AND p.status IN ({}) \
              AND (p.order_no <> ALL($1) OR p.order_no <= o.order_no))",
         OrderStatus::sql_list(&OrderStatus::HOLDING)
@@ -375,6 +409,7 @@ struct OrderColumns {
     request_id: Vec<String>,
     activity_id: Vec<ActivityId>,
     user_id: Vec<i64>,
+    user_slot: Vec<i16>,
     quantity: Vec<i32>,
     amount_cents: Vec<i64>,
     coupon_id: Vec<Option<CouponId>>,
@@ -396,6 +431,7 @@ impl OrderColumns {
         self.request_id.push(e.request_id.clone());
         self.activity_id.push(e.activity_id);
         self.user_id.push(e.user_id);
+        self.user_slot.push(user_slot_column(e.user_id));
         self.quantity.push(e.quantity);
         self.amount_cents.push(amount_cents);
         self.coupon_id.push(e.coupon_id);
@@ -425,9 +461,10 @@ impl OrderColumns {
         }
         let rows: Vec<OrderNoRow> = diesel::sql_query(
             "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, \
-             coupon_id, status, failure_reason, pay_deadline) \
+             coupon_id, status, failure_reason, pay_deadline, user_slot) \
              SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::int[], \
-             $6::bigint[], $7::bigint[], $8::text[], $9::text[], $10::timestamptz[]) \
+             $6::bigint[], $7::bigint[], $8::text[], $9::text[], $10::timestamptz[], \
+             $11::smallint[]) \
              ON CONFLICT DO NOTHING RETURNING order_no",
         )
         .bind::<Array<BigInt>, _>(&self.order_no)
@@ -440,6 +477,7 @@ impl OrderColumns {
         .bind::<Array<Text>, _>(&self.status)
         .bind::<Array<Nullable<Text>>, _>(&self.failure_reason)
         .bind::<Array<Nullable<Timestamptz>>, _>(&self.pay_deadline)
+        .bind::<Array<SmallInt>, _>(&self.user_slot)
         .load(conn)?;
         Ok(rows.into_iter().map(|r| r.order_no).collect())
     }
@@ -469,8 +507,8 @@ pub fn insert_failed(
 ) -> QueryResult<Option<OrderStatus>> {
     let order_no = e.order_no.get();
     diesel::sql_query(format!(
-        "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, failure_reason) \
-         SELECT $1, $2, $3, $4, $5, a.price_cents * $5, {}, $6 FROM activities a WHERE a.id = $3 \
+        "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, amount_cents, status, failure_reason, user_slot) \
+         SELECT $1, $2, $3, $4, $5, a.price_cents * $5, {}, $6, $7 FROM activities a WHERE a.id = $3 \
          ON CONFLICT DO NOTHING",
         OrderStatus::Failed.sql()
     ))
@@ -480,6 +518,7 @@ pub fn insert_failed(
     .bind::<BigInt, _>(e.user_id)
     .bind::<Integer, _>(e.quantity)
     .bind::<Text, _>(reason)
+    .bind::<SmallInt, _>(user_slot_column(e.user_id))
     .execute(conn)?;
     Ok(statuses(conn, &[order_no])?.remove(&order_no))
 }

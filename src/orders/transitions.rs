@@ -7,9 +7,10 @@
 use std::collections::HashMap;
 
 use diesel::prelude::*;
-use diesel::sql_types::{Array, BigInt, Text};
+use diesel::sql_types::{Array, BigInt, SmallInt, Text};
 
 use super::OrderStatus;
+use super::partition::user_slot_column;
 use crate::bus::events::StockReleased;
 use crate::coupons::repo as coupons;
 use crate::domain::{ActivityId, CouponId, UserId};
@@ -65,13 +66,18 @@ pub fn release(conn: &mut PgConn, orders: &[Releasable], to: ReleaseTo) -> Query
         return Ok(Vec::new());
     }
     let nos: Vec<i64> = orders.iter().map(|o| o.units.order_no).collect();
+    // The buyers' partitions only (one, for a cancel).
+    let mut slots: Vec<i16> = orders.iter().map(|o| user_slot_column(o.user_id)).collect();
+    slots.sort_unstable();
+    slots.dedup();
     let moved: Vec<i64> = diesel::sql_query(format!(
         "UPDATE orders SET status = $2, closed_at = now(), updated_at = now() \
-         WHERE order_no = ANY($1) AND status = {} RETURNING order_no",
+         WHERE user_slot = ANY($3) AND order_no = ANY($1) AND status = {} RETURNING order_no",
         OrderStatus::WaitingPay.sql()
     ))
     .bind::<Array<BigInt>, _>(&nos)
     .bind::<Text, _>(to.status())
+    .bind::<Array<SmallInt>, _>(&slots)
     .load::<Moved>(conn)?
     .into_iter()
     .map(|m| m.order_no)
@@ -165,10 +171,11 @@ pub fn lock_for_user(
     }
     let row: Option<Row> = diesel::sql_query(
         "SELECT order_no, activity_id, user_id, quantity, coupon_id, status FROM orders \
-         WHERE order_no = $1 AND user_id = $2 FOR UPDATE",
+         WHERE user_slot = $3 AND order_no = $1 AND user_id = $2 FOR UPDATE",
     )
     .bind::<BigInt, _>(order_no.get())
     .bind::<BigInt, _>(user_id.get())
+    .bind::<SmallInt, _>(user_slot_column(user_id.get()))
     .get_result(conn)
     .optional()?;
     Ok(row.map(|r| (r.r, r.status)))

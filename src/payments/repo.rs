@@ -13,6 +13,7 @@ use crate::coupons::repo as coupons;
 use crate::domain::UserId;
 use crate::ids::{OrderNo, PaymentNo};
 use crate::orders::OrderStatus;
+use crate::orders::partition::{seckill_order_slot, user_slot_column};
 use crate::outbox;
 use crate::payments::PaymentStatus;
 use crate::stock::{self, Units};
@@ -65,6 +66,7 @@ pub fn create_or_get(
     conn.transaction(|conn| {
         let order: Option<(OrderStatus, i64)> = orders::table
             .find(order_no)
+            .filter(orders::user_slot.eq(user_slot_column(user_id)))
             .filter(orders::user_id.eq(user_id))
             .select((orders::status, orders::amount_cents))
             .for_update()
@@ -107,6 +109,7 @@ pub fn find_for_user(
     payments::table
         .inner_join(orders::table)
         .filter(payments::payment_no.eq(payment_no.get()))
+        .filter(orders::user_slot.eq(user_slot_column(user_id.get())))
         .filter(orders::user_id.eq(user_id.get()))
         .select(Payment::as_select())
         .first(conn)
@@ -220,7 +223,7 @@ pub fn apply_charge(conn: &mut PgConn, charge: &Charge) -> QueryResult<CallbackO
         let paid_at = charge.paid_at.unwrap_or_else(Utc::now);
         let paid: Option<PaidOrder> = diesel::sql_query(format!(
             "UPDATE orders SET status = {}, paid_at = $2, updated_at = now() \
-             WHERE order_no = $1 AND status = {} \
+             WHERE order_no = $1 AND user_slot = seckill_order_slot($1) AND status = {} \
              RETURNING order_no, activity_id, user_id, quantity, amount_cents",
             OrderStatus::Paid.sql(),
             OrderStatus::WaitingPay.sql()
@@ -380,6 +383,7 @@ pub fn refund_paid_order(conn: &mut PgConn, order_no: i64, reason: &str) -> Quer
     conn.transaction(|conn| {
         let status: Option<OrderStatus> = orders::table
             .find(order_no)
+            .filter(orders::user_slot.eq(seckill_order_slot(order_no)))
             .select(orders::status)
             .for_update()
             .first(conn)
@@ -450,6 +454,7 @@ pub fn pending_code_url(
     let checkout: Option<Option<serde_json::Value>> = payments::table
         .inner_join(orders::table)
         .filter(payments::order_no.eq(order_no.get()))
+        .filter(orders::user_slot.eq(user_slot_column(user_id.get())))
         .filter(orders::user_id.eq(user_id.get()))
         .filter(payments::status.eq(PaymentStatus::Pending.as_str()))
         .select(payments::checkout)

@@ -208,6 +208,14 @@ pub fn migrate_up(conn: &mut PgConnection) -> anyhow::Result<Vec<String>> {
     Ok(applied.iter().map(|v| v.to_string()).collect())
 }
 
+/// Reverts the newest applied migration; returns its version.
+pub fn migrate_down_last(conn: &mut PgConnection) -> anyhow::Result<String> {
+    let reverted = conn
+        .revert_last_migration(MIGRATIONS)
+        .map_err(|e| anyhow::anyhow!("reverting a migration: {e}"))?;
+    Ok(reverted.to_string())
+}
+
 /// Reverts every applied migration, newest first; returns the versions reverted.
 pub fn migrate_down_all(conn: &mut PgConnection) -> anyhow::Result<Vec<String>> {
     let reverted = conn

@@ -50,6 +50,7 @@ diesel::table! {
 diesel::table! {
     orders (order_no) {
         order_no -> Int8,
+        user_slot -> Int2,
         request_id -> Text,
         activity_id -> Int8,
         user_id -> Int8,

@@ -43,6 +43,13 @@ pub(crate) async fn produce(app: &TestApp, partition: Option<i32>, key: &str, pa
         .expect("produced");
 }
 
+/// The `n`-th made-up order number of `user`: like every real one, it
+/// carries its buyer's slot in its low bits (the order table's partition,
+/// `orders::partition`), which the database holds it to.
+pub(crate) fn no_for(user: i64, n: i64) -> i64 {
+    n * 64 + i64::from(seckill::ids::user_gene(user))
+}
+
 pub(crate) fn event(activity_id: i64, user_id: i64, order_no: i64) -> OrderRequested {
     OrderRequested {
         event_id: order_no.to_string(),
@@ -81,7 +88,7 @@ async fn an_event_delivered_twice_makes_one_order_and_new_events_beside_a_duplic
     // Then a duplicate and three new events together.
     produce(&app, Some(0), &original.event_id, &original.encode()).await;
     for (user, no) in [(2, 9_000_001), (3, 9_000_002), (4, 9_000_003)] {
-        let e = event(activity, user, no);
+        let e = event(activity, user, no_for(user, no));
         produce(&app, Some(0), &e.event_id, &e.encode()).await;
     }
 
@@ -314,14 +321,14 @@ async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_throu
     // Three orders of one buyer that never met Redis (as if it lost its
     // holdings): two in one batch, one later.
     for no in [8_000_001, 8_000_002] {
-        let e = event(activity, 5, no);
+        let e = event(activity, 5, no_for(5, no));
         produce(&app, Some(0), &e.event_id, &e.encode()).await;
     }
     app.wait_for_stats(activity, 30, |s| {
         s["orders"]["WAITING_PAY"].as_i64().unwrap() + s["orders"]["FAILED"].as_i64().unwrap() == 2
     })
     .await;
-    let e = event(activity, 5, 8_000_003);
+    let e = event(activity, 5, no_for(5, 8_000_003));
     produce(&app, Some(1), &e.event_id, &e.encode()).await;
     let stats = app
         .wait_for_stats(activity, 30, |s| s["orders"]["FAILED"] == 2)
@@ -338,7 +345,7 @@ async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_throu
     assert_eq!(
         app.count("SELECT order_no AS n FROM orders WHERE status = 'WAITING_PAY'")
             .await,
-        8_000_001
+        no_for(5, 8_000_001)
     );
 }
 
@@ -462,7 +469,7 @@ async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_rese
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     // A purchase admitted and acknowledged, whose event the database will
     // refuse for good: a LOCK flow row with its number already exists.
-    let order_no = 777_000_009;
+    let order_no = no_for(2, 777_000_009);
     let token = app.purchase_token(2, activity).await;
     let now = chrono::Utc::now().timestamp_millis();
     let reserved = gate

@@ -23,6 +23,7 @@ mod ops;
 mod orders;
 mod outbox;
 mod pacing;
+mod partitions;
 mod payments;
 mod production;
 mod reconcile;

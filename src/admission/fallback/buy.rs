@@ -5,12 +5,13 @@
 use std::sync::Arc;
 
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Bool, Integer, Nullable, Text, Timestamptz};
+use diesel::sql_types::{BigInt, Bool, Integer, Nullable, SmallInt, Text, Timestamptz};
 
 use super::{Decided, Declined, Health, Mode, unix_ms};
 use crate::domain::{ActivityId, CouponId};
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
+use crate::orders::partition::user_slot_column;
 use crate::stock::{self, Units};
 use crate::store::PgConn;
 
@@ -71,10 +72,6 @@ struct Locked {
     price_cents: i64,
     #[diesel(sql_type = Integer)]
     pay_timeout_secs: i32,
-    #[diesel(sql_type = Integer)]
-    buckets: i32,
-    #[diesel(sql_type = Integer)]
-    shards: i32,
     /// Units of the buyer's live orders.
     #[diesel(sql_type = BigInt)]
     held: i64,
@@ -101,12 +98,14 @@ impl Buy {
         let Some(peek) = diesel::sql_query(
             "SELECT s.available, a.start_at, a.end_at, a.warmed_at IS NOT NULL AS warmed, \
                (SELECT order_no FROM orders \
-                WHERE activity_id = $1 AND user_id = $2 AND request_id = $3) AS existing \
+                WHERE user_slot = $4 AND activity_id = $1 AND user_id = $2 AND request_id = $3) \
+               AS existing \
              FROM stock s JOIN activities a ON a.id = s.activity_id WHERE s.activity_id = $1",
         )
         .bind::<BigInt, _>(self.activity_id)
         .bind::<BigInt, _>(self.user_id)
         .bind::<Text, _>(&self.request_id)
+        .bind::<SmallInt, _>(user_slot_column(self.user_id))
         .get_result::<Peek>(conn)
         .optional()?
         else {
@@ -130,7 +129,7 @@ impl Buy {
                 Ok(checked) => checked,
                 Err(answer) => return Ok(answer),
             };
-            let order_no = self.number(conn, &a)?;
+            let order_no = self.number(conn)?;
             let Some(amount) = self.amount(conn, &a, order_no)? else {
                 return Ok(Err(Declined::CouponInvalid));
             };
@@ -173,17 +172,20 @@ impl Buy {
         };
         let a: Locked = diesel::sql_query(format!(
             "SELECT admission, start_at, end_at, per_user_limit, price_cents, \
-               pay_timeout_secs, buckets, shards, warmed_at IS NOT NULL AS warmed, \
+               pay_timeout_secs, warmed_at IS NOT NULL AS warmed, \
                (SELECT order_no FROM orders \
-                WHERE activity_id = $1 AND user_id = $2 AND request_id = $3) AS existing, \
+                WHERE user_slot = $4 AND activity_id = $1 AND user_id = $2 AND request_id = $3) \
+               AS existing, \
                (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders \
-                WHERE activity_id = $1 AND user_id = $2 AND status IN ({})) AS held \
+                WHERE user_slot = $4 AND activity_id = $1 AND user_id = $2 AND status IN ({})) \
+               AS held \
              FROM activities WHERE id = $1",
             OrderStatus::sql_list(&OrderStatus::HOLDING)
         ))
         .bind::<BigInt, _>(self.activity_id)
         .bind::<BigInt, _>(self.user_id)
         .bind::<Text, _>(&self.request_id)
+        .bind::<SmallInt, _>(user_slot_column(self.user_id))
         .get_result(conn)?;
         if !a.window.open(self.now_ms) {
             return Ok(Err(Err(Declined::NotActive)));
@@ -226,8 +228,8 @@ impl Buy {
     fn write(&self, conn: &mut PgConn, a: &Locked, order_no: i64, amount: i64) -> QueryResult<()> {
         diesel::sql_query(format!(
             "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, \
-               amount_cents, coupon_id, status, pay_deadline) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, {}, now() + make_interval(secs => $8))",
+               amount_cents, coupon_id, status, pay_deadline, user_slot) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, {}, now() + make_interval(secs => $8), $9)",
             OrderStatus::WaitingPay.sql()
         ))
         .bind::<BigInt, _>(order_no)
@@ -238,6 +240,7 @@ impl Buy {
         .bind::<BigInt, _>(amount)
         .bind::<Nullable<BigInt>, _>(self.coupon_id)
         .bind::<diesel::sql_types::Double, _>(f64::from(a.pay_timeout_secs))
+        .bind::<SmallInt, _>(user_slot_column(self.user_id))
         .execute(conn)?;
         let units = Units {
             activity_id: self.activity_id,
@@ -251,13 +254,9 @@ impl Buy {
         Ok(())
     }
 
-    /// A number of the database's instance id; a sharded activity's
-    /// carries its buyer's shard.
-    fn number(&self, conn: &mut PgConn, a: &Locked) -> QueryResult<i64> {
-        let layout = crate::activities::layout(a.buckets, a.shards);
-        let gene = layout
-            .is_sharded()
-            .then(|| layout.shard_of_user(self.user_id) as u8);
-        crate::ids::database_number(conn, gene)
+    /// A number of the database's instance id, carrying its buyer's slot
+    /// (the order table's partition, a sharded activity's shard).
+    fn number(&self, conn: &mut PgConn) -> QueryResult<i64> {
+        crate::ids::database_number(conn, Some(crate::ids::user_gene(self.user_id)))
     }
 }
