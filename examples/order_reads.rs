@@ -14,7 +14,7 @@
 use std::time::{Duration, Instant};
 
 use futures_util::{StreamExt, stream};
-use seckill::auth::{Keys, Role};
+use seckill::auth::{JwtKeys, Role};
 use seckill::config::Settings;
 
 #[tokio::main]
@@ -26,7 +26,7 @@ async fn main() -> anyhow::Result<()> {
     let (users, per_user): (i64, i64) = (users.parse()?, per_user.parse()?);
     let (requests, concurrency): (usize, usize) = (requests.parse()?, concurrency.parse()?);
     let settings = Settings::load()?;
-    let keys = Keys::from_settings(&settings.auth)?;
+    let keys = JwtKeys::from_settings(&settings.auth)?;
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(concurrency)
         .build()?;
