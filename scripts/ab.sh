@@ -36,7 +36,7 @@ serve() { # PORT BIN CONFIG_DIR ARGS...: serve in the background until ready
   local port=$1 bin=$2 conf=$3; shift 3
   env SECKILL_CONFIG_DIR="$conf" SECKILL__APP__PORT="$port" "$@" "$bin" serve ${SERVE_ARGS:-} >"/tmp/$RUN-serve.log" 2>&1 &
   PIDS+=($!)
-  until curl -s "http://127.0.0.1:$port/health/ready" | grep -q ready; do sleep 0.2; done
+  until curl -sf "http://127.0.0.1:$port/health/ready" >/dev/null; do sleep 0.2; done
 }
 
 case "$MODE" in

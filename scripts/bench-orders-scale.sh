@@ -10,7 +10,8 @@
 # user (i-1) % USERS + 1's, numbered i*16 + the user's slot, as admission
 # numbers them), `seckill serve`, then examples/order_reads: 20,000 reads
 # of each kind for random buyers at concurrency 32. Prints one line per
-# side and kind. Loading 10 million orders takes minutes.
+# side and kind. Loading 10 million orders takes minutes: SCALE_KEEP=1
+# keeps each side's database for the next run, which then loads nothing.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -28,10 +29,15 @@ q() { psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -v ON_ERROR_STOP=1 -qtA "$@
 
 side() { # NAME ORDERS USERS
   local name=$1 orders=$2 users=$3 db=seckill_scale_$1
-  q -d postgres -c "drop database if exists $db with (force)" -c "create database $db"
   export SECKILL__POSTGRES__URL="postgres://$PG_USER:$PG_PASSWORD@$PG_HOST:$PG_PORT/$db"
-  target/release/seckill migrate >/dev/null
+  local have=0
+  if [ -n "${SCALE_KEEP:-}" ] && [ "$(q -d postgres -c "select count(*) from pg_database where datname = '$db'")" = 1 ]; then
+    have=$(q -d "$db" -c "select count(*) from orders")
+  fi
   local t0=$SECONDS
+  if [ "$have" != "$orders" ]; then
+  q -d postgres -c "drop database if exists $db with (force)" -c "create database $db"
+  target/release/seckill migrate >/dev/null
   q -d "$db" <<SQL
 SET synchronous_commit = off;
 INSERT INTO activities (sku_id, name, price_cents, start_at, end_at, per_user_limit, pay_timeout_secs, buckets)
@@ -43,17 +49,19 @@ SELECT i * 16 + s.s, s.s, 'r' || i, (SELECT max(id) FROM activities), s.u, 1, 10
 FROM generate_series(1, $orders) i JOIN slots s ON s.u = (i - 1) % $users + 1;
 VACUUM ANALYZE orders;
 SQL
+  fi
   local size
-  size=$(q -d "$db" -c "select pg_size_pretty(pg_total_relation_size('orders'))")
+  size=$(q -d "$db" -c "select pg_size_pretty(sum(pg_total_relation_size(inhrelid))) \
+    from pg_inherits where inhparent = 'orders'::regclass")
   echo "$name: $orders orders over $users buyers loaded in $((SECONDS - t0)) s ($size with indexes)"
   SECKILL__APP__PORT=18095 target/release/seckill serve --no-consumer >"/tmp/$RUN-$name.log" 2>&1 &
   PID=$!
-  until curl -s http://127.0.0.1:18095/health/ready | grep -q ready; do sleep 0.2; done
+  until curl -sf http://127.0.0.1:18095/health/ready >/dev/null; do sleep 0.2; done
   per_user=$((orders / users))
   target/release/examples/order_reads http://127.0.0.1:18095 "$users" "$per_user" "$REQUESTS" "$CONC" \
     | sed "s/^/$name: /"
   kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
-  q -d postgres -c "drop database if exists $db with (force)"
+  [ -n "${SCALE_KEEP:-}" ] || q -d postgres -c "drop database if exists $db with (force)"
 }
 
 side small 10000 1000
