@@ -57,12 +57,16 @@ fn connect() -> Option<seckill::store::PgPool> {
 fn events(ids: &Snowflake, n: usize) -> Vec<OrderRequested> {
     (0..n)
         .map(|_| {
-            let no = ids.next_at(seckill::ids::epoch_ms_now());
+            // A buyer of its own, and a number carrying the buyer's gene,
+            // as admission mints it (the order table's partition).
+            let user = ids.next_at(seckill::ids::epoch_ms_now());
+            let no =
+                ids.next_with_gene_at(seckill::ids::epoch_ms_now(), seckill::ids::user_gene(user));
             OrderRequested {
                 event_id: no.to_string(),
                 order_no: OrderNo::new(no),
                 activity_id: ActivityId::new(1),
-                user_id: no,
+                user_id: user,
                 request_id: format!("r{no}"),
                 quantity: 1,
                 coupon_id: None,
