@@ -63,8 +63,13 @@ impl LocalStripe {
         let server = Self {
             child,
             url: format!("http://127.0.0.1:{port}"),
+            // A connection per call: a pooled one left idle past the
+            // server's keep-alive (the SDK check takes seconds between
+            // calls) can be closed as a request goes out on it, which
+            // reqwest reports as an incomplete message (seen in a fresh run).
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(30))
+                .pool_max_idle_per_host(0)
                 .build()
                 .unwrap(),
         };

@@ -99,8 +99,13 @@ impl Platform {
             serials: serde_json::from_value(ready["serials"].clone()).unwrap(),
             dir,
             apiv3_key,
+            // A connection per call: a pooled one left idle past the
+            // server's keep-alive (the SDK check takes seconds between
+            // calls) can be closed as a request goes out on it, which
+            // reqwest reports as an incomplete message (seen in a fresh run).
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(60))
+                .pool_max_idle_per_host(0)
                 .build()
                 .unwrap(),
         }
