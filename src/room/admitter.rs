@@ -286,13 +286,18 @@ impl Admitter {
         if live.room.method() == super::Method::Reject {
             return Ok(());
         }
-        // Redis lost the activity's stock with the queue: no units to count
-        // (zero would read as sold out) until reconciliation restores them.
+        // Redis lost the activity's stock (with the queue, or one shard of
+        // it, whose other shards reconciliation then drops): no units to
+        // count (zero would read as sold out, for good) until
+        // reconciliation restores them. Each shard's meta is read with
+        // its buckets: a shard dropped between two reads is not 0 units.
         if !self.gate.is_warm(id).await? {
             return Ok(());
         }
         let layout = layout(live.buckets, live.shards);
-        let available = self.gate.available(id, layout).await?;
+        let Some(available) = self.gate.available_if_warm(id, layout).await? else {
+            return Ok(());
+        };
         // Until the draw is fixed its order is unknown: the first round
         // after the start only closes the pre-queue.
         let candidates = if view.closed {

@@ -1034,6 +1034,84 @@ async fn a_shard_lost_beside_an_intact_queue_keeps_the_queue() {
     assert_eq!(status, 202, "{body}");
 }
 
+/// The moment between a restore dropping a sharded activity's shards and
+/// dropping its base meta (reconciliation drops the base meta last), held
+/// open with the reconcile lease: the admitter, reading stock, sees the
+/// activity still warm and its shards empty. That is not "sold out" (a
+/// room sold out stays so for good): the buyers who join then are
+/// admitted once the restore has run, and a pass buys.
+#[tokio::test]
+async fn a_room_beside_shards_dropped_for_a_restore_does_not_sell_out() {
+    let app = spawn_app_with(crate::helpers::restores_quickly).await;
+    let now = chrono::Utc::now();
+    let body = json!({
+        "sku_id": 1001, "name": "Console", "price_cents": 49900, "stock": 12,
+        "start_at": now - chrono::Duration::seconds(60),
+        "end_at": now + chrono::Duration::seconds(7200),
+        "per_user_limit": 1, "buckets": 1, "shards": 3, "waiting_room": room(0, 200),
+    });
+    let res = app
+        .post_json("/api/v1/admin/activities", &body, Some(&app.admin_token()))
+        .await;
+    assert_eq!(res.status(), 201);
+    let id = json(res).await["activity_id"].as_i64().unwrap();
+    app.warmup(id).await;
+    for u in 1..=3 {
+        assert_eq!(app.join(u, id).await.0, 201);
+        app.ticket_in(u, id, "ADMITTED").await;
+    }
+    let epoch = app.room_field(id, "epoch").await;
+
+    let lease = app.hold_the_reconcile_lease().await;
+    let pattern = format!("{}{{a:{id}:*", app.settings.redis.key_prefix);
+    assert!(app.forget_keys(&pattern).await > 0, "the shards had keys");
+    for u in 4..=6 {
+        assert_eq!(app.join(u, id).await.0, 201);
+    }
+    // A round began with the three new tickets waiting (the gauge is set
+    // first in each round), and with the lease held no restore can have
+    // run under it: that round met the empty shards.
+    let gauge = format!("seckill_waiting_room_queue_length{{activity_id=\"{id}\"}}");
+    eventually(
+        "an admission round over the empty shards",
+        Duration::from_secs(30),
+        || {
+            let gauge = gauge.clone();
+            let app = &app;
+            async move { (app.metric(&gauge).await == Some(3)).then_some(()) }
+        },
+    )
+    .await;
+    let waiting = app.ticket(4, id).await;
+    assert_eq!(waiting["state"], "QUEUED", "before the restore: {waiting}");
+    lease.end_lease("reconcile", "another").await.unwrap();
+
+    let mut passes = HashMap::new();
+    for u in 4..=6 {
+        let app = &app;
+        let t = eventually(
+            &format!("user {u} admitted after the restore"),
+            Duration::from_secs(90),
+            || async move {
+                let t = app.ticket(u, id).await;
+                assert_ne!(t["state"], "SOLD_OUT", "user {u}: {t}");
+                (t["state"] == "ADMITTED").then_some(t)
+            },
+        )
+        .await;
+        passes.insert(u, t["pass"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(app.room_field(id, "epoch").await, epoch, "a new queue");
+    let token = eventually("a purchase token", Duration::from_secs(90), || async {
+        let (status, body) = app.token_with(6, id, Some(&passes[&6])).await;
+        assert!(status == 200 || status == 503, "{status} {body}");
+        (status == 200).then_some(body["token"].clone())
+    })
+    .await;
+    let (status, body) = app.buy_token(6, id, &token, 1).await;
+    assert_eq!(status, 202, "{body}");
+}
+
 /// Adaptive admission's window: each pass may become an order, so a room
 /// gives out no more passes than the pipeline could take in flight
 /// (three quarters of `admission.max_consumer_lag`, here 30), counting

@@ -84,6 +84,7 @@ pub struct RedisGate {
     void: Script,
     lend: Script,
     borrow: Script,
+    shard_stock: Script,
 }
 
 impl RedisGate {
@@ -111,6 +112,7 @@ impl RedisGate {
             void: Script::new(include_str!("../lua/void.lua")),
             lend: Script::new(include_str!("../lua/lend.lua")),
             borrow: Script::new(include_str!("../lua/borrow.lua")),
+            shard_stock: Script::new(include_str!("../lua/shard_stock.lua")),
         })
     }
 

@@ -110,6 +110,34 @@ impl RedisGate {
         Ok(())
     }
 
+    /// [`RedisGate::available`] when every shard is warm, each shard's
+    /// meta and buckets read in one step; `None` when one is not (never
+    /// loaded, or dropped for a restore). A decision that cannot be taken
+    /// back (a waiting room sold out for good) is taken on this figure:
+    /// a shard being restored has no buckets for a moment, and its 0 is
+    /// not "no units".
+    pub async fn available_if_warm(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+    ) -> RedisResult<Option<i64>> {
+        let mut sum = 0;
+        for shard in 0..layout.shards {
+            let k = self.shard_keys(activity_id, layout, shard);
+            let mut call = self.shard_stock.prepare_invoke();
+            call.key(k.meta());
+            for b in 0..layout.buckets {
+                call.key(k.bucket(b));
+            }
+            let units: i64 = call.invoke_async(&mut self.conn.clone()).await?;
+            if units < 0 {
+                return Ok(None);
+            }
+            sum += units;
+        }
+        Ok(Some(sum + self.in_transfer(activity_id, layout).await?))
+    }
+
     /// Units available in Redis: the sum of every shard's buckets, plus
     /// units lent by one shard and not yet credited to another.
     pub async fn available(&self, activity_id: ActivityId, layout: Layout) -> RedisResult<i64> {
@@ -117,6 +145,12 @@ impl RedisGate {
         for shard in 0..layout.shards {
             sum += self.shard_sum(activity_id, layout, shard).await?;
         }
+        Ok(sum + self.in_transfer(activity_id, layout).await?)
+    }
+
+    /// Units lent by one shard and not yet credited to another.
+    async fn in_transfer(&self, activity_id: ActivityId, layout: Layout) -> RedisResult<i64> {
+        let mut sum = 0;
         for t in self.transfers(activity_id, layout).await? {
             let credited: bool = redis::cmd("EXISTS")
                 .arg(self.shard_keys(activity_id, layout, t.home).credited(&t.id))
