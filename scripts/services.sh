@@ -11,13 +11,18 @@
 #                                    (replication 3, min.insync.replicas 2) instead of one
 #                                    broker; kafka.brokers lists the three addresses
 #                                    (scripts/services.d/kafka-cluster.sh)
+#   scripts/services.sh up --pg-replica
+#                                    also a streaming replica of PostgreSQL (pg_basebackup) on
+#                                    the primary's port + 100 (or postgres.replica_url's),
+#                                    replaying SECKILL_PG_REPLICA_DELAY (3s) behind
 #   scripts/services.sh up --pg-ha   PostgreSQL as a primary and a synchronous standby under
 #                                    pg_auto_failover instead of one server; postgres.url
 #                                    names both (scripts/services.d/pg-ha.sh)
 #   scripts/services.sh forget PREFIX  unlink the Redis keys under PREFIX (SCAN, not KEYS)
 #   scripts/services.sh down         stop what this script started (nothing else)
-#   scripts/services.sh stop NAME    stop one of them: redis, postgres or kafka
-#   scripts/services.sh start NAME   start one of them (redis, redis-cluster, postgres, kafka)
+#   scripts/services.sh stop NAME    stop one of them: redis, postgres, postgres-replica or kafka
+#   scripts/services.sh start NAME   start one of them (redis, redis-cluster, postgres,
+#                                    postgres-replica, kafka)
 #                                    without touching, or waiting on, the others;
 #                                    `start|stop kafka-broker N` one broker of the cluster,
 #                                    `start|stop pg-node N` one node of the HA pair
@@ -245,6 +250,49 @@ pg_down() {
   as_pg "$PGBIN/pg_ctl" -D "$PGDATA" -m fast -w stop >/dev/null 2>&1 || true
 }
 
+# A streaming replica of that primary (pg_basebackup), on its own port,
+# replaying SECKILL_PG_REPLICA_DELAY behind it (3s by default, as
+# `recovery_min_apply_delay`: the lag the suite's replica-read tests need,
+# and about what seed 001 saw at peak). The server reads from it only
+# when postgres.replica_url names it.
+REPLICA_DELAY=${SECKILL_PG_REPLICA_DELAY:-3s}
+pg_replica_paths() {
+  pg_paths
+  REPLICA_DATA=$PG_DIR/replica
+  REPLICA_RUN=$PG_DIR/replica-run
+  REPLICA_LOG=$PG_DIR/replica.log
+}
+pg_replica_ready() { "$PGBIN/pg_isready" -h "$PG_HOST" -p "$PG_REPLICA_PORT" -q; }
+pg_system_id() { as_pg "$PGBIN/pg_controldata" -D "$1" 2>/dev/null | sed -n 's/^Database system identifier: *//p'; }
+
+pg_replica_up() {
+  pg_replica_paths
+  as_pg mkdir -p "$REPLICA_RUN"
+  # A replica of an older primary (its data folder made again) is made anew.
+  if [ -f "$REPLICA_DATA/PG_VERSION" ] && [ "$(pg_system_id "$REPLICA_DATA")" != "$(pg_system_id "$PGDATA")" ]; then
+    pg_replica_down
+    rm -rf "$REPLICA_DATA"
+  fi
+  if [ ! -f "$REPLICA_DATA/PG_VERSION" ]; then
+    log "making a streaming replica of $PG_HOST:$PG_PORT in $REPLICA_DATA"
+    as_pg "$PGBIN/pg_basebackup" -D "$REPLICA_DATA" -h "$PGRUN" -p "$PG_PORT" -U postgres \
+      -R -X stream -c fast >/dev/null || die "pg_basebackup failed"
+  fi
+  if ! as_pg "$PGBIN/pg_ctl" -D "$REPLICA_DATA" status >/dev/null 2>&1; then
+    if pg_replica_ready; then die "something else answers on $PG_HOST:$PG_REPLICA_PORT; change postgres.replica_url"; fi
+    as_pg "$PGBIN/pg_ctl" -D "$REPLICA_DATA" -l "$REPLICA_LOG" -w -t 60 start \
+      -o "-p $PG_REPLICA_PORT -k $REPLICA_RUN -c listen_addresses=$PG_HOST -c max_connections=300 -c shared_buffers=128MB -c hot_standby=on -c recovery_min_apply_delay=$REPLICA_DELAY" >/dev/null \
+      || die "the replica did not start; see $REPLICA_LOG"
+  fi
+  wait_for 30 pg_replica_ready || die "the replica does not answer; see $REPLICA_LOG"
+}
+
+pg_replica_down() {
+  pg_replica_paths
+  [ -n "$PGBIN" ] && [ -f "$REPLICA_DATA/postmaster.pid" ] || return 0
+  as_pg "$PGBIN/pg_ctl" -D "$REPLICA_DATA" -m fast -w stop >/dev/null 2>&1 || true
+}
+
 # ---------------------------------------------------------------- Kafka ----
 # Two processes, as KRaft runs in production: a controller (node 2, its own
 # JVM and data) and the broker (node 1) that clients talk to. Stopping the
@@ -458,6 +506,11 @@ status() {
   printf '%-10s %-5s %-22s %s\n' service state listens log
   printf '%-10s %-5s %-22s %s\n' redis "$r" "$REDIS_HOST:$REDIS_PORT" "$REDIS_DIR/redis.log"
   printf '%-10s %-5s %-22s %s\n' postgres "$p" "$PG_HOST:$PG_PORT" "$PGLOG"
+  pg_replica_paths
+  if [ "$PG_MODE" != ha ] && [ -d "$REPLICA_DATA" ]; then
+    local rp; pg_replica_ready 2>/dev/null && rp=up || rp=down
+    printf '%-10s %-5s %-22s %s\n' replica "$rp" "$PG_HOST:$PG_REPLICA_PORT" "$REPLICA_LOG"
+  fi
   printf '%-10s %-5s %-22s %s\n' kafka "$k" "$KAFKA_HOST:$KAFKA_PORT" "$KAFKA_DIR/kafka.log"
   if [ -d "$REDIS_CLUSTER_DIR" ]; then
     local c; cluster_ok && c=up || c=down
@@ -469,12 +522,13 @@ status() {
 case "${1:-}" in
   up)
     shift
-    want_redis_cluster=
+    want_redis_cluster= want_pg_replica=
     for flag in "$@"; do
       case "$flag" in
         --redis-cluster) want_redis_cluster=1 ;;
         --kafka-cluster) KAFKA_FORCE_CLUSTER=1 ;;
         --pg-ha) PG_FORCE_HA=1 ;;
+        --pg-replica) want_pg_replica=1 ;;
         *) echo "unknown flag $flag" >&2; exit 2 ;;
       esac
     done
@@ -487,6 +541,10 @@ case "${1:-}" in
     # The cluster too when asked, or when the configuration uses one.
     if [ -n "$want_redis_cluster" ] || [ "$REDIS_MODE" = cluster ]; then redis_cluster_up; fi
     if [ "$PG_MODE" = ha ]; then pg_ha_up; else pg_up; fi
+    if [ -n "$want_pg_replica" ]; then
+      [ "$PG_MODE" != ha ] || die "--pg-replica replicates the single server, not the --pg-ha pair"
+      pg_replica_up
+    fi
     if [ "$KAFKA_MODE" = cluster ]; then kafka_cluster_up; else kafka_up; fi
     status
     ;;
@@ -519,6 +577,7 @@ case "${1:-}" in
     load_settings
     kafka_down
     kafka_cluster_down
+    pg_replica_down
     pg_down
     pg_ha_down
     redis_cluster_down
@@ -533,10 +592,11 @@ case "${1:-}" in
       redis) redis_up ;;
       redis-cluster) redis_cluster_up ;;
       postgres) if [ "$PG_MODE" = ha ]; then pg_ha_up; else pg_up; fi ;;
+      postgres-replica) pg_replica_up ;;
       kafka) if [ "$KAFKA_MODE" = cluster ]; then kafka_cluster_up; else kafka_up; fi ;;
       kafka-broker) kafka_cluster_broker start "${3:-}" ;;
       pg-node) pg_ha_node start "${3:-}" ;;
-      *) echo "usage: $0 start redis|redis-cluster|postgres|kafka|kafka-broker N|pg-node N" >&2; exit 2 ;;
+      *) echo "usage: $0 start redis|redis-cluster|postgres|postgres-replica|kafka|kafka-broker N|pg-node N" >&2; exit 2 ;;
     esac
     ;;
   stop)
@@ -545,10 +605,11 @@ case "${1:-}" in
       redis) redis_down ;;
       redis-cluster) redis_cluster_down ;;
       postgres) if [ "$PG_MODE" = ha ]; then pg_ha_down; else pg_down; fi ;;
+      postgres-replica) pg_replica_down ;;
       kafka) if [ "$KAFKA_MODE" = cluster ]; then kafka_cluster_down; else kafka_down; fi ;;
       kafka-broker) kafka_cluster_broker stop "${3:-}" ;;
       pg-node) pg_ha_node stop "${3:-}" ;;
-      *) echo "usage: $0 stop redis|postgres|kafka|kafka-broker N|pg-node N" >&2; exit 2 ;;
+      *) echo "usage: $0 stop redis|postgres|postgres-replica|kafka|kafka-broker N|pg-node N" >&2; exit 2 ;;
     esac
     ;;
   status)
@@ -566,7 +627,7 @@ case "${1:-}" in
     esac
     ;;
   *)
-    echo "usage: $0 up [--redis-cluster] [--kafka-cluster] [--pg-ha]|install|down|start NAME|stop NAME|status|cluster-url" >&2
+    echo "usage: $0 up [--redis-cluster] [--kafka-cluster] [--pg-ha] [--pg-replica]|install|down|start NAME|stop NAME|status|cluster-url" >&2
     exit 2
     ;;
 esac

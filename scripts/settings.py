@@ -49,6 +49,7 @@ def main():
     pg_hosts = pg_url.split("@", 1)[1].split("/", 1)[0] if "@" in pg_url else ""
     pg = urlsplit(pg_url.replace(pg_hosts, pg_hosts.split(",")[0], 1) if pg_hosts else pg_url)
     pg_ports = [h.rsplit(":", 1)[1] for h in pg_hosts.split(",") if ":" in h]
+    replica = cfg["postgres"].get("replica_url", "").strip()
     brokers = [b.strip() for b in cfg["kafka"]["brokers"].split(",") if b.strip()]
     kafka_host, kafka_port = brokers[0].rsplit(":", 1)
     out = {
@@ -62,6 +63,9 @@ def main():
         "PG_USER": pg.username or "seckill",
         "PG_PASSWORD": pg.password or "",
         "PG_DB": pg.path.lstrip("/") or "seckill",
+        # The streaming replica `up` starts beside the primary: where
+        # postgres.replica_url points, else 100 above the primary.
+        "PG_REPLICA_PORT": str(urlsplit(replica).port or 5432) if replica else str((pg.port or 5432) + 100),
         # `up --pg-ha`: the two nodes' ports (the URL's), the monitor's next.
         "PG_HA_PORTS": " ".join(pg_ports),
         "PG_MODE": "ha" if len(pg_ports) == 2 else "single",

@@ -29,7 +29,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-scripts/services.sh up --redis-cluster
+scripts/services.sh up --redis-cluster --pg-replica
 # Each test creates its own database and drops it when done; a test that
 # crashed leaves one behind. Clear those before a run.
 scripts/drop-databases.sh 'seckill\_test\_%'

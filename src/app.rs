@@ -40,6 +40,7 @@ enum Worker {
     Claimer,
     ProducerWatch,
     RoomAdmitter,
+    ReplicaWatch,
     InstanceLease,
 }
 
@@ -47,7 +48,7 @@ impl Worker {
     /// Every worker, in the order they start and stop: the consumers of
     /// work first, each after the batch in hand; the producer's watch and
     /// the instance lease last, since the others publish and number.
-    const ALL: [Worker; 14] = [
+    const ALL: [Worker; 15] = [
         Worker::OrderConsumer,
         Worker::Closer,
         Worker::PaymentSweeper,
@@ -61,6 +62,7 @@ impl Worker {
         Worker::Claimer,
         Worker::ProducerWatch,
         Worker::RoomAdmitter,
+        Worker::ReplicaWatch,
         Worker::InstanceLease,
     ];
 
@@ -161,6 +163,7 @@ impl Worker {
                     pace,
                 )
             }),
+            Worker::ReplicaWatch => state.pg.replica.clone().map(|r| r.watch()),
             Worker::InstanceLease => Some(state.sale.lease.clone().spawn()),
         };
         Ok(handle)

@@ -104,6 +104,25 @@ metrics! {
         "order_consumer_max_write_rate",
         "Orders per second this instance's order consumer may write (0: unlimited)",
     );
+    /// Buyers' order reads by where they were answered: replica, primary,
+    /// or redis (PROCESSING, the replica not having the row yet).
+    order_reads: IntCounterVec = counters(
+        "order_reads_total",
+        "Buyers' order reads by where they were answered (replica, primary, redis)",
+        &["source"],
+    );
+    /// 1 while `postgres.replica_url` is read from.
+    replica_usable: IntGauge = gauge_at(
+        "postgres_replica_usable",
+        "1 while the replica is read from (answers, is a standby, within replica_max_lag_ms)",
+        0,
+    );
+    /// How far the replica is behind the primary, ms (-1: unknown).
+    replica_lag_ms: IntGauge = gauge_at(
+        "postgres_replica_lag_ms",
+        "How far the replica's replay is behind the primary, ms (-1: unknown)",
+        -1,
+    );
     /// Consumed order events by result (created, failed, duplicate, …).
     consumer_events: IntCounterVec = counters(
         "consumer_events_total",

@@ -24,7 +24,7 @@ use crate::bus::runner::Supervision;
 use crate::bus::watchdog::Registry;
 use crate::bus::{self, Producer, Topics};
 use crate::clock::{SharedClock, SystemClock};
-use crate::config::{GateConnection, KafkaSettings, PostgresSettings, RedisSettings, Settings};
+use crate::config::{GateConnection, KafkaSettings, RedisSettings, Settings};
 use crate::coupons::claim::Claims;
 use crate::coupons::gate::CouponGate;
 use crate::ids::{IdGenerator, InstanceLease, LeasedIds};
@@ -38,6 +38,7 @@ use crate::reconcile::Reconciler;
 use crate::room::Rooms;
 use crate::store::notes::Notes;
 use crate::store::redis_conn::{RedisClient, RedisConn};
+use crate::store::replica::Replica;
 use crate::store::{self, PgPool};
 
 /// Shared state of every request handler and worker, in parts: the
@@ -154,14 +155,25 @@ pub struct Databases {
     pub db: PgPool,
     /// The small pool of public reads, apart from `db`.
     pub public: PgPool,
+    /// The streaming replica buyers' order reads may go to
+    /// (`postgres.replica_url`; none: every read on the primary).
+    pub replica: Option<Arc<Replica>>,
 }
 
 impl Databases {
-    /// The two pools; nothing connects yet.
-    pub fn connect(postgres: &PostgresSettings) -> Self {
+    /// The pools; nothing connects yet.
+    pub fn connect(settings: &Settings, notes: RedisConn, metrics: &Metrics) -> Self {
+        let db = store::pool(&settings.postgres);
         Self {
-            db: store::pool(postgres),
-            public: store::public_pool(postgres),
+            replica: Replica::new(
+                &settings.postgres,
+                db.clone(),
+                notes,
+                &settings.redis.key_prefix,
+                metrics.clone(),
+            ),
+            public: store::public_pool(&settings.postgres),
+            db,
         }
     }
 }
@@ -337,8 +349,8 @@ impl AppState {
         let settings = Arc::new(settings);
         let redis = RedisClients::connect(&settings)?;
         let kafka = KafkaClients::connect(&settings.kafka)?;
-        let pg = Databases::connect(&settings.postgres);
         let metrics = Metrics::new()?;
+        let pg = Databases::connect(&settings, redis.shared.clone(), &metrics);
         let sale = Sale::new(Parts {
             settings: &settings,
             redis: &redis,

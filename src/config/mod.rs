@@ -499,6 +499,31 @@ pub struct PostgresSettings {
     /// Connection checkout timeout, in milliseconds.
     #[serde(deserialize_with = "duration::millis")]
     pub timeout_ms: Duration,
+    /// A streaming replica of the primary (one standby, not a balanced
+    /// set) for the buyers' order reads and the public activity view; ""
+    /// (the default): every read on the primary. Holds a password, so
+    /// secret. See docs/OPERATIONS.md, "Reads from a replica".
+    #[serde(default = "no_replica")]
+    pub replica_url: SecretString,
+    /// A replica further behind than this is not read from (its reads go
+    /// to the primary, and readiness says so), in milliseconds.
+    #[serde(default = "replica_max_lag", deserialize_with = "duration::millis")]
+    pub replica_max_lag_ms: Duration,
+}
+
+fn no_replica() -> SecretString {
+    SecretString::from("")
+}
+
+fn replica_max_lag() -> Duration {
+    Duration::from_secs(10)
+}
+
+impl PostgresSettings {
+    /// The replica's URL, when one is set.
+    pub fn replica(&self) -> Option<&str> {
+        Some(self.replica_url.expose_secret().trim()).filter(|u| !u.is_empty())
+    }
 }
 
 /// Kafka settings.
@@ -793,6 +818,11 @@ impl Settings {
             ),
             ("redis.timeout_ms", self.redis.timeout_ms, ms(1)),
             ("postgres.timeout_ms", self.postgres.timeout_ms, ms(1)),
+            (
+                "postgres.replica_max_lag_ms",
+                self.postgres.replica_max_lag_ms,
+                ms(1),
+            ),
             ("kafka.timeout_ms", self.kafka.timeout_ms, ms(1)),
             (
                 "kafka.message_timeout_ms",

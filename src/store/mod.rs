@@ -4,6 +4,7 @@
 pub mod fenced;
 pub mod notes;
 pub mod redis_conn;
+pub mod replica;
 pub mod schema;
 
 use anyhow::Context;

@@ -8,7 +8,7 @@ use seckill::app::Application;
 use seckill::auth::{JwtKeys, Role};
 use seckill::clock::{Clock, ShiftedClock};
 use seckill::config::Settings;
-use secrecy::ExposeSecret;
+use secrecy::{ExposeSecret, SecretString};
 
 /// A running server and what a test needs to talk to it.
 pub struct TestApp {
@@ -67,6 +67,9 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
             s.postgres.url.expose_secret().to_owned(),
         )
     };
+    // A replica is read from only where a test asks for it
+    // ([`reads_from_the_replica`]), for its own database.
+    settings.postgres.replica_url = SecretString::from("");
     let untouched = addresses(&settings);
     tweak(&mut settings);
     let on_the_real_services = addresses(&settings) == untouched;
@@ -906,6 +909,19 @@ impl TestApp {
 
 /// Short Kafka timeouts and a fast reconciler, so the wait for events sent
 /// before Redis lost an activity, and its restore, take seconds.
+/// Buyers' order reads and the public activity view from the streaming
+/// replica `scripts/services.sh up --pg-replica` runs (3 s behind), for
+/// this test's database.
+pub fn reads_from_the_replica(s: &mut Settings) {
+    let configured = std::env::var("SECKILL__POSTGRES__REPLICA_URL")
+        .ok()
+        .filter(|u| !u.trim().is_empty());
+    s.postgres.replica_url = SecretString::from(crate::db::replica_url(
+        s.postgres.url.expose_secret(),
+        configured.as_deref(),
+    ));
+}
+
 pub fn restores_quickly(s: &mut Settings) {
     s.kafka.message_timeout_ms = std::time::Duration::from_millis(1000);
     s.admission.publish_budget_ms = std::time::Duration::from_millis(1000);

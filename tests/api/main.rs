@@ -28,6 +28,7 @@ mod payments;
 mod production;
 mod reconcile;
 mod redis_loading;
+mod replica;
 mod shards;
 mod sold_out;
 mod streams;

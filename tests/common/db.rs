@@ -59,6 +59,28 @@ pub fn database_url(base: &str, name: &str) -> String {
     format!("{server}/{name}{query}")
 }
 
+/// The URL of the streaming replica (`scripts/services.sh up --pg-replica`)
+/// of the server `primary` points at, for the same database: `configured`
+/// (`postgres.replica_url`) with `primary`'s database, else the primary's
+/// port + 100, where the script starts it.
+#[allow(dead_code)] // the api tests' only; this file is in both test binaries
+pub fn replica_url(primary: &str, configured: Option<&str>) -> String {
+    let name = primary
+        .split('?')
+        .next()
+        .and_then(|p| p.rsplit_once('/'))
+        .map(|(_, name)| name)
+        .expect("postgres url has a database");
+    if let Some(replica) = configured {
+        return database_url(replica, name);
+    }
+    let (head, rest) = primary.split_once('@').expect("postgres url has a host");
+    let (address, tail) = rest.split_once('/').expect("postgres url has a database");
+    let (host, port) = address.rsplit_once(':').unwrap_or((address, "5432"));
+    let port: u16 = port.parse().expect("postgres url's port");
+    format!("{head}@{host}:{}/{tail}", port + 100)
+}
+
 /// Runs `query` with a connection of its own to the database at `url`, on
 /// the blocking pool.
 async fn on_database<T: Send + 'static>(

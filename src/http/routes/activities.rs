@@ -354,13 +354,21 @@ pub async fn show(
     path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
     let id = path.into_inner();
-    // Anonymous and cheap to send in floods: its own pool.
-    let (activity, stock) = store::run(&state.pg.public, move |conn| {
-        Ok(repo::find_with_stock(conn, id)?)
-    })
-    .await
-    .map_err(ApiError::unavailable)?
-    .ok_or_else(|| ApiError::not_found("no such activity"))?;
+    let read = move |conn: &mut store::PgConn| Ok(repo::find_with_stock(conn, id)?);
+    // The replica when it is read from; an activity it has not replayed
+    // yet is asked of the primary, never "no such activity".
+    let on_replica = match state.pg.replica.as_deref().and_then(|r| r.public_pool()) {
+        Some(pool) => store::run(pool, read).await.ok().flatten(),
+        None => None,
+    };
+    let (activity, stock) = match on_replica {
+        Some(found) => found,
+        // Anonymous and cheap to send in floods: its own pool.
+        None => store::run(&state.pg.public, read)
+            .await
+            .map_err(ApiError::unavailable)?
+            .ok_or_else(|| ApiError::not_found("no such activity"))?,
+    };
     let mut body = view(&activity, stock.total, state.clock.now());
     body.remaining = Some(remaining(&state, &activity).await?);
     Ok(HttpResponse::Ok().json(with_room(&state, &activity, body).await?))
@@ -427,11 +435,17 @@ const LISTED_AFTER_END: chrono::Duration = chrono::Duration::hours(1);
 pub async fn list(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let now = state.clock.now();
     let since = now - LISTED_AFTER_END;
-    let rows = store::run(&state.pg.public, move |conn| {
-        Ok(repo::list_recent(conn, since, 50)?)
-    })
-    .await
-    .map_err(ApiError::unavailable)?;
+    let read = move |conn: &mut store::PgConn| Ok(repo::list_recent(conn, since, 50)?);
+    let on_replica = match state.pg.replica.as_deref().and_then(|r| r.public_pool()) {
+        Some(pool) => store::run(pool, read).await.ok(),
+        None => None,
+    };
+    let rows = match on_replica {
+        Some(rows) => rows,
+        None => store::run(&state.pg.public, read)
+            .await
+            .map_err(ApiError::unavailable)?,
+    };
     let mut activities = Vec::with_capacity(rows.len());
     for (activity, stock) in rows {
         let mut body = view(&activity, stock.total, now);

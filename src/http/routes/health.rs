@@ -80,6 +80,8 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
         database,
         restoring,
     };
+    // A replica down or behind is not "not ready": reads go to the primary.
+    let replica = state.pg.replica.as_ref().map(|r| r.status());
     if failed.is_empty() {
         let status = if checks.iter().all(|(_, r)| r.is_ok()) {
             "ready"
@@ -91,12 +93,16 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
             checks: detail,
             admission,
             fallback,
+            replica,
         })
     } else {
         let mut extra = serde_json::Map::new();
         extra.insert("checks".into(), json!(detail));
         extra.insert("admission".into(), admission.into());
         extra.insert("fallback".into(), json!(fallback));
+        if let Some(replica) = replica {
+            extra.insert("replica".into(), json!(replica));
+        }
         // A dependency that went away is retried by the pool about every
         // few seconds; asking sooner finds the same answer.
         problem_with(
@@ -125,6 +131,9 @@ pub struct Ready {
     /// Where this instance sends purchases: redis or database.
     admission: &'static str,
     fallback: FallbackState,
+    /// The streaming replica, when `postgres.replica_url` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replica: Option<crate::store::replica::ReplicaStatus>,
 }
 
 /// Each dependency's check: up or down.

@@ -337,13 +337,12 @@ pub async fn show(
 ) -> Result<HttpResponse, ApiError> {
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
-    let found = find(&state, &state.pg.db, order_no, user_id, None)
-        .await?
-        .ok_or_else(|| ApiError::not_found("no such order"))?;
+    let (found, db) = find_read(&state, &state.pg.db, order_no, user_id).await?;
+    let found = found.ok_or_else(|| ApiError::not_found("no such order"))?;
     Ok(HttpResponse::Ok().json(match found {
         Found::Row(order) => {
             let no = order.order_no;
-            let payment = store::run(&state.pg.db, move |conn| {
+            let payment = store::run(&db, move |conn| {
                 Ok(crate::payments::repo::view_for_order(conn, no)?)
             })
             .await
@@ -399,6 +398,48 @@ fn found_status(r: &Reservation) -> OrderStatus {
     } else {
         OrderStatus::Processing
     }
+}
+
+/// [`find`], read from the replica when `postgres.replica_url` is set and
+/// it has replayed all the caller was shown (`store::replica`), else from
+/// `primary`; with the pool it was read from. On the replica, an order
+/// without its row is PROCESSING when Redis holds its live reservation
+/// (what the 202 said), and is asked of the primary otherwise: lag never
+/// answers "no such order", nor FAILED for a row not replayed yet.
+pub(super) async fn find_read(
+    state: &AppState,
+    primary: &store::PgPool,
+    order_no: OrderNo,
+    user_id: UserId,
+) -> Result<(Option<Found>, store::PgPool), ApiError> {
+    let Some(replica) = &state.pg.replica else {
+        return Ok((
+            find(state, primary, order_no, user_id, None).await?,
+            primary.clone(),
+        ));
+    };
+    if let Some(pool) = replica.pool_for(user_id).await {
+        match find(state, pool, order_no, user_id, None).await {
+            Ok(Some(found @ Found::Row(_))) => {
+                replica.count("replica");
+                return Ok((Some(found), pool.clone()));
+            }
+            Ok(Some(found @ Found::Reserved { .. }))
+                if found.status() == OrderStatus::Processing =>
+            {
+                replica.count("redis");
+                return Ok((Some(found), pool.clone()));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(error = ?e, "an order read on the replica failed; reading the primary")
+            }
+        }
+    }
+    let found = find(state, primary, order_no, user_id, None).await?;
+    replica.count("primary");
+    replica.shown_from_primary(user_id).await;
+    Ok((found, primary.clone()))
 }
 
 /// The caller's order (SPEC step 8): the row, else the reservation in one
@@ -476,6 +517,9 @@ pub async fn cancel(
     .await
     .map_err(ApiError::unavailable)?;
     let order = outcome.ok_or_else(|| ApiError::not_found("no such order"))?;
+    if let Some(replica) = &state.pg.replica {
+        replica.shown_from_primary(user_id).await;
+    }
     if order.status != OrderStatus::Cancelled {
         return Err(ApiError::new(
             ErrorCode::InvalidState,
@@ -543,11 +587,38 @@ pub async fn list(
         Some(c) => Some(OrderNo::parse(c).ok_or_else(|| ApiError::bad_request("bad cursor"))?),
     };
     let user_id = user.user_id;
-    let orders = store::run(&state.pg.db, move |conn| {
+    let read = move |conn: &mut store::PgConn| {
         Ok(repo::list_for_user(conn, user_id, status, cursor, limit)?)
-    })
-    .await
-    .map_err(ApiError::unavailable)?;
+    };
+    let replica = state.pg.replica.as_deref();
+    let mut listed = None;
+    if let Some(pool) = match replica {
+        Some(r) => r.pool_for(user_id).await,
+        None => None,
+    } {
+        match store::run(pool, read).await {
+            Ok(orders) => listed = Some(orders),
+            Err(e) => {
+                tracing::debug!(error = ?e, "a list on the replica failed; reading the primary")
+            }
+        }
+    }
+    let orders = match listed {
+        Some(orders) => {
+            replica.inspect(|r| r.count("replica"));
+            orders
+        }
+        None => {
+            let orders = store::run(&state.pg.db, read)
+                .await
+                .map_err(ApiError::unavailable)?;
+            if let Some(r) = replica {
+                r.count("primary");
+                r.shown_from_primary(user_id).await;
+            }
+            orders
+        }
+    };
     let next_cursor = match orders.last() {
         Some(last) if orders.len() as i64 == limit => Some(last.order_no.to_string()),
         _ => None,

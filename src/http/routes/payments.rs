@@ -124,6 +124,11 @@ pub async fn pay(
             checkout
         }
     };
+    // The buyer's next read shows this payment: not from a replica that
+    // has not replayed it.
+    if let Some(replica) = &state.pg.replica {
+        replica.shown_from_primary(user_id).await;
+    }
     Ok(HttpResponse::Ok().json(PayAnswer {
         payment_no: payment.payment_no.to_string(),
         order_no: payment.order_no.to_string(),

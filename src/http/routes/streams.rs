@@ -17,7 +17,7 @@ use crate::orders::OrderStatus;
 use crate::orders::events::Note;
 use crate::state::AppState;
 
-use super::orders::{Found, find};
+use super::orders::{Found, find, find_read};
 
 /// A comment line this often keeps proxies from closing an idle stream.
 const KEEPALIVE: Duration = Duration::from_secs(15);
@@ -70,8 +70,9 @@ pub async fn order_events(
     // Listening before the first read: a change committed in between is
     // heard, not lost.
     let mut notes = state.redis.order_events.follow(order_no.get());
-    let found = find(&state, &state.pg.public, order_no, user_id, None)
+    let found = find_read(&state, &state.pg.public, order_no, user_id)
         .await?
+        .0
         .ok_or_else(|| ApiError::not_found("no such order"))?;
     let mut status = found.status();
     // Where to read it again: its row once it has one, else its activity.

@@ -1,0 +1,217 @@
+//! Reads from a streaming replica replaying 3 s behind its primary
+//! (`scripts/services.sh up --pg-replica`, `recovery_min_apply_delay`):
+//! a buyer is never told "no such order" and never shown an order older
+//! than already shown, and with the replica stopped every read goes to
+//! the primary and readiness says so.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{self, StreamExt};
+use serde_json::{Value, json};
+
+use crate::helpers::{TestApp, eventually, json, reads_from_the_replica, spawn_app_with};
+
+/// How far along an order is, as its buyer sees it: PROCESSING, then
+/// WAITING_PAY, then WAITING_PAY with its payment, then PAID.
+fn stage(order: &Value) -> u8 {
+    match order["status"].as_str() {
+        Some("PROCESSING") => 0,
+        Some("WAITING_PAY") if order["payment"].is_null() => 1,
+        Some("WAITING_PAY") => 2,
+        Some("PAID") => 3,
+        _ => panic!("an order in no stage of this test: {order}"),
+    }
+}
+
+impl TestApp {
+    /// `/health/ready`'s replica, once `check` holds of it.
+    async fn replica_once(&self, what: &str, check: impl Fn(&Value) -> bool) -> Value {
+        eventually(what, Duration::from_secs(120), || async {
+            let res = self.get("/health/ready", None).await;
+            let status = res.status();
+            let body = json(res).await;
+            assert_eq!(
+                status, 200,
+                "a replica never makes the instance unready: {body}"
+            );
+            let replica = body["replica"].clone();
+            check(&replica).then_some(replica)
+        })
+        .await
+    }
+
+    /// The order as its buyer reads it now: 200, at a stage no earlier
+    /// than `shown`.
+    async fn read_no_earlier(&self, user: i64, order_no: &str, shown: u8) -> u8 {
+        let res = self
+            .get(
+                &format!("/api/v1/orders/{order_no}"),
+                Some(&self.user_token(user)),
+            )
+            .await;
+        let status = res.status();
+        let body = json(res).await;
+        assert_eq!(status, 200, "user {user}, order {order_no}: {body}");
+        let now = stage(&body);
+        assert!(
+            now >= shown,
+            "user {user}, order {order_no}: shown stage {shown}, then {body}"
+        );
+        now
+    }
+
+    /// Reads until the order is at `stage` at least, every 200 ms.
+    async fn read_until(&self, user: i64, order_no: &str, mut shown: u8, stage: u8) -> (u8, u32) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut reads = 0;
+        loop {
+            shown = self.read_no_earlier(user, order_no, shown).await;
+            reads += 1;
+            if shown >= stage {
+                return (shown, reads);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "user {user}, order {order_no}: still at stage {shown}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// One buyer: buys, reads until WAITING_PAY, pays, reads, has the
+    /// payment succeed, reads until PAID, and lists their orders. Returns
+    /// the reads made.
+    async fn buy_pay_and_watch(&self, activity: i64, user: i64) -> u32 {
+        let (status, body) = self.buy(user, activity).await;
+        assert_eq!(status, 202, "{body}");
+        let no = body["order_no"].as_str().unwrap().to_owned();
+        let (shown, mut reads) = self.read_until(user, &no, 0, 1).await;
+        let payment = self.payment(user, &no).await;
+        assert_eq!(payment["status"], "PENDING", "{payment}");
+        // Paying showed the payment: from now on it is always there.
+        let shown = self.read_no_earlier(user, &no, shown.max(2)).await;
+        reads += 1;
+        // The provider's callback, sent again until it is answered 200, as
+        // a provider does.
+        let path = format!(
+            "/api/v1/dev/payments/{}/simulate",
+            payment["payment_no"].as_str().unwrap()
+        );
+        eventually(
+            "the payment callback answered",
+            Duration::from_secs(60),
+            || async {
+                let res = self
+                    .post_json(
+                        &path,
+                        &json!({"status": "SUCCESS", "times": 1}),
+                        Some(&self.user_token(user)),
+                    )
+                    .await;
+                assert_eq!(res.status(), 200);
+                (json(res).await["responses"] == json!([200])).then_some(())
+            },
+        )
+        .await;
+        let (shown, more) = self.read_until(user, &no, shown, 3).await;
+        reads += more;
+        let res = self
+            .get("/api/v1/orders", Some(&self.user_token(user)))
+            .await;
+        assert_eq!(res.status(), 200);
+        let listed = json(res).await;
+        let mine = listed["orders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["order_no"] == no.as_str())
+            .unwrap_or_else(|| panic!("user {user}'s list lost {no}: {listed}"));
+        assert_eq!(mine["status"], "PAID", "the list went back: {listed}");
+        assert_eq!(shown, 3);
+        reads + 1
+    }
+
+    fn reads_from(&self, source: &str) -> String {
+        format!("seckill_order_reads_total{{source=\"{source}\"}}")
+    }
+}
+
+/// `scripts/services.sh stop|start postgres-replica`.
+fn replica(action: &str) {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = Command::new(format!("{root}/scripts/services.sh"))
+        .args([action, "postgres-replica"])
+        .current_dir(root)
+        .output()
+        .expect("run scripts/services.sh");
+    assert!(
+        out.status.success(),
+        "services.sh {action} postgres-replica: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// 1,000 buyers, 100 at a time, each buys, reads, pays and reads again
+/// against a replica 3 s behind: every read answers 200 and no order goes
+/// back a stage (PROCESSING, WAITING_PAY, with its payment, PAID), in the
+/// order view or in the buyer's list. The reads were answered by all
+/// three: the replica, Redis (PROCESSING, the row not replayed yet) and
+/// the primary (the buyer shown more than the replica has). Then the
+/// replica stops: readiness says so, stays 200, and reads go to the
+/// primary; it starts again and is read from again.
+#[tokio::test]
+async fn a_buyer_read_from_a_replica_3_s_behind_never_loses_an_order_nor_sees_it_go_back() {
+    let app = spawn_app_with(reads_from_the_replica).await;
+    // The test's database reaches the replica 3 s after its creation.
+    let seen = app
+        .replica_once("the replica read from", |r| r["reads"] == "replica")
+        .await;
+    println!("replica before the buyers: {seen}");
+    let buyers = 1000;
+    let activity = app.live_activity(buyers as i32, 1, 4).await;
+    let began = Instant::now();
+    let reads: u32 = stream::iter(1..=buyers)
+        .map(|user| {
+            let app = &app;
+            async move { app.buy_pay_and_watch(activity, user).await }
+        })
+        .buffer_unordered(100)
+        .fold(0, |sum, n| async move { sum + n })
+        .await;
+    let mut by_source = Vec::new();
+    for source in ["replica", "redis", "primary"] {
+        let n = app.metric(&app.reads_from(source)).await.unwrap_or(0);
+        by_source.push((source, n));
+    }
+    println!(
+        "{buyers} buyers, {reads} reads in {:.1}s; answered from {by_source:?}",
+        began.elapsed().as_secs_f64()
+    );
+    for (source, n) in &by_source {
+        assert!(*n > 0, "no read answered from the {source}: {by_source:?}");
+    }
+    assert_eq!(app.stats(activity).await["db_sold"], buyers);
+
+    replica("stop");
+    let down = app
+        .replica_once("the replica seen down", |r| {
+            r["state"] == "down" && r["reads"] == "primary"
+        })
+        .await;
+    println!("replica stopped: {down}");
+    let before = app.metric(&app.reads_from("primary")).await.unwrap_or(0);
+    let (status, body) = app.buy(buyers + 1, activity).await;
+    assert_eq!(status, 409, "sold out: {body}");
+    let res = app.get("/api/v1/orders", Some(&app.user_token(1))).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(json(res).await["orders"][0]["status"], "PAID");
+    let after = app.metric(&app.reads_from("primary")).await.unwrap_or(0);
+    assert_eq!(after, before + 1, "the list was read from the primary");
+
+    replica("start");
+    let back = app
+        .replica_once("the replica read from again", |r| r["reads"] == "replica")
+        .await;
+    println!("replica started again: {back}");
+}
