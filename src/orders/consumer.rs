@@ -274,12 +274,12 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
     };
     let db_started = std::time::Instant::now();
     let owned = events.to_vec();
-    let (outcome, terms, statuses) = store::run(&deps.db, move |conn| {
+    let (mut outcome, terms) = store::run(&deps.db, move |conn| {
         let outcome = repo::apply_batch(conn, CONSUMER, &owned, &terms, &released, Utc::now())?;
-        let order_nos: Vec<i64> = owned.iter().map(|e| e.order_no.get()).collect();
-        Ok((outcome, terms, repo::statuses(conn, &order_nos)?))
+        Ok((outcome, terms))
     })
     .await?;
+    let statuses = std::mem::take(&mut outcome.statuses);
     let db = db_started.elapsed();
 
     // Reservations follow the rows: kept for live orders, released for

@@ -199,6 +199,10 @@ pub struct BatchOutcome {
     /// before, or earlier in the batch, with a different payload: two
     /// instances minted one number. Nothing of theirs was written.
     pub conflicts: Vec<usize>,
+    /// The status each event's order has as the batch's transaction
+    /// leaves it (no entry: no row). Known from what the batch wrote; only
+    /// the orders it did not insert (redeliveries) are read back.
+    pub statuses: HashMap<i64, OrderStatus>,
 }
 
 /// SPEC step 3 in ONE transaction: skip events already in `consume_log`;
@@ -293,13 +297,27 @@ pub fn apply_batch(
         // by now, so a concurrent batch of the same activity waits here and
         // then sees this one's rows. Their lock is undone in this
         // transaction, so no one ever sees it.
-        let over = over_limit(conn, &locked)?;
+        let over = over_limit(conn, &locked, &rows)?;
         let over_nos: Vec<i64> = over.iter().map(|o| o.order_no).collect();
         fail_orders(conn, &over_nos, LIMIT_EXCEEDED)?;
         stock::unlock(conn, &over)?;
         locked.retain(|o| !over_nos.contains(&o.order_no));
         outcome.created = locked.len();
         outcome.failed = inserted.len() - locked.len();
+        outcome.statuses = rows.statuses(&inserted, &unbacked, &over_nos);
+        // Rows this batch did not insert (a redelivery, a number taken)
+        // are read: a lookup by numbers alone asks every partition, so only
+        // for these.
+        let rest: Vec<i64> = events
+            .iter()
+            .map(|e| e.order_no.get())
+            .filter(|n| !outcome.statuses.contains_key(n))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        if !rest.is_empty() {
+            outcome.statuses.extend(statuses(conn, &rest)?);
+        }
         Ok(outcome)
     })
 }
@@ -381,25 +399,59 @@ fn fail_orders(conn: &mut PgConn, order_nos: &[i64], reason: &str) -> QueryResul
 
 /// The orders of `batch` that would put their buyer over the activity's
 /// per-user limit, counting every other live order of that buyer and this
-/// batch's earlier ones (by order_no).
-fn over_limit(conn: &mut PgConn, batch: &[Units]) -> QueryResult<Vec<Units>> {
+/// batch's earlier ones (by order_no). The batch's orders come from
+/// `rows` (their buyers and partitions), not from the table: a lookup of
+/// the table by numbers alone asks each of its 16 partitions, and cost
+/// the partitioned table's drain most of its time over the single table.
+/// Each buyer's sum reads their partition only (pruned at run time).
+fn over_limit(conn: &mut PgConn, batch: &[Units], rows: &OrderColumns) -> QueryResult<Vec<Units>> {
     if batch.is_empty() {
         return Ok(Vec::new());
     }
-    let nos: Vec<i64> = batch.iter().map(|o| o.order_no).collect();
+    let at: HashMap<i64, usize> = rows
+        .order_no
+        .iter()
+        .enumerate()
+        .map(|(i, &no)| (no, i))
+        .collect();
+    let mut b = OverLimitColumns::default();
+    for u in batch {
+        let i = at[&u.order_no];
+        b.order_no.push(u.order_no);
+        b.activity_id.push(u.activity_id);
+        b.quantity.push(u.quantity);
+        b.user_id.push(rows.user_id[i]);
+        b.user_slot.push(rows.user_slot[i]);
+    }
     diesel::sql_query(format!(
-        "SELECT o.order_no, o.activity_id, o.quantity FROM orders o \
-         JOIN activities a ON a.id = o.activity_id \
-         WHERE o.order_no = ANY($1) AND a.per_user_limit < ( \
+        "SELECT b.order_no, b.activity_id, b.quantity \
+         FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::bigint[], $5::smallint[]) \
+           AS b(order_no, activity_id, quantity, user_id, user_slot) \
+         JOIN activities a ON a.id = b.activity_id \
+         WHERE a.per_user_limit < ( \
            SELECT COALESCE(sum(p.quantity), 0) FROM orders p \
-           WHERE p.user_slot = o.user_slot AND p.user_id = o.user_id \
-             AND p.activity_id = o.activity_id \
+           WHERE p.user_slot = b.user_slot AND p.user_id = b.user_id \
+             AND p.activity_id = b.activity_id \
              AND p.status IN ({}) \
-             AND (p.order_no <> ALL($1) OR p.order_no <= o.order_no))",
+             AND (p.order_no <> ALL($1) OR p.order_no <= b.order_no))",
         OrderStatus::sql_list(&OrderStatus::HOLDING)
     ))
-    .bind::<Array<BigInt>, _>(&nos)
+    .bind::<Array<BigInt>, _>(&b.order_no)
+    .bind::<Array<BigInt>, _>(&b.activity_id)
+    .bind::<Array<Integer>, _>(&b.quantity)
+    .bind::<Array<BigInt>, _>(&b.user_id)
+    .bind::<Array<SmallInt>, _>(&b.user_slot)
     .load(conn)
+}
+
+/// The batch's locked orders, column-wise, for [`over_limit`].
+#[derive(Default)]
+struct OverLimitColumns {
+    order_no: Vec<i64>,
+    activity_id: Vec<ActivityId>,
+    quantity: Vec<i32>,
+    user_id: Vec<i64>,
+    user_slot: Vec<i16>,
 }
 
 /// Column-wise order rows, inserted with one `unnest` statement.
@@ -452,6 +504,24 @@ impl OrderColumns {
                 quantity: self.quantity[i],
             })
             .collect()
+    }
+
+    /// The status each inserted row is left in: as inserted, FAILED for
+    /// those failed since (`unbacked`, `over`).
+    fn statuses(
+        &self,
+        inserted: &HashSet<i64>,
+        unbacked: &[i64],
+        over: &[i64],
+    ) -> HashMap<i64, OrderStatus> {
+        let mut out: HashMap<i64, OrderStatus> = (0..self.order_no.len())
+            .filter(|&i| inserted.contains(&self.order_no[i]))
+            .map(|i| (self.order_no[i], self.status[i]))
+            .collect();
+        for no in unbacked.iter().chain(over) {
+            out.insert(*no, OrderStatus::Failed);
+        }
+        out
     }
 
     /// Inserts every row not already there; returns the order_nos inserted.
