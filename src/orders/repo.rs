@@ -525,6 +525,9 @@ impl OrderColumns {
     }
 
     /// Inserts every row not already there; returns the order_nos inserted.
+    /// The rows go in partition by partition (`ORDER BY` the buyer's
+    /// slot): routed in runs, not switching partitions at every row, the
+    /// statement took about 7 % less (BENCHMARKS.md, "Orders at scale").
     fn insert(&self, conn: &mut PgConn) -> QueryResult<HashSet<i64>> {
         if self.order_no.is_empty() {
             return Ok(HashSet::new());
@@ -534,7 +537,7 @@ impl OrderColumns {
              coupon_id, status, failure_reason, pay_deadline, user_slot) \
              SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::int[], \
              $6::bigint[], $7::bigint[], $8::text[], $9::text[], $10::timestamptz[], \
-             $11::smallint[]) \
+             $11::smallint[]) ORDER BY 11 \
              ON CONFLICT DO NOTHING RETURNING order_no",
         )
         .bind::<Array<BigInt>, _>(&self.order_no)
