@@ -19,6 +19,7 @@ pub mod orders;
 pub mod outbox;
 pub mod payments;
 pub mod reconcile;
+pub mod replica;
 pub mod room;
 pub mod state;
 pub mod stock;

@@ -35,10 +35,10 @@ use crate::orders::events::{OrderEvents, StreamCounts};
 use crate::outbox::relay::Relay;
 use crate::payments::provider::{PaymentProvider, SignedProvider};
 use crate::reconcile::Reconciler;
+use crate::replica::Replica;
 use crate::room::Rooms;
 use crate::store::notes::Notes;
 use crate::store::redis_conn::{RedisClient, RedisConn};
-use crate::store::replica::Replica;
 use crate::store::{self, PgPool};
 
 /// Shared state of every request handler and worker, in parts: the

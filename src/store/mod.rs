@@ -4,7 +4,6 @@
 pub mod fenced;
 pub mod notes;
 pub mod redis_conn;
-pub mod replica;
 pub mod schema;
 
 use anyhow::Context;
@@ -103,6 +102,20 @@ pub fn public_pool(settings: &PostgresSettings) -> PgPool {
         .max_size(settings.public_pool_size.max(1))
         .min_idle(Some(0))
         .connection_timeout(settings.timeout_ms)
+        .build_unchecked(manager)
+}
+
+/// A pool of reads only (a standby's answers taken), of at most `size`
+/// connections to `url`; nothing connects yet.
+pub fn read_pool(url: &str, size: u32, timeout: std::time::Duration) -> PgPool {
+    let manager = Connections {
+        inner: ConnectionManager::new(url),
+        writes: false,
+    };
+    Pool::builder()
+        .max_size(size.max(1))
+        .min_idle(Some(0))
+        .connection_timeout(timeout)
         .build_unchecked(manager)
 }
 

@@ -133,7 +133,7 @@ pub struct Ready {
     fallback: FallbackState,
     /// The streaming replica, when `postgres.replica_url` is set.
     #[serde(skip_serializing_if = "Option::is_none")]
-    replica: Option<crate::store::replica::ReplicaStatus>,
+    replica: Option<crate::replica::ReplicaStatus>,
 }
 
 /// Each dependency's check: up or down.

@@ -401,7 +401,7 @@ fn found_status(r: &Reservation) -> OrderStatus {
 }
 
 /// [`find`], read from the replica when `postgres.replica_url` is set and
-/// it has replayed all the caller was shown (`store::replica`), else from
+/// it has replayed all the caller was shown (`replica`), else from
 /// `primary`; with the pool it was read from. On the replica, an order
 /// without its row is PROCESSING when Redis holds its live reservation
 /// (what the 202 said), and is asked of the primary otherwise: lag never

@@ -36,16 +36,15 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use diesel::prelude::*;
-use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::{BigInt, Bool};
 use redis::Script;
 use tokio_util::sync::CancellationToken;
 
-use super::{Connections, PgPool};
 use crate::config::PostgresSettings;
 use crate::domain::UserId;
 use crate::metrics::Metrics;
 use crate::store::redis_conn::RedisConn;
+use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
 
 /// How often the watcher samples the replica and the primary.
@@ -117,7 +116,7 @@ struct Standby {
 /// The primary's WAL insert position now, in bytes. Read after a
 /// statement completed (on any connection), it is past every commit that
 /// statement saw.
-pub fn insert_position(conn: &mut super::PgConn) -> QueryResult<i64> {
+pub fn insert_position(conn: &mut PgConn) -> QueryResult<i64> {
     diesel::sql_query("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint AS lsn")
         .get_result::<Position>(conn)
         .map(|p| p.lsn)
@@ -135,18 +134,14 @@ impl Replica {
         metrics: Metrics,
     ) -> Option<Arc<Self>> {
         let url = settings.replica()?.to_owned();
-        let manager = Connections {
-            inner: ConnectionManager::new(url.clone()),
-            writes: false,
-        };
         // A replica that stopped answering must not hold a buyer's read
         // for the main pool's whole checkout timeout before the primary
         // takes it.
-        let pool = Pool::builder()
-            .max_size(settings.pool_size.max(1))
-            .min_idle(Some(0))
-            .connection_timeout(settings.timeout_ms.min(Duration::from_secs(1)))
-            .build_unchecked(manager);
+        let pool = store::read_pool(
+            &url,
+            settings.pool_size,
+            settings.timeout_ms.min(Duration::from_secs(1)),
+        );
         Some(Arc::new(Self {
             pool,
             url,
@@ -205,7 +200,7 @@ impl Replica {
     /// they were shown. Best effort: a note that cannot be written is
     /// logged (the floor covers a Redis that lost them).
     pub async fn shown_from_primary(&self, user: UserId) {
-        let position = super::run(&self.primary, |conn| Ok(insert_position(conn)?)).await;
+        let position = store::run(&self.primary, |conn| Ok(insert_position(conn)?)).await;
         let position = match position {
             Ok(p) => p,
             Err(e) => {
@@ -271,7 +266,7 @@ impl Replica {
 
     /// One sample: the primary's position, the floor, then the replica.
     async fn sample(&self, conn: &Arc<std::sync::Mutex<Option<PgConnection>>>) {
-        let primary = super::run(&self.primary, |c| {
+        let primary = store::run(&self.primary, |c| {
             Ok(
                 diesel::sql_query("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint AS lsn")
                     .get_result::<Position>(c)?
