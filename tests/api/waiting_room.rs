@@ -974,6 +974,27 @@ async fn a_used_offer_frees_its_hold_at_once_and_buys_one_unit() {
     );
 }
 
+impl TestApp {
+    /// A warmed activity of 12 units over 3 shards, on sale, with a room
+    /// admitting 200 a second and no pre-queue.
+    async fn sharded_room_of_12(&self) -> i64 {
+        let now = chrono::Utc::now();
+        let body = json!({
+            "sku_id": 1001, "name": "Console", "price_cents": 49900, "stock": 12,
+            "start_at": now - chrono::Duration::seconds(60),
+            "end_at": now + chrono::Duration::seconds(7200),
+            "per_user_limit": 1, "buckets": 1, "shards": 3, "waiting_room": room(0, 200),
+        });
+        let res = self
+            .post_json("/api/v1/admin/activities", &body, Some(&self.admin_token()))
+            .await;
+        assert_eq!(res.status(), 201);
+        let id = json(res).await["activity_id"].as_i64().unwrap();
+        self.warmup(id).await;
+        id
+    }
+}
+
 /// One shard of a sharded activity lost (the master holding its slots
 /// restarted empty) is restored from the database, and the waiting room's
 /// queue, on an intact master, stays: the same epoch, the same tickets,
@@ -981,19 +1002,7 @@ async fn a_used_offer_frees_its_hold_at_once_and_buys_one_unit() {
 #[tokio::test]
 async fn a_shard_lost_beside_an_intact_queue_keeps_the_queue() {
     let app = spawn_app_with(crate::helpers::restores_quickly).await;
-    let now = chrono::Utc::now();
-    let body = json!({
-        "sku_id": 1001, "name": "Console", "price_cents": 49900, "stock": 12,
-        "start_at": now - chrono::Duration::seconds(60),
-        "end_at": now + chrono::Duration::seconds(7200),
-        "per_user_limit": 1, "buckets": 1, "shards": 3, "waiting_room": room(0, 200),
-    });
-    let res = app
-        .post_json("/api/v1/admin/activities", &body, Some(&app.admin_token()))
-        .await;
-    assert_eq!(res.status(), 201);
-    let id = json(res).await["activity_id"].as_i64().unwrap();
-    app.warmup(id).await;
+    let id = app.sharded_room_of_12().await;
     for u in 1..=6 {
         assert_eq!(app.join(u, id).await.0, 201);
     }
@@ -1043,19 +1052,7 @@ async fn a_shard_lost_beside_an_intact_queue_keeps_the_queue() {
 #[tokio::test]
 async fn a_room_beside_shards_dropped_for_a_restore_does_not_sell_out() {
     let app = spawn_app_with(crate::helpers::restores_quickly).await;
-    let now = chrono::Utc::now();
-    let body = json!({
-        "sku_id": 1001, "name": "Console", "price_cents": 49900, "stock": 12,
-        "start_at": now - chrono::Duration::seconds(60),
-        "end_at": now + chrono::Duration::seconds(7200),
-        "per_user_limit": 1, "buckets": 1, "shards": 3, "waiting_room": room(0, 200),
-    });
-    let res = app
-        .post_json("/api/v1/admin/activities", &body, Some(&app.admin_token()))
-        .await;
-    assert_eq!(res.status(), 201);
-    let id = json(res).await["activity_id"].as_i64().unwrap();
-    app.warmup(id).await;
+    let id = app.sharded_room_of_12().await;
     for u in 1..=3 {
         assert_eq!(app.join(u, id).await.0, 201);
         app.ticket_in(u, id, "ADMITTED").await;
