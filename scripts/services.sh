@@ -229,8 +229,10 @@ pg_up() {
   as_pg mkdir -p "$PGRUN"
   if ! as_pg "$PGBIN/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then
     if pg_ready; then die "something else answers on $PG_HOST:$PG_PORT; change postgres.url"; fi
+    # max_slot_wal_keep_size: a replica (--pg-replica) stopped for good
+    # must not fill the disk with the WAL its slot keeps.
     as_pg "$PGBIN/pg_ctl" -D "$PGDATA" -l "$PGLOG" -w -t 60 start \
-      -o "-p $PG_PORT -k $PGRUN -c listen_addresses=$PG_HOST -c max_connections=300 -c shared_buffers=256MB" >/dev/null \
+      -o "-p $PG_PORT -k $PGRUN -c listen_addresses=$PG_HOST -c max_connections=300 -c shared_buffers=256MB -c max_slot_wal_keep_size=4GB" >/dev/null \
       || die "postgres did not start; see $PGLOG"
   fi
   wait_for 30 pg_ready || die "postgres does not answer; see $PGLOG"
@@ -263,21 +265,20 @@ pg_replica_paths() {
   REPLICA_LOG=$PG_DIR/replica.log
 }
 pg_replica_ready() { "$PGBIN/pg_isready" -h "$PG_HOST" -p "$PG_REPLICA_PORT" -q; }
-pg_system_id() { as_pg "$PGBIN/pg_controldata" -D "$1" 2>/dev/null | sed -n 's/^Database system identifier: *//p'; }
-
-pg_replica_up() {
-  pg_replica_paths
-  as_pg mkdir -p "$REPLICA_RUN"
-  # A replica of an older primary (its data folder made again) is made anew.
-  if [ -f "$REPLICA_DATA/PG_VERSION" ] && [ "$(pg_system_id "$REPLICA_DATA")" != "$(pg_system_id "$PGDATA")" ]; then
-    pg_replica_down
-    rm -rf "$REPLICA_DATA"
-  fi
-  if [ ! -f "$REPLICA_DATA/PG_VERSION" ]; then
-    log "making a streaming replica of $PG_HOST:$PG_PORT in $REPLICA_DATA"
-    as_pg "$PGBIN/pg_basebackup" -D "$REPLICA_DATA" -h "$PGRUN" -p "$PG_PORT" -U postgres \
-      -R -X stream -c fast >/dev/null || die "pg_basebackup failed"
-  fi
+pg_replica_sql() { as_pg psql -h "$REPLICA_RUN" -p "$PG_REPLICA_PORT" -U postgres -d postgres -tAq -c "$1"; }
+pg_replica_streams() { [ "$(pg_replica_sql "select status from pg_stat_wal_receiver" 2>/dev/null)" = streaming ]; }
+# The replica keeps its place in the primary's WAL with a slot: stopped a
+# while (a fault test), it finds the WAL it missed still there.
+REPLICA_SLOT=seckill_replica
+pg_replica_make() {
+  pg_replica_down
+  rm -rf "$REPLICA_DATA"
+  log "making a streaming replica of $PG_HOST:$PG_PORT in $REPLICA_DATA"
+  pg_sql -c "select pg_drop_replication_slot('$REPLICA_SLOT') from pg_replication_slots where slot_name = '$REPLICA_SLOT'" >/dev/null
+  as_pg "$PGBIN/pg_basebackup" -D "$REPLICA_DATA" -h "$PGRUN" -p "$PG_PORT" -U postgres \
+    -R -C -S "$REPLICA_SLOT" -X stream -c fast >/dev/null || die "pg_basebackup failed"
+}
+pg_replica_start() {
   if ! as_pg "$PGBIN/pg_ctl" -D "$REPLICA_DATA" status >/dev/null 2>&1; then
     if pg_replica_ready; then die "something else answers on $PG_HOST:$PG_REPLICA_PORT; change postgres.replica_url"; fi
     as_pg "$PGBIN/pg_ctl" -D "$REPLICA_DATA" -l "$REPLICA_LOG" -w -t 60 start \
@@ -285,6 +286,26 @@ pg_replica_up() {
       || die "the replica did not start; see $REPLICA_LOG"
   fi
   wait_for 30 pg_replica_ready || die "the replica does not answer; see $REPLICA_LOG"
+}
+pg_system_id() { as_pg "$PGBIN/pg_controldata" -D "$1" 2>/dev/null | sed -n 's/^Database system identifier: *//p'; }
+
+pg_replica_up() {
+  pg_replica_paths
+  as_pg mkdir -p "$REPLICA_RUN"
+  # None yet, one of an older primary (its data folder made again), or one
+  # without its slot on the primary: made anew.
+  if [ ! -f "$REPLICA_DATA/PG_VERSION" ] || [ -z "$(pg_sql -c "select 1 from pg_replication_slots where slot_name = '$REPLICA_SLOT'")" ] \
+      || [ "$(pg_system_id "$REPLICA_DATA")" != "$(pg_system_id "$PGDATA")" ]; then
+    pg_replica_make
+  fi
+  pg_replica_start
+  # One that cannot stream (the WAL it needs is gone) is made anew, once.
+  if ! wait_for 30 pg_replica_streams; then
+    log "the replica does not stream from the primary; making it again"
+    pg_replica_make
+    pg_replica_start
+    wait_for 60 pg_replica_streams || die "the replica does not stream; see $REPLICA_LOG"
+  fi
 }
 
 pg_replica_down() {

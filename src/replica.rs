@@ -201,13 +201,17 @@ impl Replica {
     /// logged (the floor covers a Redis that lost them).
     pub async fn shown_from_primary(&self, user: UserId) {
         let position = store::run(&self.primary, |conn| Ok(insert_position(conn)?)).await;
-        let position = match position {
-            Ok(p) => p,
+        match position {
+            Ok(p) => self.note(user, p).await,
             Err(e) => {
                 tracing::warn!(error = %e, "replica reads: the primary's position is unreadable");
-                return;
             }
-        };
+        }
+    }
+
+    /// Notes `position` (read with [`insert_position`] after what `user`
+    /// was answered from the primary) for `user`, keeping the largest.
+    pub async fn note(&self, user: UserId, position: i64) {
         let written: redis::RedisResult<i64> = self
             .note
             .key(self.seen_key(user))

@@ -436,9 +436,11 @@ pub(super) async fn find_read(
             }
         }
     }
-    let found = find(state, primary, order_no, user_id, None).await?;
+    let (found, position) = find_noting(state, primary, order_no, user_id, None, true).await?;
     replica.count("primary");
-    replica.shown_from_primary(user_id).await;
+    if let Some(position) = position {
+        replica.note(user_id, position).await;
+    }
     Ok((found, primary.clone()))
 }
 
@@ -452,8 +454,23 @@ pub(super) async fn find(
     user_id: UserId,
     activity: Option<(ActivityId, Layout)>,
 ) -> Result<Option<Found>, ApiError> {
+    Ok(find_noting(state, db, order_no, user_id, activity, false)
+        .await?
+        .0)
+}
+
+/// [`find`]; with `note`, also the primary's WAL position after the read,
+/// on the same connection (`replica::insert_position`).
+async fn find_noting(
+    state: &AppState,
+    db: &store::PgPool,
+    order_no: OrderNo,
+    user_id: UserId,
+    activity: Option<(ActivityId, Layout)>,
+    note: bool,
+) -> Result<(Option<Found>, Option<i64>), ApiError> {
     let now = state.clock.now();
-    let (row, recent) = store::run(db, move |conn| {
+    let (row, recent, position) = store::run(db, move |conn| {
         let row = repo::find_for_user(conn, order_no, user_id)?;
         let recent = match (&row, activity) {
             (Some(_), _) => Vec::new(),
@@ -462,12 +479,16 @@ pub(super) async fn find(
                 crate::activities::repo::recent_ids(conn, now - chrono::Duration::days(7))?
             }
         };
-        Ok((row, recent))
+        let position = match note {
+            true => Some(crate::replica::insert_position(conn)?),
+            false => None,
+        };
+        Ok((row, recent, position))
     })
     .await
     .map_err(ApiError::unavailable)?;
     if let Some(order) = row {
-        return Ok(Some(Found::Row(order)));
+        return Ok((Some(Found::Row(order)), position));
     }
     for (activity_id, layout) in recent {
         let reservation = state
@@ -478,15 +499,18 @@ pub(super) async fn find(
             .map_err(|e| ApiError::unavailable(e.into()))?;
         let Some(r) = reservation else { continue };
         if r.user_id != user_id.get() {
-            return Ok(None);
+            return Ok((None, position));
         }
-        return Ok(Some(Found::Reserved {
-            activity_id,
-            layout,
-            r,
-        }));
+        return Ok((
+            Some(Found::Reserved {
+                activity_id,
+                layout,
+                r,
+            }),
+            position,
+        ));
     }
-    Ok(None)
+    Ok((None, position))
 }
 
 /// `POST /api/v1/orders/{order_no}/cancel` (SPEC step 6): WAITING_PAY →
@@ -509,16 +533,20 @@ pub async fn cancel(
 ) -> Result<HttpResponse, ApiError> {
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
-    let outcome = store::run(&state.pg.db, move |conn| {
-        Ok(crate::orders::transitions::cancel_for_user(
-            conn, order_no, user_id,
-        )?)
+    let note = state.pg.replica.is_some();
+    let (outcome, position) = store::run(&state.pg.db, move |conn| {
+        let outcome = crate::orders::transitions::cancel_for_user(conn, order_no, user_id)?;
+        let position = match note {
+            true => Some(crate::replica::insert_position(conn)?),
+            false => None,
+        };
+        Ok((outcome, position))
     })
     .await
     .map_err(ApiError::unavailable)?;
     let order = outcome.ok_or_else(|| ApiError::not_found("no such order"))?;
-    if let Some(replica) = &state.pg.replica {
-        replica.shown_from_primary(user_id).await;
+    if let (Some(replica), Some(position)) = (&state.pg.replica, position) {
+        replica.note(user_id, position).await;
     }
     if order.status != OrderStatus::Cancelled {
         return Err(ApiError::new(
@@ -587,16 +615,26 @@ pub async fn list(
         Some(c) => Some(OrderNo::parse(c).ok_or_else(|| ApiError::bad_request("bad cursor"))?),
     };
     let user_id = user.user_id;
-    let read = move |conn: &mut store::PgConn| {
-        Ok(repo::list_for_user(conn, user_id, status, cursor, limit)?)
-    };
     let replica = state.pg.replica.as_deref();
+    let note = replica.is_some();
+    let read = move |conn: &mut store::PgConn| {
+        let orders = repo::list_for_user(conn, user_id, status, cursor, limit)?;
+        // On the primary, the position after the read (replica notes).
+        let position = match note {
+            true => Some(crate::replica::insert_position(conn)?),
+            false => None,
+        };
+        Ok((orders, position))
+    };
     let mut listed = None;
     if let Some(pool) = match replica {
         Some(r) => r.pool_for(user_id).await,
         None => None,
     } {
-        match store::run(pool, read).await {
+        let on_replica = move |conn: &mut store::PgConn| {
+            Ok(repo::list_for_user(conn, user_id, status, cursor, limit)?)
+        };
+        match store::run(pool, on_replica).await {
             Ok(orders) => listed = Some(orders),
             Err(e) => {
                 tracing::debug!(error = ?e, "a list on the replica failed; reading the primary")
@@ -609,12 +647,14 @@ pub async fn list(
             orders
         }
         None => {
-            let orders = store::run(&state.pg.db, read)
+            let (orders, position) = store::run(&state.pg.db, read)
                 .await
                 .map_err(ApiError::unavailable)?;
             if let Some(r) = replica {
                 r.count("primary");
-                r.shown_from_primary(user_id).await;
+                if let Some(position) = position {
+                    r.note(user_id, position).await;
+                }
             }
             orders
         }
