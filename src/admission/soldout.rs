@@ -7,6 +7,13 @@
 //! (`admission.sold_out_ttl_ms`, 200 ms) ends, the safety net for a missed
 //! message. The flag only ever refuses, so it cannot oversell.
 //!
+//! A flag in use does not lapse: while it refuses purchases, a task reads
+//! the activity's units every half lifetime and, while they are 0, sets it
+//! again ([`SoldOut::keep_fresh`]). Without it, every lapse sent every
+//! purchase to Redis until one was answered SOLD_OUT and the flag was set
+//! again; under load that answer took longest, and thousands of purchases
+//! piled up behind it (BENCHMARKS.md, the first second of a sale).
+//!
 //! It must not change what a buyer who already has an order hears: a
 //! replayed request_id gets its order (200), and a buyer at the limit
 //! LIMIT_EXCEEDED, from Redis. So the flag carries the users that have any
@@ -40,6 +47,8 @@ struct Flag {
     generation: i64,
     /// When stock last came back (a release heard).
     cleared_at: Option<Instant>,
+    /// A purchase was refused by the flag since its last refresh.
+    used: AtomicBool,
 }
 
 /// The flags of this instance.
@@ -50,6 +59,8 @@ pub struct SoldOut {
     loading: AtomicBool,
     /// Flagged activities: while 0, a purchase takes no lock here.
     count: AtomicI64,
+    /// Activities whose flag a task keeps fresh.
+    refreshing: std::sync::Mutex<HashSet<ActivityId>>,
     gauge: IntGauge,
 }
 
@@ -62,6 +73,7 @@ impl SoldOut {
             flags: RwLock::new(HashMap::new()),
             loading: AtomicBool::new(false),
             count: AtomicI64::new(0),
+            refreshing: std::sync::Mutex::new(HashSet::new()),
             gauge,
         }
     }
@@ -75,7 +87,12 @@ impl SoldOut {
         }
         let flags = self.flags.read().unwrap_or_else(|e| e.into_inner());
         flags.get(&activity_id).is_some_and(|f| {
-            f.since.is_some_and(|t| t.elapsed() < self.ttl) && !f.buyers.contains(&user_id)
+            let refuses =
+                f.since.is_some_and(|t| t.elapsed() < self.ttl) && !f.buyers.contains(&user_id);
+            if refuses && !f.used.load(Ordering::Relaxed) {
+                f.used.store(true, Ordering::Relaxed);
+            }
+            refuses
         })
     }
 
@@ -85,10 +102,11 @@ impl SoldOut {
     /// `asked_at` (the release's message can arrive between Redis's answer
     /// and this flag; set after it, the flag would refuse buyers while
     /// units wait). Runs off the request path; a second call while one is
-    /// loading returns at once.
+    /// loading returns at once. A flag set here is then kept fresh while
+    /// it is in use ([`Self::keep_fresh`]).
     pub async fn mark(
-        &self,
-        gate: &RedisGate,
+        self: &Arc<Self>,
+        gate: &Arc<RedisGate>,
         activity_id: ActivityId,
         layout: Layout,
         asked_at: Instant,
@@ -101,9 +119,63 @@ impl SoldOut {
         }
         let result = self.load(gate, activity_id, layout, asked_at).await;
         self.loading.store(false, Ordering::Release);
-        if let Err(e) = result {
-            tracing::debug!(error = %e, activity_id = %activity_id, "sold-out flag not set");
+        match result {
+            Ok(()) => {
+                let first = self
+                    .refreshing
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(activity_id);
+                if first {
+                    tokio::spawn(self.clone().keep_fresh(gate.clone(), activity_id, layout));
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, activity_id = %activity_id, "sold-out flag not set")
+            }
         }
+    }
+
+    /// Every half lifetime, while the flag of `activity_id` is set and
+    /// refused a purchase since the last round: reads its units, and sets
+    /// the flag again if they are 0 (as [`Self::mark`] does after a
+    /// SOLD_OUT, its buyers read again if the acceptances moved; not if a
+    /// release was heard after the read was sent). Units back, an activity
+    /// Redis does not hold whole, or Redis failing: the task ends and the
+    /// flag lapses at the end of its lifetime, as before.
+    async fn keep_fresh(
+        self: Arc<Self>,
+        gate: Arc<RedisGate>,
+        activity_id: ActivityId,
+        layout: Layout,
+    ) {
+        loop {
+            tokio::time::sleep(self.ttl / 2).await;
+            let used = {
+                let flags = self.flags.read().unwrap_or_else(|e| e.into_inner());
+                flags
+                    .get(&activity_id)
+                    .filter(|f| f.since.is_some())
+                    .is_some_and(|f| f.used.swap(false, Ordering::Relaxed))
+            };
+            if !used {
+                break;
+            }
+            let asked_at = Instant::now();
+            match gate.available_if_warm(activity_id, layout).await {
+                Ok(Some(0)) => {
+                    if let Err(e) = self.load(&gate, activity_id, layout, asked_at).await {
+                        tracing::debug!(error = %e, %activity_id, "sold-out flag not refreshed");
+                        break;
+                    }
+                }
+                _ => break,
+            }
+        }
+        self.refreshing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&activity_id);
     }
 
     async fn load(
@@ -154,6 +226,7 @@ impl SoldOut {
                 buyers,
                 generation,
                 cleared_at,
+                used: AtomicBool::new(false),
             },
         );
     }
@@ -175,6 +248,7 @@ impl SoldOut {
             // Matches no acceptance count: the buyers are read on a flag.
             generation: -1,
             cleared_at: None,
+            used: AtomicBool::new(false),
         });
         f.since = None;
         f.cleared_at = Some(Instant::now());
@@ -248,6 +322,7 @@ mod tests {
                 buyers: Arc::new(buyers.iter().copied().collect()),
                 generation: 0,
                 cleared_at: None,
+                used: AtomicBool::new(false),
             },
         );
         s.recount(&flags);

@@ -90,3 +90,32 @@ async fn a_unit_released_after_the_sell_out_goes_to_the_next_buyer() {
     assert_eq!(stats["redis_available"], 0);
     assert_eq!(stats["orders"]["CANCELLED"], 1);
 }
+
+#[tokio::test]
+async fn a_flag_in_use_does_not_lapse_while_the_activity_stays_sold_out() {
+    // Flags live 2 s. Without a refresh, the first purchase after each
+    // lapse went to Redis (and, under load, every purchase until one was
+    // answered SOLD_OUT); refreshed every second while in use, none does.
+    let app =
+        spawn_app_with(|s| s.admission.sold_out_ttl_ms = std::time::Duration::from_secs(2)).await;
+    let activity = app.live_activity(1, 1, 1).await;
+    app.buy_as_r_user(activity, 1..=1).await;
+    flagged(&app, activity, 100).await;
+
+    let calls = app.metric(SCRIPT_CALLS).await.unwrap();
+    let started = std::time::Instant::now();
+    let mut buyer = 1_000;
+    // Three and a half lifetimes of purchases, one every 100 ms.
+    while started.elapsed() < Duration::from_millis(7_000) {
+        buyer += 1;
+        let (status, body) = app.buy(buyer, activity).await;
+        assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        app.metric(SCRIPT_CALLS).await.unwrap(),
+        calls,
+        "no purchase reached Redis: the flag never lapsed ({} purchases)",
+        buyer - 1_000
+    );
+}
