@@ -9,6 +9,11 @@
 //! Kept out of the production binary; `scripts/bench.sh` runs it:
 //!   SECKILL__APP__PORT=8081 cargo run --release --example naive
 
+// The same allocator as the server (src/main.rs), so that the rows
+// compare handlers, not allocators.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use actix_web::{App, HttpResponse, HttpServer, web};
 use anyhow::Context;
 use chrono::Utc;

@@ -5,6 +5,11 @@
 //!
 //!   cargo run --release --example plain -- 127.0.0.1:8082
 
+// The same allocator as the server (src/main.rs), so that the rows
+// compare handlers, not allocators.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use actix_web::{App, HttpResponse, HttpServer, web};
 
 async fn accept(_body: web::Bytes) -> HttpResponse {

@@ -6,6 +6,11 @@
 #                    [--pg-seconds S]
 #   scripts/bench.sh --profile      # perf profiles and flame graphs of admission and drain, no table
 #   scripts/bench.sh --hot-only N   # rows 7a-7d only, N times, alternating
+#   scripts/bench.sh --open-only N  # rows 2, 5 and 5c only, N times: the open loop's
+#                                   # latency and the CPU per request, each run's
+#                                   # timeline drawn (scripts/timeline.py)
+#   scripts/bench.sh --timeline     # as --open-only 1, and the chart goes to
+#                                   # docs/open-loop-timeline.svg
 #
 # Rows (see BENCHMARKS.md):
 #   1 ceiling: redis-benchmark running our reserve script (EVALSHA)
@@ -27,7 +32,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-USERS=20000 STOCK=1000 CONC=256 DRAIN=50000 PG_SECONDS=10 PROFILE=0 HOT_ONLY=0
+USERS=20000 STOCK=1000 CONC=256 DRAIN=50000 PG_SECONDS=10 PROFILE=0 HOT_ONLY=0 OPEN_ONLY=0 CHART=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --users) USERS=$2; shift 2 ;;
@@ -37,6 +42,8 @@ while [ $# -gt 0 ]; do
     --pg-seconds) PG_SECONDS=$2; shift 2 ;;
     --profile) PROFILE=1; shift ;;
     --hot-only) HOT_ONLY=$2; shift 2 ;;
+    --open-only) OPEN_ONLY=$2; shift 2 ;;
+    --timeline) OPEN_ONLY=1; CHART=docs/open-loop-timeline.svg; shift ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
 done
@@ -123,6 +130,73 @@ masters_cpu() {
     redis-cli -h 127.0.0.1 -p "$port" INFO cpu | awk -F: '/^used_cpu_(sys|user):/ {s += $2} END {printf "%.3f ", s}'
   done
 }
+# Row 2: the trivial handler; its CPU per request is read from /proc.
+row2() {
+  start plain 18082 target/release/examples/plain 127.0.0.1:18082
+  loadgen --ceiling-url http://127.0.0.1:18082/api/v1/activities/1/orders --users "$USERS" --concurrency "$CONC" \
+    --cpu-pid "${PIDS[-1]}"
+  stop_all
+}
+# Row 5, FIRST_USER: our admission path, closed loop.
+row5() {
+  start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
+  loadgen --url http://127.0.0.1:18080 --users "$USERS" --stock "$STOCK" --concurrency "$CONC" --first-user "$1" \
+    --cpu-pid "${PIDS[-1]}"
+  stop_all
+}
+# Row 5c, RATE FIRST_USER TAG: the open loop, four times the buyers (at
+# half the peak, $USERS would last about two seconds, and the start would
+# be all of its tail). The buyers hold OPEN_CONNS connections when it
+# starts (loadgen --connections). Both sides write a timeline, a sampler
+# reads every process's CPU, and scripts/timeline.py draws
+# $OUT/TAG-timeline.svg.
+OPEN_CONNS=2048
+row5c() {
+  local tag=$3 out
+  start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve --timeline "$OUT/$tag-server.csv"
+  local serve_pid=${PIDS[-1]}
+  $BIN loadgen --json --url http://127.0.0.1:18080 --users $((USERS * 4)) --stock "$STOCK" --rate "$1" \
+    --first-user "$2" --connections "$OPEN_CONNS" --cpu-pid "$serve_pid" --timeline "$OUT/$tag-client.csv" \
+    2>/dev/null >"$OUT/$tag-loadgen.txt" &
+  local lg=$!
+  python3 scripts/timeline.py sample "$OUT/$tag-procs.csv" "serve=$serve_pid" "loadgen=$lg" &
+  local sampler=$!
+  wait "$lg" || true
+  kill "$sampler"; wait "$sampler" 2>/dev/null || true
+  stop_all
+  out=$(tail -n 1 "$OUT/$tag-loadgen.txt")
+  python3 scripts/timeline.py draw "$OUT/$tag-timeline.svg" "$OUT/$tag-client.csv" "$OUT/$tag-server.csv" \
+    "$OUT/$tag-procs.csv" --title "seckill open loop at $1/s, $STOCK units ($(git rev-parse --short HEAD))" >&2
+  echo "$out"
+}
+
+if [ "$OPEN_ONLY" != 0 ]; then
+  say "rows 2, 5 and 5c, $OPEN_ONLY times"
+  echo "| run | 2 trivial handler | 5 ours | 5 / 2 | CPU µs per request, server / loadgen: 2; 5 | 5c offered | 5c done | p50 / p90 / p99 / p99.9 ms | p99 of the 202s | p99 of refusals | 5c CPU µs per request | host busy |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+  for i in $(seq 1 "$OPEN_ONLY"); do
+    base=$((40000000 + i * 1000000))
+    two=$(row2); five=$(row5 $base)
+    half=$(python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['per_sec'] / 2))" "$five")
+    open=$(row5c "$half" $((base + 100000)) "open-$i")
+    python3 - "$i" "$two" "$five" "$open" <<'EOF'
+import json, sys
+i, two, five, o = sys.argv[1], *(json.loads(a) for a in sys.argv[2:])
+c = lambda r: f"{r['server_cpu_us_per_request']:.1f} / {r['loadgen_cpu_us_per_request']:.1f}"
+bad = [r for r in (five, o) if r.get('invariants_ok') is not True]
+print(f"| {i} | {two['per_sec']:,.0f}/s | {five['per_sec']:,.0f}/s | {five['per_sec']/two['per_sec']:.0%} | {c(two)}; {c(five)} "
+      f"| {o['rate']:,.0f}/s | {o['per_sec']:,.0f}/s | {o['p50_ms']:.1f} / {o['p90_ms']:.1f} / {o['p99_ms']:.1f} / {o['p999_ms']:.1f} "
+      f"| {o['p99_accepted_ms']:.1f} | {o['p99_refused_ms']:.1f} | {c(o)} | {o['host_busy']:.0%} |" + (" INVARIANTS FAILED" if bad else ""))
+EOF
+  done
+  if [ -n "$CHART" ]; then
+    cp "$OUT/open-$OPEN_ONLY-timeline.svg" "$CHART"
+    echo "chart: $CHART"
+  fi
+  echo "timelines: $OUT/open-*-timeline.svg"
+  exit 0
+fi
+
 if [ "$PROFILE" = 1 ]; then
   # Profiles only (perf slows what it watches: no table from this run).
   # Admission: ten times the buyers of row 5, so the sold-out steady state
@@ -186,9 +260,7 @@ REDIS_RPS=$(redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" -c "$CONC" -n 3000
   42 req__rand_int__ 1 1 1700000000000 0 600 | tr '\r' '\n' | grep -o '[0-9.]* requests per second' | tail -n 1 | cut -d' ' -f1)
 
 say "2/7 trivial actix-web handler under the load generator"
-start plain 18082 target/release/examples/plain 127.0.0.1:18082
-PLAIN=$(loadgen --ceiling-url http://127.0.0.1:18082/api/v1/activities/1/orders --users "$USERS" --concurrency "$CONC")
-stop_all
+PLAIN=$(row2)
 
 say "3/7 pgbench: order-shaped inserts for ${PG_SECONDS}s each"
 psql_bench -c "insert into activities (sku_id, name, price_cents, start_at, end_at, per_user_limit, pay_timeout_secs, buckets)
@@ -229,20 +301,11 @@ NAIVE=$(loadgen --url http://127.0.0.1:18081 --users "$USERS" --stock "$STOCK" -
 stop_all
 
 say "5/7 seckill admission: $USERS buyers, $STOCK units, concurrency $CONC"
-start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
-OURS=$(loadgen --url http://127.0.0.1:18080 --users "$USERS" --stock "$STOCK" --concurrency "$CONC" --first-user 1000000)
-stop_all
+OURS=$(row5 1000000)
 
 HALF=$(python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['per_sec'] / 2))" "$OURS")
-# Four times the buyers: at half the peak, $USERS would last about two
-# seconds, and the first few hundred milliseconds (the units selling, the
-# first orders draining) would be all of its tail; this measures mostly
-# the steady state, the start included.
-OPEN_USERS=$((USERS * 4))
-say "5c/7 open loop at half of row 5's peak: $HALF purchases/s, $OPEN_USERS buyers, $STOCK units"
-start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
-OPEN=$(loadgen --url http://127.0.0.1:18080 --users "$OPEN_USERS" --stock "$STOCK" --rate "$HALF" --first-user 10000000)
-stop_all
+say "5c/7 open loop at half of row 5's peak: $HALF purchases/s, $((USERS * 4)) buyers, $STOCK units"
+OPEN=$(row5c "$HALF" 10000000 open)
 
 say "5b/7 two API instances and a worker: $USERS buyers spread over both"
 start api1 18083 env SECKILL__APP__PORT=18083 $BIN serve --no-consumer
@@ -289,7 +352,7 @@ rows = [
   ("3c ceiling: pgbench, an order's three rows (orders, consume_log, stock_flow), 100 orders/txn", f"{pgo:,} orders/s", "-", "-"),
   ("4 naive baseline (sync DB transaction per purchase)", f"{naive['per_sec']:,.0f} purchases/s", lat(naive), ok(naive)),
   ("5 seckill admission (Redis Lua + Kafka)", f"{ours['per_sec']:,.0f} purchases/s", lat(ours), ok(ours)),
-  (f"5c open loop at {opn['rate']:,.0f}/s (half of 5), {opn['requests']:,} buyers; p50 / p99 / p99.9 ms from the intended send time", f"{opn['per_sec']:,.0f} purchases/s", f"{opn['p50_ms']:.1f} / {opn['p99_ms']:.1f} / {opn['p999_ms']:.1f}", ok(opn)),
+  (f"5c open loop at {opn['rate']:,.0f}/s (half of 5), {opn['requests']:,} buyers; p50 / p90 / p99 / p99.9 ms from the intended send time; p99 of the 202s {opn['p99_accepted_ms']:.1f} ms", f"{opn['per_sec']:,.0f} purchases/s", f"{opn['p50_ms']:.1f} / {opn['p90_ms']:.1f} / {opn['p99_ms']:.1f} / {opn['p999_ms']:.1f}", ok(opn)),
   ("5b seckill admission, 2 instances (2 x serve --no-consumer + consume)", f"{two['per_sec']:,.0f} purchases/s", lat(two), ok(two)),
   (f"6 consumer drain, Kafka -> PostgreSQL ({drain_n} orders in {drain_s}s)", f"{drain:,} orders/s", "-", "-"),
   ("7a one hot activity, Redis Cluster, 1 shard (one master)", hotput(hot1), lat(hot1), ok(hot1)),
@@ -306,6 +369,9 @@ print("| ratio | value |")
 print("|---|---|")
 print(f"| ours / redis-benchmark ceiling | {ours['per_sec']/redis:.0%} |")
 print(f"| ours / trivial HTTP handler ceiling | {ours['per_sec']/plain['per_sec']:.0%} |")
+cpu = lambda r: r['server_cpu_us_per_request']
+print(f"| server CPU per request, ours (5) / trivial handler (2) | {cpu(ours):.1f} / {cpu(plain):.1f} µs = {cpu(ours)/cpu(plain):.1f}x |")
+print(f"| load generator CPU per request, 5 / 2 | {ours['loadgen_cpu_us_per_request']:.1f} / {plain['loadgen_cpu_us_per_request']:.1f} µs |")
 print(f"| ours / naive baseline | {ours['per_sec']/naive['per_sec']:.1f}x |")
 print(f"| 2 instances / 1 instance | {two['per_sec']/ours['per_sec']:.2f}x |")
 print(f"| hot activity, 3 shards / 1 shard | {hot3['per_sec']/hot1['per_sec']:.2f}x |")

@@ -209,6 +209,7 @@ impl Workers {
 /// A bound, not yet running, HTTP server and its workers.
 pub struct Application {
     port: u16,
+    state: web::Data<AppState>,
     server: Server,
     workers: Workers,
     deadline: Duration,
@@ -259,6 +260,7 @@ impl Application {
         }
         let workers = Workers::start(&state)?;
 
+        let served = state.clone();
         let server = HttpServer::new(move || {
             // Shared, not cloned per request: a Metrics is a few dozen handles.
             let metrics = std::sync::Arc::new(state.metrics.clone());
@@ -282,6 +284,7 @@ impl Application {
         .run();
         Ok(Self {
             port,
+            state: served,
             server,
             workers,
             deadline,
@@ -292,6 +295,20 @@ impl Application {
     /// time).
     pub fn server_handle(&self) -> actix_web::dev::ServerHandle {
         self.server.handle()
+    }
+
+    /// Samples the order path every 10 ms into `path` ([`crate::timeline`]).
+    pub fn sample_timeline(&self, path: &std::path::Path) -> anyhow::Result<()> {
+        let state = &self.state;
+        let sources = crate::timeline::Sources {
+            metrics: state.metrics.clone(),
+            in_flight: state.sale.admission.in_flight.clone(),
+            max_in_flight: state.settings.admission.max_in_flight.max(1),
+            acks: state.sale.publisher.acks.clone(),
+            producer: state.sale.publisher.producer.clone(),
+            db: state.pg.db.clone(),
+        };
+        crate::timeline::start(sources, path)
     }
 
     /// The port actually bound (useful with port 0).

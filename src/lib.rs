@@ -25,4 +25,5 @@ pub mod state;
 pub mod stock;
 pub mod store;
 pub mod telemetry;
+pub mod timeline;
 pub mod worker;

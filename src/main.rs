@@ -6,6 +6,13 @@ use diesel::{Connection, PgConnection};
 use secrecy::ExposeSecret;
 
 use seckill::app::Application;
+
+// mimalloc rather than glibc's allocator: under the sale's many small,
+// short-lived allocations across threads, glibc's malloc took about a
+// tenth of the load generator's and the server's CPU (BENCHMARKS.md,
+// CPU per request).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use seckill::auth::{JwtKeys, Role};
 use seckill::config::Settings;
 
@@ -24,6 +31,10 @@ enum Command {
         /// API-only instance, beside `seckill consume` workers.
         #[arg(long)]
         no_consumer: bool,
+        /// Write a timeline of the order path, a CSV line every 10 ms, to
+        /// this file (`scripts/bench.sh --timeline`).
+        #[arg(long)]
+        timeline: Option<std::path::PathBuf>,
     },
     /// Run the consumers (a worker-only instance) until SIGINT/SIGTERM:
     /// every one, or those named.
@@ -129,14 +140,17 @@ async fn main() -> anyhow::Result<()> {
     let settings = Settings::load()?;
     seckill::telemetry::init(&settings.log);
     match cli.command {
-        Command::Serve { no_consumer } => {
+        Command::Serve {
+            no_consumer,
+            timeline,
+        } => {
             let mut settings = settings;
             if no_consumer {
                 settings.orders.consumer_enabled = false;
                 settings.workers.releaser_enabled = false;
                 settings.workers.claimer_enabled = false;
             }
-            serve(settings).await?;
+            serve(settings, timeline).await?;
             // Everything is stopped: the runtime's blocking threads (a
             // Kafka client's destructor) must not hold the exit.
             std::process::exit(0)
@@ -178,9 +192,12 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-async fn serve(settings: Settings) -> anyhow::Result<()> {
+async fn serve(settings: Settings, timeline: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     let (host, env) = (settings.app.host.clone(), settings.app.env.clone());
     let app = Application::build(settings).await?;
+    if let Some(path) = timeline {
+        app.sample_timeline(&path)?;
+    }
     tracing::info!(host = %host, port = app.port(), env = %env, "seckill serving");
     app.run_until_stopped()
         .await

@@ -91,6 +91,11 @@ impl Acks {
     pub fn has_room(&self) -> bool {
         self.tx.capacity() > 0
     }
+
+    /// Acknowledgements queued and not taken by the writer yet.
+    pub fn queued(&self) -> usize {
+        self.tx.max_capacity() - self.tx.capacity()
+    }
 }
 
 #[cfg(test)]

@@ -400,6 +400,12 @@ impl Producer {
         })
     }
 
+    /// Messages librdkafka holds: queued, or sent and not reported yet.
+    pub fn queued(&self) -> i32 {
+        use rdkafka::producer::Producer as _;
+        self.current().in_flight_count()
+    }
+
     /// Hands one message to librdkafka now (so messages enqueued one after
     /// another keep their order within a partition) and returns the wait
     /// for its delivery report. A full queue is reported at once.

@@ -19,7 +19,9 @@ use crate::config::Settings;
 use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 
+mod cpu;
 mod sale;
+pub mod timeline;
 mod verify;
 
 pub use self::sale::SaleFigures;
@@ -93,6 +95,27 @@ pub struct LoadgenArgs {
     /// which every buyer joins the pre-queue.
     #[arg(long, default_value_t = 60)]
     pub prequeue_secs: u64,
+    /// With --rate: write the open loop's timeline (per 10 ms of intended
+    /// send time) to this CSV file (`loadgen/timeline.rs`).
+    #[arg(long)]
+    pub timeline: Option<std::path::PathBuf>,
+    /// The server's process id: report its CPU time per request over the
+    /// burst (read from /proc), and how busy the whole host was.
+    #[arg(long)]
+    pub cpu_pid: Option<u32>,
+    /// Milliseconds between the last purchase token and the first
+    /// purchase (buyers fetch their tokens before the start, not in the
+    /// same instant).
+    #[arg(long, default_value_t = 0)]
+    pub settle_ms: u64,
+    /// Open this many connections before the first purchase (at least
+    /// --concurrency are, by the token phase). Buyers of a real sale hold
+    /// their own connections when it starts; an open loop whose answers
+    /// lag needs one per purchase in flight, and opening them in the first
+    /// second of the sale measures connection set-up on a host that has
+    /// none to spare.
+    #[arg(long, default_value_t = 0)]
+    pub connections: usize,
 }
 
 /// One purchase: HTTP status (0 when the transport failed), error code,
@@ -127,6 +150,14 @@ pub struct Report {
     pub tokens_per_sec: Option<f64>,
     pub drain_seconds: Option<f64>,
     pub invariants_ok: Option<bool>,
+    /// With --cpu-pid: the server's CPU time (user + system, all threads)
+    /// over the burst per request, in µs, and the share of the host's CPUs
+    /// busy meanwhile (0..1, every process).
+    pub server_cpu_us_per_request: Option<f64>,
+    pub host_busy: Option<f64>,
+    /// This load generator's own CPU time per request over the burst, µs
+    /// (it shares the host with the server).
+    pub loadgen_cpu_us_per_request: Option<f64>,
     /// A whole sale (`--bots`, `--room`): who took the units, and the room's
     /// admission.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -192,7 +223,12 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
     anyhow::ensure!(!args.urls.is_empty(), "at least one --url");
     let client = Arc::new(Client {
         http: reqwest::Client::builder()
-            .pool_max_idle_per_host(args.concurrency)
+            // Every connection opened is kept for the next request: the
+            // open loop opens more than --concurrency when answers lag, and
+            // closing the extra ones as they come back made it open them
+            // again and again, each time the host was busiest (a collapse
+            // to 2,700/s at an offered 12,500/s).
+            .pool_max_idle_per_host(usize::MAX)
             // Below the server's keep-alive (actix's 5 s): a connection the
             // server is closing is not picked for the next request.
             .pool_idle_timeout(Duration::from_secs(2))
@@ -210,6 +246,7 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
     }
     let admin = client.token(1, Role::Admin)?;
     let mut tokens_per_sec = None;
+    let mut cost = None;
     let (activity_id, outcomes, seconds, sale) = if args.room || args.bots > 0 {
         let (id, outcomes, seconds, sale) = sale::run(&client, &admin, &args).await?;
         (id, outcomes, seconds, Some(sale))
@@ -221,13 +258,15 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
         let fetching = Instant::now();
         let tokens = fetch_tokens(&client, activity_id, &args).await?;
         tokens_per_sec = Some(tokens.len() as f64 / fetching.elapsed().as_secs_f64().max(1e-9));
-        let (outcomes, seconds) = fire(&client, activity_id, tokens, &args).await?;
+        let (outcomes, seconds, burst_cost) = fire(&client, activity_id, tokens, &args).await?;
+        cost = burst_cost;
         (activity_id, outcomes, seconds, None)
     };
 
     let mut report = summarize(activity_id, &outcomes, seconds);
     report.rate = args.rate;
     report.tokens_per_sec = tokens_per_sec;
+    report.with_cost(cost);
     let mut codes: BTreeMap<String, u64> = BTreeMap::new();
     for (status, code, _, _) in &outcomes {
         *codes.entry(format!("{status} {code}")).or_default() += 1;
@@ -241,6 +280,34 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
         verify(&client, &admin, &outcomes, &mut report, &args).await?;
     }
     Ok(report)
+}
+
+/// The server's CPU per request since `before` (with --cpu-pid), and this
+/// process's.
+fn cpu_cost(
+    before: Option<(cpu::Reading, cpu::Reading)>,
+    args: &LoadgenArgs,
+    requests: usize,
+) -> Option<(cpu::Cost, cpu::Cost)> {
+    let (server, me) = before?;
+    let n = requests as u64;
+    let server = server.cost(&cpu::Reading::now(args.cpu_pid?)?, n);
+    let me = me.cost(&cpu::Reading::now(std::process::id())?, n);
+    Some((server, me))
+}
+
+/// The CPU counters of the server (with --cpu-pid) and of this process.
+fn cpu_readings(args: &LoadgenArgs) -> Option<(cpu::Reading, cpu::Reading)> {
+    let server = cpu::Reading::now(args.cpu_pid?)?;
+    Some((server, cpu::Reading::now(std::process::id())?))
+}
+
+impl Report {
+    fn with_cost(&mut self, cost: Option<(cpu::Cost, cpu::Cost)>) {
+        self.server_cpu_us_per_request = cost.map(|c| c.0.us_per_request);
+        self.host_busy = cost.map(|c| c.0.host_busy);
+        self.loadgen_cpu_us_per_request = cost.map(|c| c.1.us_per_request);
+    }
 }
 
 /// A buyer ready to buy: their id, JWT and purchase token.
@@ -332,28 +399,37 @@ async fn fire(
     activity_id: ActivityId,
     tokens: Vec<Ready>,
     args: &LoadgenArgs,
-) -> anyhow::Result<(Vec<Outcome>, f64)> {
+) -> anyhow::Result<(Vec<Outcome>, f64, Option<(cpu::Cost, cpu::Cost)>)> {
+    // Each request is made before the clock starts: what the burst times
+    // is the server, and this process does as little per request as the
+    // HTTP ceiling's run does (`ceiling`).
+    let prepared: Vec<Prepared> = tokens
+        .into_iter()
+        .map(|(user, jwt, token)| {
+            let body = json!({"request_id": format!("lg-{user}-{}", uuid::Uuid::new_v4().simple()), "token": token});
+            Prepared::new(client.url_of(user), activity_id, &jwt, &body)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    if args.connections > args.concurrency {
+        open_connections(client, args.connections).await;
+    }
+    tokio::time::sleep(Duration::from_millis(args.settle_ms)).await;
     // A mark for whoever watches from outside (bench.sh --profile starts
     // its sampling here, after the token phase).
-    eprintln!("buying: {} purchases", tokens.len());
-    let progress = Progress::start("purchases", tokens.len() as u64);
+    eprintln!("buying: {} purchases", prepared.len());
+    let progress = Progress::start("purchases", prepared.len() as u64);
+    let before = cpu_readings(args);
     let started = Instant::now();
-    let buy = |(user, jwt, token): Ready, t0: Instant| {
+    let started_unix_ms = chrono::Utc::now().timestamp_millis();
+    let buy = |request: Prepared, t0: Instant| {
         let client = client.clone();
         let progress = progress.clone();
         async move {
-            let path = format!("/api/v1/activities/{activity_id}/orders");
-            let body = json!({"request_id": format!("lg-{user}-{}", uuid::Uuid::new_v4().simple()), "token": token});
-            let result = purchase(&client, client.url_of(user), &path, &jwt, &body).await;
+            let result = purchase_as::<Reply>(&client, &request).await;
             let elapsed = t0.elapsed();
             progress.tick();
             match result {
-                Ok((status, body)) => (
-                    status,
-                    body["code"].as_str().unwrap_or("").to_owned(),
-                    body["order_no"].as_str().map(str::to_owned),
-                    elapsed,
-                ),
+                Ok((status, reply)) => (status, reply.code, reply.order_no, elapsed),
                 Err(e) => (0, format!("transport: {e}"), None, elapsed),
             }
         }
@@ -361,29 +437,44 @@ async fn fire(
     let outcomes: Vec<Outcome> = match args.rate {
         Some(rate) => {
             anyhow::ensure!(rate > 0.0, "--rate must be positive");
-            eprintln!("firing {} purchases at {rate} per second…", tokens.len());
+            eprintln!("firing {} purchases at {rate} per second…", prepared.len());
             // Each purchase is spawned at its intended start and timed from
             // it: a slow answer delays no other purchase, and time spent
             // waiting to be sent counts.
-            let mut running = Vec::with_capacity(tokens.len());
-            for (i, t) in tokens.into_iter().enumerate() {
+            let mut running = Vec::with_capacity(prepared.len());
+            for (i, t) in prepared.into_iter().enumerate() {
                 let intended = started + Duration::from_secs_f64(i as f64 / rate);
                 tokio::time::sleep_until(intended.into()).await;
-                running.push(tokio::spawn(buy(t, intended)));
+                let bought = buy(t, intended);
+                running.push(tokio::spawn(async move {
+                    let lag = intended.elapsed();
+                    (bought.await, lag)
+                }));
             }
             let mut outcomes = Vec::with_capacity(running.len());
-            for task in running {
-                outcomes.push(task.await?);
+            let mut sent = Vec::with_capacity(running.len());
+            for (i, task) in running.into_iter().enumerate() {
+                let (outcome, lag) = task.await?;
+                sent.push(timeline::Sent {
+                    intended: Duration::from_secs_f64(i as f64 / rate),
+                    lag,
+                    latency: outcome.3,
+                    accepted: outcome.0 == 202,
+                });
+                outcomes.push(outcome);
+            }
+            if let Some(path) = &args.timeline {
+                timeline::write(path, started_unix_ms, &sent)?;
             }
             outcomes
         }
         None => {
             eprintln!(
                 "firing {} purchases at concurrency {}…",
-                tokens.len(),
+                prepared.len(),
                 args.concurrency
             );
-            stream::iter(tokens)
+            stream::iter(prepared)
                 .map(|t| buy(t, Instant::now()))
                 .buffer_unordered(args.concurrency)
                 .collect()
@@ -391,8 +482,141 @@ async fn fire(
         }
     };
     let seconds = started.elapsed().as_secs_f64();
+    let cost = cpu_cost(before, args, outcomes.len());
     progress.finish();
-    Ok((outcomes, seconds))
+    Ok((outcomes, seconds, cost))
+}
+
+/// Leaves `n` connections to every server in the pool: `n` reads of its
+/// liveness route at once, per URL, each on a connection of its own.
+async fn open_connections(client: &Client, n: usize) {
+    eprintln!("opening {n} connections per server…");
+    for url in &client.urls {
+        let live = format!("{url}/health/live");
+        let _ = stream::iter(0..n)
+            .map(|_| {
+                let live = live.clone();
+                async move {
+                    if let Ok(res) = client.http.get(&live).send().await {
+                        let _ = res.bytes().await;
+                    }
+                }
+            })
+            .buffer_unordered(n)
+            .collect::<Vec<()>>()
+            .await;
+    }
+}
+
+/// One purchase request, built before the burst: its URL, its
+/// `Authorization` header and its body.
+#[derive(Clone)]
+struct Prepared {
+    url: reqwest::Url,
+    auth: reqwest::header::HeaderValue,
+    body: bytes::Bytes,
+}
+
+impl Prepared {
+    fn new(base: &str, activity_id: ActivityId, jwt: &str, body: &Value) -> anyhow::Result<Self> {
+        Self::to(
+            &format!("{base}/api/v1/activities/{activity_id}/orders"),
+            jwt,
+            body,
+        )
+    }
+
+    fn to(url: &str, jwt: &str, body: &Value) -> anyhow::Result<Self> {
+        Ok(Self {
+            url: reqwest::Url::parse(url)?,
+            auth: reqwest::header::HeaderValue::from_str(&format!("Bearer {jwt}"))?,
+            body: serde_json::to_vec(body)?.into(),
+        })
+    }
+
+    async fn send<A: Answer>(&self, client: &Client) -> anyhow::Result<(u16, A)> {
+        let res = client
+            .http
+            .post(self.url.clone())
+            .header(reqwest::header::AUTHORIZATION, self.auth.clone())
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(self.body.clone())
+            .send()
+            .await?;
+        let status = res.status().as_u16();
+        let bytes = res.bytes().await?;
+        Ok((status, A::parse(&bytes)))
+    }
+}
+
+/// An answer as a caller reads it: whole ([`Value`]), or only what the
+/// burst needs ([`Reply`]).
+trait Answer: Sized {
+    fn parse(bytes: &[u8]) -> Self;
+    /// It names an order (a 503 with one is retried).
+    fn names_order(&self) -> bool;
+    /// Its `status` is FAILED.
+    fn failed(&self) -> bool;
+}
+
+impl Answer for Value {
+    fn parse(bytes: &[u8]) -> Self {
+        serde_json::from_slice(bytes).unwrap_or(Value::Null)
+    }
+
+    fn names_order(&self) -> bool {
+        self["order_no"].is_string()
+    }
+
+    fn failed(&self) -> bool {
+        self["status"] == OrderStatus::Failed.as_str()
+    }
+}
+
+impl Answer for Reply {
+    fn parse(bytes: &[u8]) -> Self {
+        Reply::parse(bytes)
+    }
+
+    fn names_order(&self) -> bool {
+        self.order_no.is_some()
+    }
+
+    fn failed(&self) -> bool {
+        self.failed
+    }
+}
+
+/// What the load generator reads of an answer (the rest is skipped, not
+/// parsed into a tree).
+#[derive(Debug, Default)]
+struct Reply {
+    code: String,
+    order_no: Option<String>,
+    /// Its `status` is FAILED.
+    failed: bool,
+}
+
+impl Reply {
+    fn parse(bytes: &[u8]) -> Self {
+        #[derive(serde::Deserialize)]
+        struct Fields<'a> {
+            #[serde(borrow)]
+            code: Option<std::borrow::Cow<'a, str>>,
+            #[serde(borrow)]
+            order_no: Option<std::borrow::Cow<'a, str>>,
+            #[serde(borrow)]
+            status: Option<std::borrow::Cow<'a, str>>,
+        }
+        match serde_json::from_slice::<Fields>(bytes) {
+            Ok(f) => Self {
+                code: f.code.map(|c| c.into_owned()).unwrap_or_default(),
+                order_no: f.order_no.map(|o| o.into_owned()),
+                failed: f.status.as_deref() == Some(OrderStatus::Failed.as_str()),
+            },
+            Err(_) => Self::default(),
+        }
+    }
 }
 
 /// One purchase as a client must make it: an answer that names an order
@@ -406,13 +630,15 @@ async fn purchase(
     jwt: &str,
     body: &Value,
 ) -> anyhow::Result<(u16, Value)> {
+    purchase_as(client, &Prepared::to(&format!("{url}{path}"), jwt, body)?).await
+}
+
+/// [`purchase`] of a request built beforehand, its answer read as `A`.
+async fn purchase_as<A: Answer>(client: &Client, request: &Prepared) -> anyhow::Result<(u16, A)> {
     let give_up = Instant::now() + Duration::from_secs(60);
     let mut pending = false;
     loop {
-        let sent = client
-            .send_to(url, reqwest::Method::POST, path, jwt, Some(body))
-            .await;
-        let (status, answer) = match sent {
+        let (status, answer) = match request.send::<A>(client).await {
             Ok(answer) => answer,
             // Lost on the way, in either direction: the same request_id
             // again is safe (the server answers a replay with the order it
@@ -424,13 +650,12 @@ async fn purchase(
             }
             Err(e) => return Err(e),
         };
-        if status == 503 && answer["order_no"].is_string() && Instant::now() < give_up {
+        if status == 503 && answer.names_order() && Instant::now() < give_up {
             pending = true;
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         }
-        let accepted_late =
-            pending && status == 200 && answer["status"] != OrderStatus::Failed.as_str();
+        let accepted_late = pending && status == 200 && !answer.failed();
         return Ok((if accepted_late { 202 } else { status }, answer));
     }
 }
@@ -440,25 +665,17 @@ async fn ceiling(client: &Arc<Client>, url: &str, args: &LoadgenArgs) -> anyhow:
     let jwt = client.token(1, Role::User)?;
     let body = json!({"request_id": "ceiling", "token": "t"});
     let progress = Progress::start("requests", args.users as u64);
+    let before = cpu_readings(args);
     let started = Instant::now();
+    let request = Prepared::to(url, &jwt, &body)?;
     let outcomes: Vec<Outcome> = stream::iter(0..args.users)
         .map(|_| {
-            let (client, progress, jwt, body) = (client.clone(), progress.clone(), &jwt, &body);
+            let (client, progress, request) = (client.clone(), progress.clone(), &request);
             async move {
                 let t0 = Instant::now();
-                let sent = client
-                    .http
-                    .post(url)
-                    .bearer_auth(jwt)
-                    .json(body)
-                    .send()
-                    .await;
-                let status = match sent {
-                    Ok(res) => {
-                        let status = res.status().as_u16();
-                        let _ = res.bytes().await;
-                        status
-                    }
+                // As a purchase is sent and read (`Prepared::send`).
+                let status = match request.send::<Reply>(&client).await {
+                    Ok((status, _)) => status,
                     Err(_) => 0,
                 };
                 progress.tick();
@@ -470,7 +687,9 @@ async fn ceiling(client: &Arc<Client>, url: &str, args: &LoadgenArgs) -> anyhow:
         .await;
     let seconds = started.elapsed().as_secs_f64();
     progress.finish();
-    let report = summarize(ActivityId::new(0), &outcomes, seconds);
+    let cost = cpu_cost(before, args, outcomes.len());
+    let mut report = summarize(ActivityId::new(0), &outcomes, seconds);
+    report.with_cost(cost);
     print_report(&report, &BTreeMap::new());
     Ok(report)
 }

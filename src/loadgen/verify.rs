@@ -98,6 +98,9 @@ pub(super) fn summarize(activity_id: ActivityId, outcomes: &[Outcome], seconds: 
         tokens_per_sec: None,
         drain_seconds: None,
         invariants_ok: None,
+        server_cpu_us_per_request: None,
+        host_busy: None,
+        loadgen_cpu_us_per_request: None,
         sale: None,
     }
 }

@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""The open loop on one timeline (scripts/bench.sh --timeline).
+
+  timeline.py sample OUT.csv NAME=PID...   CPU of each process named (every
+      thread, user + system) and of Redis, PostgreSQL (every backend) and
+      Kafka (the JVM), every 20 ms, until killed
+  timeline.py draw OUT.svg CLIENT.csv SERVER.csv PROCS.csv [--title T] [--ms N]
+      one SVG of the three on the load generator's clock: latency of what
+      was sent, in flight, the server's queues, CPU by process, the host
+
+CLIENT.csv is `seckill loadgen --rate R --timeline` (src/loadgen/timeline.rs),
+SERVER.csv `seckill serve --timeline` (src/timeline.rs). No third-party
+package: the SVG is written by hand.
+"""
+import csv
+import os
+import signal
+import sys
+import time
+
+TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
+PERIOD = 0.02
+BY_NAME = {"redis-server": "redis", "postgres": "postgres", "java": "kafka"}
+
+
+def ticks(pid):
+    """utime + stime of a process, in clock ticks (None once gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        return int(rest[11]) + int(rest[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def named():
+    """{pid: group} of the services' processes, by name."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            group = BY_NAME.get(comm(entry))
+            if group:
+                found[int(entry)] = group
+    return found
+
+
+def sample(out, pairs):
+    given = {int(pid): name for name, pid in (p.split("=", 1) for p in pairs)}
+    groups = sorted(set(given.values()) | set(BY_NAME.values()))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    with open(out, "w", buffering=1) as f:
+        f.write("unix_ms," + ",".join(f"cpu_{g}_ms" for g in groups) + "\n")
+        pids, last, rescan = {}, {}, 0.0
+        next_at = time.monotonic()
+        while not stop:
+            now = time.monotonic()
+            if now >= rescan:
+                pids = {**named(), **given}
+                rescan = now + 1.0
+            spent = dict.fromkeys(groups, 0.0)
+            for pid, group in pids.items():
+                t = ticks(pid)
+                if t is None:
+                    continue
+                if pid in last:
+                    spent[group] += (t - last[pid]) * TICK_MS
+                last[pid] = t
+            f.write(f"{int(time.time() * 1000)}," + ",".join(f"{spent[g]:.0f}" for g in groups) + "\n")
+            next_at += PERIOD
+            time.sleep(max(0.0, next_at - time.monotonic()))
+
+
+def rows(path):
+    with open(path) as f:
+        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def binned(rs, t0, width, span, fields, how="sum"):
+    """Per bin of `width` ms from t0: the sum (or mean, or max) of each field."""
+    n = int(span // width) + 1
+    acc = {k: [[] for _ in range(n)] for k in fields}
+    for r in rs:
+        i = int((r["unix_ms"] - t0) // width)
+        if 0 <= i < n:
+            for k in fields:
+                acc[k][i].append(r[k])
+    out = {}
+    for k in fields:
+        if how == "sum":
+            out[k] = [sum(v) for v in acc[k]]
+        elif how == "max":
+            out[k] = [max(v) if v else 0.0 for v in acc[k]]
+        else:
+            out[k] = [sum(v) / len(v) if v else 0.0 for v in acc[k]]
+    return out
+
+
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+
+
+class Svg:
+    W, LEFT, RIGHT, PANEL, GAP = 1100, 70, 190, 150, 40
+
+    def __init__(self, span_ms, title):
+        self.span, self.parts, self.y = span_ms, [], 50
+        self.parts.append(f'<text x="{self.LEFT}" y="24" font-size="16" font-weight="bold">{esc(title)}</text>')
+
+    def x(self, t):
+        return self.LEFT + (self.W - self.LEFT - self.RIGHT) * t / self.span
+
+    def panel(self, label, series, unit, log=False, top=None):
+        """series: [(name, [(t_ms, value)], color)]"""
+        y0, h = self.y, self.PANEL
+        vals = [v for _, pts, _ in series for _, v in pts]
+        hi = top or max(vals + [1e-9]) * 1.05
+        import math
+        if log:
+            lo = 1.0
+            hi = max(hi, 10.0)
+            f = lambda v: y0 + h - h * (math.log10(max(v, lo)) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+        else:
+            f = lambda v: y0 + h - h * min(v, hi) / hi
+        p = self.parts
+        p.append(f'<rect x="{self.LEFT}" y="{y0}" width="{self.W - self.LEFT - self.RIGHT}" height="{h}" fill="none" stroke="#999"/>')
+        p.append(f'<text x="{self.LEFT}" y="{y0 - 6}" font-size="13">{esc(label)}</text>')
+        ticks_ = [1, 10, 100, 1000, 10000] if log else [0, hi / 2, hi]
+        for tv in ticks_:
+            if tv > hi:
+                continue
+            yy = f(tv)
+            p.append(f'<line x1="{self.LEFT - 4}" x2="{self.W - self.RIGHT}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#eee"/>')
+            p.append(f'<text x="{self.LEFT - 6}" y="{yy + 4:.1f}" font-size="11" text-anchor="end">{fmt(tv)}{unit}</text>')
+        for i, (name, pts, color) in enumerate(series):
+            d = " ".join(f"{self.x(t):.1f},{f(v):.1f}" for t, v in pts)
+            p.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.4" points="{d}"/>')
+            p.append(f'<text x="{self.W - self.RIGHT + 8}" y="{y0 + 14 + 15 * i}" font-size="11" fill="{color}">{esc(name)}</text>')
+        self.y += h + self.GAP
+
+    def axis(self, marks):
+        y = self.y - self.GAP + 16
+        step = 100 if self.span <= 1500 else 250 if self.span <= 4000 else 1000
+        t = 0
+        while t <= self.span:
+            self.parts.append(f'<text x="{self.x(t):.1f}" y="{y}" font-size="11" text-anchor="middle">{t} ms</text>')
+            t += step
+        for t, label in marks:
+            xx = self.x(t)
+            self.parts.append(f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="40" y2="{self.y - self.GAP}" stroke="#555" stroke-dasharray="4 3"/>')
+            self.parts.append(f'<text x="{xx + 3:.1f}" y="46" font-size="11">{esc(label)}</text>')
+        self.y += 10
+
+    def text(self):
+        h = self.y + 10
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.W}" height="{h}" '
+                f'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
+                + "".join(self.parts) + "</svg>\n")
+
+
+def esc(s):
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def fmt(v):
+    return f"{v:.0f}" if v >= 10 or v == 0 else f"{v:.1f}"
+
+
+def draw(out, client, server, procs, title, span):
+    c, s, pr = rows(client), rows(server), rows(procs)
+    t0 = c[0]["unix_ms"]
+    w = 20.0  # ms per point
+    pts = lambda xs: [(i * w + w / 2, v) for i, v in enumerate(xs)]
+    svg = Svg(span, title)
+    lat = binned(c, t0, w, span, ["p50_ms", "p99_ms", "p99_accepted_ms", "p99_refused_ms", "lag_p99_ms"], "max")
+    svg.panel("latency of what was sent in each 20 ms, from its intended send time (log scale)", [
+        ("p99 of the 202s", pts(lat["p99_accepted_ms"]), COLORS[1]),
+        ("p99 of refusals", pts(lat["p99_refused_ms"]), COLORS[0]),
+        ("p50", pts(lat["p50_ms"]), COLORS[2]),
+        ("loadgen's own lateness, p99", pts(lat["lag_p99_ms"]), COLORS[7]),
+    ], " ms", log=True)
+    fl = binned(c, t0, w, span, ["in_flight"], "max")
+    sv = binned(s, t0, w, span, ["purchases_in_flight", "kafka_queued", "acks_queued"], "max")
+    svg.panel("in flight (the most in each 20 ms)", [
+        ("sent, not answered (loadgen)", pts(fl["in_flight"]), COLORS[0]),
+        ("purchases holding a permit (server)", pts(sv["purchases_in_flight"]), COLORS[1]),
+        ("messages librdkafka holds", pts(sv["kafka_queued"]), COLORS[3]),
+        ("acknowledgements queued", pts(sv["acks_queued"]), COLORS[4]),
+    ], "")
+    ev = binned(s, t0, w, span, ["accepted", "sold_out_memory", "sold_out_redis", "scripts", "batch_messages"], "sum")
+    svg.panel("server events per 20 ms", [
+        ("202 accepted", pts(ev["accepted"]), COLORS[1]),
+        ("sold out from memory", pts(ev["sold_out_memory"]), COLORS[0]),
+        ("sold out from Redis", pts(ev["sold_out_redis"]), COLORS[2]),
+        ("admission scripts", pts(ev["scripts"]), COLORS[3]),
+        ("orders written by the consumer", pts(ev["batch_messages"]), COLORS[4]),
+    ], "")
+    dl = binned(s, t0, w, span, ["delivery_mean_ms", "script_mean_ms"], "max")
+    svg.panel("mean time, per 20 ms (the slowest 10 ms in it)", [
+        ("produce to delivery report", pts(dl["delivery_mean_ms"]), COLORS[3]),
+        ("admission script round trip", pts(dl["script_mean_ms"]), COLORS[2]),
+    ], " ms")
+    cpu = binned(s, t0, w, span, ["cpu_http_ms", "wait_http_ms", "cpu_background_ms", "cpu_librdkafka_ms"], "sum")
+    groups = [k for k in pr[0] if k.startswith("cpu_")] if pr else []
+    pc = binned(pr, t0, w, span, groups, "sum")
+    # Per 20 ms, 40 ms of CPU is the whole 2-core host: plot in cores.
+    cores = lambda xs: [v / w for v in xs]
+    series = [(k[4:-3], pts(cores(pc[k])), COLORS[(i + 2) % len(COLORS)]) for i, k in enumerate(groups)]
+    svg.panel("CPU by process, in cores (sampled every 20 ms from /proc)", series, "")
+    svg.panel("the server's threads, in cores: on a CPU, and runnable but waiting for one", [
+        ("HTTP workers, running", pts(cores(cpu["cpu_http_ms"])), COLORS[0]),
+        ("HTTP workers, waiting for a CPU", pts(cores(cpu["wait_http_ms"])), COLORS[1]),
+        ("background runtime", pts(cores(cpu["cpu_background_ms"])), COLORS[2]),
+        ("librdkafka", pts(cores(cpu["cpu_librdkafka_ms"])), COLORS[3]),
+    ], "")
+    host = binned(s, t0, w, span, ["host_busy", "host_runnable"], "mean")
+    svg.panel("the host: runnable threads (2 CPUs), and its busy share x 10", [
+        ("runnable threads", pts(host["host_runnable"]), COLORS[1]),
+        ("busy share x 10", pts([10 * v for v in host["host_busy"]]), COLORS[0]),
+    ], "")
+    sold = next((r["unix_ms"] - t0 for r in s if r["sold_out_memory"] > 0 and r["unix_ms"] >= t0), None)
+    marks = [(0, "first purchase")]
+    if sold is not None:
+        marks.append((sold, "sold-out flag"))
+    svg.axis(marks)
+    with open(out, "w") as f:
+        f.write(svg.text())
+
+
+def main(argv):
+    if len(argv) >= 2 and argv[0] == "sample":
+        sample(argv[1], argv[2:])
+    elif len(argv) >= 5 and argv[0] == "draw":
+        title, span = "seckill open loop", 1500.0
+        rest = argv[5:]
+        while rest:
+            if rest[0] == "--title":
+                title, rest = rest[1], rest[2:]
+            elif rest[0] == "--ms":
+                span, rest = float(rest[1]), rest[2:]
+            else:
+                sys.exit(f"unknown argument {rest[0]}")
+        draw(argv[1], argv[2], argv[3], argv[4], title, span)
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
