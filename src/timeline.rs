@@ -139,7 +139,9 @@ impl Sampler {
         let delivered = delta(now.delivered, was.delivered);
         let batches = delta(now.batches, was.batches);
         let cpu = self.threads.sample();
-        let host = host_ticks();
+        // One read of /proc/stat for both host figures.
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let host = stat.lines().next().and_then(cpu_line);
         let busy = match (self.host, host) {
             (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 / (t1 - t0) as f64,
             _ => 0.0,
@@ -167,7 +169,7 @@ impl Sampler {
             cpu.wait_ms[Kind::Background as usize],
             cpu.run_ms[Kind::Kafka as usize],
             cpu.run_ms[Kind::Other as usize],
-            runnable().unwrap_or(0),
+            runnable(&stat).unwrap_or(0),
         )
     }
 }
@@ -278,8 +280,7 @@ fn cpu_line(line: &str) -> Option<(u64, u64)> {
 
 /// Threads of the whole host runnable right now (/proc/stat's
 /// `procs_running`): above the CPU count, some wait for one.
-fn runnable() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+fn runnable(stat: &str) -> Option<u64> {
     stat.lines()
         .find_map(|l| l.strip_prefix("procs_running "))
         .and_then(|n| n.trim().parse().ok())
@@ -318,6 +319,7 @@ mod tests {
         let spent = t.sample();
         assert!(spent.run_ms.iter().sum::<f64>() > 0.0);
         assert!(host_ticks().is_some_and(|(b, t)| t >= b));
-        assert!(runnable().is_some_and(|n| n >= 1), "this thread runs");
+        let stat = std::fs::read_to_string("/proc/stat").expect("a Linux /proc");
+        assert!(runnable(&stat).is_some_and(|n| n >= 1), "this thread runs");
     }
 }
