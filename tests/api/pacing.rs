@@ -40,17 +40,33 @@ async fn a_paced_consumer_drains_a_backlog_at_its_rate() {
     settings.orders.max_write_rate = RATE;
     let deps =
         seckill::orders::consumer::ConsumerDeps::connect(settings).expect("consumer dependencies");
+    let paced = deps.metrics.order_consumer_paced.clone();
     let consumer = seckill::orders::consumer::spawn(deps).expect("the consumer starts");
     app.drained(activity, ORDERS).await;
     consumer.stop().await;
 
+    // At most the rate: a host however slow cannot make the consumer
+    // faster. No lower bound on the rate itself: the bucket banks a tenth
+    // of a second, so time the consumer stalls (a database paused 1.2 s
+    // mid-drain gave 175/s) is not made up afterwards, by design; that the
+    // bucket lets its rate through is `a_backlog_is_let_through_at_the_rate`,
+    // on a virtual clock.
     let rate = app.count(DRAIN_RATE_SQL).await;
-    let (low, high) = (i64::from(RATE) * 9 / 10, i64::from(RATE) * 11 / 10);
+    let high = i64::from(RATE) * 11 / 10;
     assert!(
-        (low..=high).contains(&rate),
+        rate <= high,
         "{ORDERS} orders written at {rate}/s, paced at {RATE}/s"
     );
-    println!("paced at {RATE}/s: {ORDERS} orders written at {rate}/s");
+    // And the bound held because the pacer held the consumer back, not
+    // because this host was slow: the batches waited for tokens (22 s
+    // summed over the batches in flight on a quiet host; 0 when the
+    // consumer never reached the rate).
+    let waited = paced.get();
+    assert!(
+        waited >= 1.0,
+        "the batches waited {waited:.2}s for tokens: the pacer never held the consumer"
+    );
+    println!("paced at {RATE}/s: {ORDERS} orders written at {rate}/s, batches waited {waited:.1}s");
 }
 
 #[tokio::test]

@@ -31,10 +31,18 @@ impl TestApp {
             let res = self.get("/health/ready", None).await;
             let status = res.status();
             let body = json(res).await;
-            assert_eq!(
-                status, 200,
-                "a replica never makes the instance unready: {body}"
-            );
+            // Never unready because of the replica. Another dependency
+            // may be (a fresh Kafka client unanswered for 7 s on a host
+            // busy with other suites): the replica's figures stand anyway.
+            if status != 200 {
+                assert_eq!(status, 503, "{body}");
+                let detail = body["detail"].as_str().unwrap_or_default();
+                assert!(
+                    !detail.contains("replica") && body["checks"].get("replica").is_none(),
+                    "a replica never makes the instance unready: {body}"
+                );
+                println!("unready for another dependency: {detail}");
+            }
             let replica = body["replica"].clone();
             check(&replica).then_some(replica)
         })
