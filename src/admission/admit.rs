@@ -172,7 +172,9 @@ impl Refusal {
 
     /// Whether this refusal comes from a check made before the admission
     /// script (which answers a replay first), so that a retry bound to an
-    /// order must be looked up before hearing it.
+    /// order must be looked up before hearing it. Not the sold-out flag's:
+    /// those stand only once no buyer was accepted since the flag's
+    /// buyers were read (`SoldOut::confirm`), one read for many refusals.
     fn spares_a_replay(&self) -> bool {
         matches!(
             self,
@@ -180,7 +182,6 @@ impl Refusal {
                 | Self::Busy(..)
                 | Self::WritesRefused(_)
                 | Self::CouponInvalid(_)
-                | Self::SoldOut { from_memory: true }
         )
     }
 
@@ -332,8 +333,16 @@ impl Admitter {
         }
         let now_ms = self.clock.now_ms();
         // Sold out a moment ago, and this buyer has no order to be told
-        // about: answered from memory (soldout.rs).
-        if meta.is_open(now_ms) && self.sold_out.refuses(p.activity_id, p.user_id.get()) {
+        // about: answered from memory (soldout.rs), once a read of the
+        // acceptance count shared with the other refusals of the moment
+        // finds no buyer accepted since; else the script decides.
+        if meta.is_open(now_ms)
+            && let Some(refused) = self.sold_out.refuses(p.activity_id, p.user_id.get())
+            && self
+                .sold_out
+                .confirm(&self.gate, p.activity_id, meta.layout, refused)
+                .await
+        {
             return Err(Refusal::SoldOut { from_memory: true });
         }
         if p.coupon_id.is_some_and(|c| c.get() < 1) {

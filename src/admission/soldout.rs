@@ -20,9 +20,20 @@
 //! request accepted in the activity (the Redis request-id hash, read when
 //! the flag is set, and read again only when the activity's count of
 //! acceptances moved); their purchases still go to Redis.
+//!
+//! That list can be late by one release: stock comes back, another
+//! instance accepts a buyer for it, and the buyer's retry reaches this
+//! instance before the release's message does. So a refusal stands only
+//! once a read of the acceptance count *sent after the purchase arrived*
+//! finds the count the list was read at ([`SoldOut::confirm`]): equal, no
+//! buyer was accepted since, because the count only grows (`reserve.lua`);
+//! moved, the purchase goes to Redis, whose script answers a replay first.
+//! The refusals waiting at one moment share one read ([`Recount`]), so a
+//! sale's thousands of refusals a second cost Redis a read per round trip,
+//! not one each (it was an HGET of the buyer's request id per refusal).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -49,6 +60,35 @@ struct Flag {
     cleared_at: Option<Instant>,
     /// A purchase was refused by the flag since its last refresh.
     used: AtomicBool,
+    /// The reads of the acceptance count its refusals wait on (kept when
+    /// the flag is set again).
+    recount: Arc<Recount>,
+}
+
+/// A refusal from the flag, until a read of the acceptance count confirms
+/// it ([`SoldOut::confirm`]).
+#[must_use = "a refusal stands only once confirmed"]
+pub struct Refused {
+    /// The acceptance count the flag's buyers were read at.
+    generation: i64,
+    /// Reads started when the purchase was checked: only a later one
+    /// confirms it.
+    arrival: u64,
+    recount: Arc<Recount>,
+}
+
+/// One activity's reads of its acceptance count, shared by the refusals
+/// waiting at the moment: at most one read at a time, the next one started
+/// by the first refusal that needs it.
+#[derive(Default)]
+pub struct Recount {
+    /// Reads started (each is numbered by this count, from 1).
+    started: AtomicU64,
+    /// A read is under way.
+    reading: AtomicBool,
+    /// The number of the last read done, and the count it found (`None`:
+    /// Redis failed).
+    done: tokio::sync::watch::Sender<(u64, Option<i64>)>,
 }
 
 /// The flags of this instance.
@@ -80,20 +120,69 @@ impl SoldOut {
 
     /// Whether `user_id`'s purchase in `activity_id` is answered SOLD_OUT
     /// from memory: the activity is flagged and the user has no request
-    /// accepted in it.
-    pub fn refuses(&self, activity_id: ActivityId, user_id: i64) -> bool {
+    /// accepted in it, as of the flag; [`Self::confirm`] then checks that
+    /// no buyer was accepted since.
+    pub fn refuses(&self, activity_id: ActivityId, user_id: i64) -> Option<Refused> {
         if self.count.load(Ordering::Acquire) == 0 {
-            return false;
+            return None;
         }
         let flags = self.flags.read().unwrap_or_else(|e| e.into_inner());
-        flags.get(&activity_id).is_some_and(|f| {
-            let refuses =
-                f.since.is_some_and(|t| t.elapsed() < self.ttl) && !f.buyers.contains(&user_id);
-            if refuses && !f.used.load(Ordering::Relaxed) {
-                f.used.store(true, Ordering::Relaxed);
-            }
-            refuses
+        let f = flags.get(&activity_id)?;
+        let refuses =
+            f.since.is_some_and(|t| t.elapsed() < self.ttl) && !f.buyers.contains(&user_id);
+        if !refuses {
+            return None;
+        }
+        if !f.used.load(Ordering::Relaxed) {
+            f.used.store(true, Ordering::Relaxed);
+        }
+        Some(Refused {
+            generation: f.generation,
+            arrival: f.recount.started.load(Ordering::SeqCst),
+            recount: f.recount.clone(),
         })
+    }
+
+    /// Whether `refused` stands: a read of the activity's acceptance count
+    /// started after the purchase was checked finds the count its buyers
+    /// were read at (one read shared by every refusal waiting for it).
+    /// Moved: a buyer was accepted since, maybe this one on another
+    /// instance, and the purchase goes to Redis. Redis failing: the
+    /// refusal stands, as before this check existed (the script would fail
+    /// the same way).
+    pub async fn confirm(
+        &self,
+        gate: &Arc<RedisGate>,
+        activity_id: ActivityId,
+        layout: Layout,
+        refused: Refused,
+    ) -> bool {
+        let Refused {
+            generation,
+            arrival,
+            recount,
+        } = refused;
+        let mut done = recount.done.subscribe();
+        loop {
+            let (read, count) = *done.borrow_and_update();
+            if read > arrival {
+                return count.is_none_or(|c| c == generation);
+            }
+            if !recount.reading.swap(true, Ordering::SeqCst) {
+                // A task of its own: a purchase dropped by its client must
+                // not take the read the others wait for with it.
+                let (recount, gate) = (recount.clone(), gate.clone());
+                tokio::spawn(async move {
+                    let n = recount.started.fetch_add(1, Ordering::SeqCst) + 1;
+                    let count = gate.acceptances(activity_id, layout).await.ok();
+                    recount.reading.store(false, Ordering::SeqCst);
+                    recount.done.send_replace((n, count));
+                });
+            }
+            if done.changed().await.is_err() {
+                return true;
+            }
+        }
     }
 
     /// Redis answered SOLD_OUT for `activity_id` to a call sent at
@@ -219,6 +308,10 @@ impl SoldOut {
         if cleared_at.is_some_and(|c| c >= asked_at) {
             return;
         }
+        let recount = flags
+            .get(&activity_id)
+            .map(|f| f.recount.clone())
+            .unwrap_or_default();
         flags.insert(
             activity_id,
             Flag {
@@ -227,6 +320,7 @@ impl SoldOut {
                 generation,
                 cleared_at,
                 used: AtomicBool::new(false),
+                recount,
             },
         );
     }
@@ -249,6 +343,7 @@ impl SoldOut {
             generation: -1,
             cleared_at: None,
             used: AtomicBool::new(false),
+            recount: Arc::default(),
         });
         f.since = None;
         f.cleared_at = Some(Instant::now());
@@ -323,6 +418,7 @@ mod tests {
                 generation: 0,
                 cleared_at: None,
                 used: AtomicBool::new(false),
+                recount: Arc::default(),
             },
         );
         s.recount(&flags);
@@ -331,16 +427,22 @@ mod tests {
     #[test]
     fn a_flag_refuses_only_buyers_without_an_accepted_request_and_only_until_cleared() {
         let s = flags(60_000);
-        assert!(!s.refuses(ActivityId::new(1), 5), "nothing flagged");
-        set(&s, 1, &[7]);
-        assert!(s.refuses(ActivityId::new(1), 5));
         assert!(
-            !s.refuses(ActivityId::new(1), 7),
+            s.refuses(ActivityId::new(1), 5).is_none(),
+            "nothing flagged"
+        );
+        set(&s, 1, &[7]);
+        assert!(s.refuses(ActivityId::new(1), 5).is_some());
+        assert!(
+            s.refuses(ActivityId::new(1), 7).is_none(),
             "a buyer with an order goes to Redis"
         );
-        assert!(!s.refuses(ActivityId::new(2), 5), "another activity");
+        assert!(
+            s.refuses(ActivityId::new(2), 5).is_none(),
+            "another activity"
+        );
         s.clear(ActivityId::new(1));
-        assert!(!s.refuses(ActivityId::new(1), 5));
+        assert!(s.refuses(ActivityId::new(1), 5).is_none());
     }
 
     #[test]
@@ -356,7 +458,7 @@ mod tests {
         s.recount(&f);
         drop(f);
         assert!(
-            !s.refuses(ActivityId::new(1), 5),
+            s.refuses(ActivityId::new(1), 5).is_none(),
             "set after the release it came before"
         );
         // A call sent after the release is flagged as usual.
@@ -370,13 +472,13 @@ mod tests {
         );
         s.recount(&f);
         drop(f);
-        assert!(s.refuses(ActivityId::new(1), 5));
+        assert!(s.refuses(ActivityId::new(1), 5).is_some());
     }
 
     #[test]
     fn a_flag_expires_on_its_own() {
         let s = flags(0);
         set(&s, 1, &[]);
-        assert!(!s.refuses(ActivityId::new(1), 5));
+        assert!(s.refuses(ActivityId::new(1), 5).is_none());
     }
 }

@@ -6,6 +6,9 @@
 
 use std::time::Duration;
 
+use seckill::admission::{Admission, RedisGate, ReserveRequest};
+use seckill::domain::ActivityId;
+
 use crate::helpers::{TestApp, eventually, spawn_app_with};
 
 const FROM_MEMORY: &str = "seckill_admission_total{outcome=\"sold_out_memory\"}";
@@ -118,4 +121,58 @@ async fn a_flag_in_use_does_not_lapse_while_the_activity_stays_sold_out() {
         "no purchase reached Redis: the flag never lapsed ({} purchases)",
         buyer - 1_000
     );
+}
+
+#[tokio::test]
+async fn a_buyer_accepted_elsewhere_before_the_release_is_heard_here_gets_their_order_on_a_retry() {
+    // A unit comes back and another instance sells it before this one has
+    // heard the release: this flag's list of buyers is late by one. The
+    // buyer's retry here must be told the order, never SOLD_OUT.
+    let app = app_with_long_flags().await;
+    let activity = app.live_activity(1, 1, 1).await;
+    app.buy_as_r_user(activity, 1..=1).await;
+    flagged(&app, activity, 100).await;
+
+    // The unit a release put back, its message not heard here: straight
+    // into the stock bucket, nothing published.
+    let prefix = &app.settings.redis.key_prefix;
+    let _: i64 = redis::cmd("INCRBY")
+        .arg(format!("{prefix}{{a:{activity}}}:stock:0"))
+        .arg(1)
+        .query_async(&mut app.redis())
+        .await
+        .unwrap();
+    assert_eq!(
+        app.metric("seckill_sold_out_activities").await,
+        Some(1),
+        "still flagged here"
+    );
+    // Another instance's script accepts buyer 500 for it.
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let token = app.purchase_token(500, activity).await;
+    let order_no = 880_000_500;
+    let accepted = gate
+        .reserve(&ReserveRequest {
+            activity_id: ActivityId::new(activity),
+            user_id: 500,
+            request_id: "r500",
+            token: &token,
+            quantity: 1,
+            order_no,
+            layout: seckill::admission::Layout::single(1),
+            now_ms: chrono::Utc::now().timestamp_millis(),
+            coupon_id: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(accepted, Admission::Accepted(order_no));
+
+    // Buyer 500's retry here gets that order (202: this replay is what
+    // delivers its event, which the script alone did not send); a new
+    // buyer still hears SOLD_OUT (from Redis now: the count moved).
+    let (status, replay) = app.replay_as_r_user(activity, 500).await;
+    assert_eq!(status, 202, "{replay}");
+    assert_eq!(replay["order_no"], order_no.to_string());
+    let (status, body) = app.buy(501, activity).await;
+    assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
 }
