@@ -39,6 +39,18 @@ impl Liveness {
             exit = EXIT_UNHEALED,
             "cannot heal: /health/live fails and the process exits to be restarted"
         );
+        // Also straight to the standard error, whatever the log settings
+        // (or a test harness capturing output) do with the line above: a
+        // process that exits on purpose says why where its supervisor
+        // looks.
+        {
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "seckill: cannot heal, exiting with {EXIT_UNHEALED} in {}s: {why}",
+                GRACE.as_secs()
+            );
+        }
         let mut gave_up = self.gave_up.lock().unwrap_or_else(|e| e.into_inner());
         if gave_up.is_none() {
             *gave_up = Some(why);
