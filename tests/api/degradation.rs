@@ -397,16 +397,28 @@ async fn a_consumer_process_killed_with_sigkill_mid_stream_loses_and_duplicates_
 async fn metrics_count_admission_outcomes() {
     let app = spawn_app().await;
     let activity = app.live_activity(1, 1, 1).await;
-    // The first attempt is accepted, or on a slow host pending (503
-    // RETRY_LATER: its event not yet confirmed within the publish budget);
-    // a retry of a pending one is a replay, not counted again.
-    let counted = match app.attempt(1, activity, "counted").await {
-        (202, _) => "accepted",
-        (503, body) if body["code"] == "RETRY_LATER" => "pending",
-        other => panic!("the first purchase answered {other:?}"),
-    };
-    if counted == "pending" {
-        assert_eq!(app.buy_as(1, activity, "counted").await.0, 202);
+    // One buyer's attempts under one request id until an answer that is
+    // not a 503. On a loaded host the first may be a 503: with the
+    // order_no, pending (its event not confirmed within the publish
+    // budget); without, a dependency slow to answer (a Redis call that
+    // timed out may still have reserved). Either way the buyer is counted
+    // accepted at most once, and a first 202 exactly once.
+    let mut answers = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (status, body) = app.attempt(1, activity, "counted").await;
+        answers.push(format!("{status} {}", body["code"].as_str().unwrap_or("")));
+        match status {
+            202 => break,
+            200 => {
+                assert_ne!(body["status"], "FAILED", "{body}");
+                break;
+            }
+            503 if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            _ => panic!("the first buyer's purchase answered {answers:?}: {body}"),
+        }
     }
     assert_eq!(app.buy(2, activity).await.0, 409);
     let text = app.get("/metrics", None).await.text().await.unwrap();
@@ -416,16 +428,17 @@ async fn metrics_count_admission_outcomes() {
             .find_map(|l| l.strip_prefix(name.as_str()))
             .map_or(0, |n| n.parse::<u64>().expect("a count"))
     };
-    assert_eq!(count("sold_out"), 1, "{text}");
-    if counted == "accepted" {
-        assert_eq!(count("accepted"), 1, "{text}");
+    assert_eq!(count("sold_out"), 1, "{answers:?} {text}");
+    if answers.len() == 1 {
+        assert_eq!(count("accepted"), 1, "{answers:?} {text}");
     } else {
-        // Each retry before the delivery was confirmed is pending again.
-        assert!(count("pending") >= 1, "{text}");
-        assert_eq!(
-            count("accepted"),
-            0,
-            "a replay is not accepted twice: {text}"
+        assert!(
+            count("accepted") <= 1,
+            "a replay is not accepted twice: {answers:?} {text}"
+        );
+        assert!(
+            count("accepted") + count("pending") + count("duplicate") >= 1,
+            "the buyer's order was counted somewhere: {answers:?} {text}"
         );
     }
     assert!(text.contains("seckill_admission_script_seconds_count"));
