@@ -1018,6 +1018,59 @@ pub struct Sale<'a> {
     buyers: i64,
     /// Units on sale.
     pub stock: i32,
+    /// Every answer the buyers got, as it came ([`Answers`]).
+    answers: Answers,
+}
+
+/// The answers of a sale's buyers over time: printed per 5 s after the
+/// burst, so a failure shows what buyers heard before and after the
+/// fault; and a server that answers nobody for [`STALL`] while buyers wait
+/// is caught in the act (its threads and the database's sessions, written
+/// beside its log).
+#[derive(Default)]
+struct Answers {
+    started: std::sync::OnceLock<Instant>,
+    /// (ms since the burst started, what was answered, how long it took).
+    heard: Mutex<Vec<(u64, String, u64)>>,
+    /// When the last answer came (ms since the start).
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+/// No answer to any buyer for this long, with buyers waiting: a stall.
+const STALL: Duration = Duration::from_secs(8);
+
+impl Answers {
+    fn now_ms(&self) -> u64 {
+        self.started.get().map_or(0, |t| {
+            u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX)
+        })
+    }
+
+    fn note(&self, what: String, asked: Instant) {
+        let at = self.now_ms();
+        let took = u64::try_from(asked.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms
+            .fetch_max(at, std::sync::atomic::Ordering::Relaxed);
+        self.heard.lock().unwrap().push((at, what, took));
+    }
+
+    /// Per 5 s: how many answers of each kind, and the slowest.
+    fn table(&self) -> String {
+        let heard = self.heard.lock().unwrap();
+        let mut buckets =
+            std::collections::BTreeMap::<u64, (std::collections::BTreeMap<&str, usize>, u64)>::new(
+            );
+        for (at, what, took) in heard.iter() {
+            let b = buckets.entry(at / 5000 * 5).or_default();
+            *b.0.entry(what.as_str()).or_default() += 1;
+            b.1 = b.1.max(*took);
+        }
+        buckets
+            .iter()
+            .map(|(s, (kinds, slowest))| format!("  {s:>4}s: {kinds:?}, slowest {slowest} ms"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
 }
 
 /// What one buyer ended with.
@@ -1089,6 +1142,7 @@ impl<'a> Sale<'a> {
             activity,
             buyers,
             stock,
+            answers: Answers::default(),
         }
     }
 
@@ -1138,6 +1192,7 @@ impl<'a> Sale<'a> {
             activity,
             buyers,
             stock,
+            answers: Answers::default(),
         }
     }
 
@@ -1151,13 +1206,21 @@ impl<'a> Sale<'a> {
         let Fault::At(fraction) = when;
         let burst = Duration::from_secs_f64(self.buyers as f64 / BUYERS_PER_SEC);
         let started = Instant::now();
-        let buyers = join_all((1..=self.buyers).map(|user| {
-            let start_at = started + burst.mul_f64((user - 1) as f64 / self.buyers as f64);
-            async move {
-                tokio::time::sleep_until(start_at.into()).await;
-                self.buyer(user).await
-            }
-        }));
+        let _ = self.answers.started.set(started);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let buyers = async {
+            let bought = join_all((1..=self.buyers).map(|user| {
+                let start_at = started + burst.mul_f64((user - 1) as f64 / self.buyers as f64);
+                async move {
+                    tokio::time::sleep_until(start_at.into()).await;
+                    self.buyer(user).await
+                }
+            }))
+            .await;
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            bought
+        };
+        let watching = self.watch_for_stalls(&done);
         let faulting = async {
             tokio::time::sleep(burst.mul_f64(fraction)).await;
             eprintln!(
@@ -1172,13 +1235,49 @@ impl<'a> Sale<'a> {
                 started.elapsed().as_secs_f64()
             );
         };
-        let (bought, ()) = tokio::join!(buyers, faulting);
+        let (bought, (), ()) = tokio::join!(buyers, faulting, watching);
         eprintln!(
-            "{}: burst over at {:.1}s",
+            "{}: burst over at {:.1}s; answers per 5 s:\n{}",
             self.chaos.name,
-            started.elapsed().as_secs_f64()
+            started.elapsed().as_secs_f64(),
+            self.answers.table()
         );
         Outcome { bought }
+    }
+
+    /// Until `done`: whenever no buyer has heard anything for [`STALL`],
+    /// writes the server's threads (gdb) and the database's sessions to
+    /// `<log dir>/<name>.stall.<n>.txt` (twice at most) and says so.
+    async fn watch_for_stalls(&self, done: &std::sync::atomic::AtomicBool) {
+        let mut caught = 0;
+        while !done.load(std::sync::atomic::Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now = self.answers.now_ms();
+            let last = self
+                .answers
+                .last_ms
+                .load(std::sync::atomic::Ordering::Relaxed);
+            let stalled_ms = now.saturating_sub(last);
+            if caught >= 2 || last == 0 || stalled_ms < u64::try_from(STALL.as_millis()).unwrap() {
+                continue;
+            }
+            caught += 1;
+            let path = log_dir().join(format!("{}.stall.{caught}.txt", self.chaos.name));
+            eprintln!(
+                "{}: no buyer answered for {:.1}s at {:.1}s; threads and sessions in {}",
+                self.chaos.name,
+                stalled_ms as f64 / 1000.0,
+                now as f64 / 1000.0,
+                path.display()
+            );
+            let pid = self.chaos.server.lock().unwrap().as_ref().map(Child::id);
+            let url = self.chaos.settings.postgres.url.expose_secret().to_owned();
+            let _ = tokio::task::spawn_blocking(move || stall_report(pid, &url, &path)).await;
+            // The next report, if any, a stall later.
+            self.answers
+                .last_ms
+                .store(now, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// One buyer: a token, then the purchase; a 503 or a dropped
@@ -1203,6 +1302,7 @@ impl<'a> Sale<'a> {
         };
         while Instant::now() < give_up {
             bought.attempts += 1;
+            let asked = Instant::now();
             let token = match c
                 .client
                 .get(c.url(&format!("/api/v1/activities/{}/token", self.activity)))
@@ -1210,15 +1310,39 @@ impl<'a> Sale<'a> {
                 .send()
                 .await
             {
-                Ok(res) if res.status() == 200 => res.json::<Value>().await.unwrap()["token"]
-                    .as_str()
-                    .unwrap()
-                    .to_owned(),
-                _ => {
+                Ok(res) if res.status() == 200 => {
+                    let token = res.json::<Value>().await.unwrap()["token"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned();
+                    let kind = if token.starts_with("fb.") {
+                        "fallback"
+                    } else {
+                        "redis"
+                    };
+                    self.answers.note(format!("token 200 {kind}"), asked);
+                    token
+                }
+                Ok(res) => {
+                    let status = res.status().as_u16();
+                    let body: Value = res.json().await.unwrap_or(Value::Null);
+                    let code = body["code"].as_str().unwrap_or("").to_owned();
+                    self.answers.note(format!("token {status} {code}"), asked);
+                    pause().await;
+                    continue;
+                }
+                Err(e) => {
+                    let what = if e.is_timeout() {
+                        "timeout"
+                    } else {
+                        "transport"
+                    };
+                    self.answers.note(format!("token {what}"), asked);
                     pause().await;
                     continue;
                 }
             };
+            let asked = Instant::now();
             let res = c
                 .client
                 .post(c.url(&format!("/api/v1/activities/{}/orders", self.activity)))
@@ -1226,10 +1350,19 @@ impl<'a> Sale<'a> {
                 .json(&json!({"request_id": request_id, "token": token}))
                 .send()
                 .await;
-            let Ok(res) = res else {
-                bought.last = "transport error".into();
-                pause().await;
-                continue;
+            let res = match res {
+                Ok(res) => res,
+                Err(e) => {
+                    let what = if e.is_timeout() {
+                        "timeout"
+                    } else {
+                        "transport"
+                    };
+                    self.answers.note(format!("buy {what}"), asked);
+                    bought.last = "transport error".into();
+                    pause().await;
+                    continue;
+                }
             };
             let status = res.status().as_u16();
             let through_database = res
@@ -1238,6 +1371,9 @@ impl<'a> Sale<'a> {
                 .is_some_and(|v| v == "database");
             let body: Value = res.json().await.unwrap_or(Value::Null);
             let code = body["code"].as_str().unwrap_or("").to_owned();
+            let via = if through_database { " database" } else { "" };
+            self.answers
+                .note(format!("buy {status} {code}{via}"), asked);
             bought.last = format!("{status} {code}");
             match status {
                 202 | 200 if body["status"] != "FAILED" => {
@@ -1263,6 +1399,47 @@ impl<'a> Sale<'a> {
         }
         bought
     }
+}
+
+/// What a stalled server was doing: its threads (gdb, if installed) and
+/// the sessions of its database.
+fn stall_report(pid: Option<u32>, url: &str, path: &std::path::Path) {
+    use diesel::{Connection, RunQueryDsl};
+    #[derive(diesel::QueryableByName)]
+    struct Session {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        line: String,
+    }
+    let mut report = String::new();
+    if let Some(pid) = pid {
+        let out = Command::new("timeout")
+            .args(["60", "gdb", "-p", &pid.to_string(), "-batch"])
+            .args(["-ex", "thread apply all bt 30"])
+            .output();
+        match out {
+            Ok(out) => report.push_str(&String::from_utf8_lossy(&out.stdout)),
+            Err(e) => report.push_str(&format!("gdb: {e}\n")),
+        }
+    }
+    report.push_str("\n== pg_stat_activity ==\n");
+    match diesel::PgConnection::establish(url) {
+        Ok(mut conn) => match diesel::sql_query(
+            "SELECT concat_ws(' | ', pid, state, wait_event_type, wait_event, \
+               now() - xact_start, now() - state_change, left(query, 160)) AS line \
+             FROM pg_stat_activity WHERE datname = current_database() \
+             ORDER BY xact_start NULLS LAST",
+        )
+        .load::<Session>(&mut conn)
+        {
+            Ok(rows) => rows.iter().for_each(|r| {
+                report.push_str(&r.line);
+                report.push('\n');
+            }),
+            Err(e) => report.push_str(&format!("{e}\n")),
+        },
+        Err(e) => report.push_str(&format!("{e}\n")),
+    }
+    let _ = std::fs::write(path, report);
 }
 
 async fn pause() {
