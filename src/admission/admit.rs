@@ -106,6 +106,12 @@ pub enum Refusal {
     /// A token bucket is empty (429); says whose, and in how many seconds
     /// it holds a token again.
     RateLimited(&'static str, u32),
+    /// The database fallback's rate for the activity is used up (429), in
+    /// how many seconds it has room again. Redis is down, so no lookup of
+    /// a replay in it is tried: each would be one more failed connection
+    /// per refusal, while the fallback refuses most purchases. A replay of
+    /// an order the fallback wrote is answered once within the rate.
+    FallbackRateLimited(u32),
     /// The sale is not open (409).
     NotActive,
     /// Redis lost the activity and reconciliation is restoring it (503).
@@ -151,6 +157,7 @@ impl Refusal {
     pub fn retry_after(&self) -> Option<u32> {
         match self {
             Self::RateLimited(_, secs)
+            | Self::FallbackRateLimited(secs)
             | Self::Busy(_, secs)
             | Self::Degraded(_, secs)
             | Self::WritesRefused(secs) => Some(*secs),
@@ -188,7 +195,7 @@ impl Refusal {
     /// The `seckill_admission_total` outcome label, for those counted.
     pub fn outcome(&self) -> Option<&'static str> {
         Some(match self {
-            Self::RateLimited(..) => "rate_limited",
+            Self::RateLimited(..) | Self::FallbackRateLimited(_) => "rate_limited",
             Self::NotActive => "not_active",
             Self::Restoring
             | Self::NoOrderNumber
@@ -499,10 +506,7 @@ impl Admitter {
                 })
             }
             Err(declined) => Err(match declined {
-                Declined::RateLimited(wait) => Refusal::RateLimited(
-                    "too many purchases for this activity while Redis is down",
-                    retry_secs(wait),
-                ),
+                Declined::RateLimited(wait) => Refusal::FallbackRateLimited(retry_secs(wait)),
                 Declined::InvalidToken => Refusal::InvalidToken,
                 Declined::NotActive => Refusal::NotActive,
                 Declined::TooMany => Refusal::Invalid("quantity exceeds the per-user limit"),
@@ -737,6 +741,12 @@ mod tests {
     #[test]
     fn refusals_a_retry_can_get_past_say_when() {
         assert_eq!(Refusal::RateLimited("x", 3).retry_after(), Some(3));
+        assert_eq!(Refusal::FallbackRateLimited(2).retry_after(), Some(2));
+        assert!(Refusal::RateLimited("x", 3).spares_a_replay());
+        assert!(
+            !Refusal::FallbackRateLimited(2).spares_a_replay(),
+            "Redis is down: a replay is not looked up in it"
+        );
         assert_eq!(Refusal::Busy("x", 7).retry_after(), Some(7));
         assert_eq!(Refusal::Restoring.retry_after(), Some(1));
         assert_eq!(Refusal::SoldOut { from_memory: false }.retry_after(), None);

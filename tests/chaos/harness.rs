@@ -1046,12 +1046,24 @@ impl Answers {
         })
     }
 
+    /// An answer of the server's.
     fn note(&self, what: String, asked: Instant) {
-        let at = self.now_ms();
-        let took = u64::try_from(asked.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let at = self.record(what, asked);
         self.last_ms
             .fetch_max(at, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A request the server did not answer (a connection refused, lost or
+    /// timed out): not an answer, for [`STALL`].
+    fn not_answered(&self, what: String, asked: Instant) {
+        self.record(what, asked);
+    }
+
+    fn record(&self, what: String, asked: Instant) -> u64 {
+        let at = self.now_ms();
+        let took = u64::try_from(asked.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.heard.lock().unwrap().push((at, what, took));
+        at
     }
 
     /// Per 5 s: how many answers of each kind, and the slowest.
@@ -1325,19 +1337,20 @@ impl<'a> Sale<'a> {
                 }
                 Ok(res) => {
                     let status = res.status().as_u16();
+                    let retry_after = retry_after(&res);
                     let body: Value = res.json().await.unwrap_or(Value::Null);
                     let code = body["code"].as_str().unwrap_or("").to_owned();
                     self.answers.note(format!("token {status} {code}"), asked);
-                    pause().await;
+                    if matches!(status, 429 | 503) {
+                        pause_for(retry_after).await;
+                    } else {
+                        pause().await;
+                    }
                     continue;
                 }
                 Err(e) => {
-                    let what = if e.is_timeout() {
-                        "timeout"
-                    } else {
-                        "transport"
-                    };
-                    self.answers.note(format!("token {what}"), asked);
+                    self.answers
+                        .not_answered(format!("token {}", failure(&e)), asked);
                     pause().await;
                     continue;
                 }
@@ -1353,12 +1366,8 @@ impl<'a> Sale<'a> {
             let res = match res {
                 Ok(res) => res,
                 Err(e) => {
-                    let what = if e.is_timeout() {
-                        "timeout"
-                    } else {
-                        "transport"
-                    };
-                    self.answers.note(format!("buy {what}"), asked);
+                    self.answers
+                        .not_answered(format!("buy {}", failure(&e)), asked);
                     bought.last = "transport error".into();
                     pause().await;
                     continue;
@@ -1369,6 +1378,7 @@ impl<'a> Sale<'a> {
                 .headers()
                 .get("x-seckill-admission")
                 .is_some_and(|v| v == "database");
+            let retry_after = retry_after(&res);
             let body: Value = res.json().await.unwrap_or(Value::Null);
             let code = body["code"].as_str().unwrap_or("").to_owned();
             let via = if through_database { " database" } else { "" };
@@ -1391,9 +1401,12 @@ impl<'a> Sale<'a> {
                 // A token lost with Redis: a new one next time.
                 403 if code == "INVALID_TOKEN" => pause().await,
                 // 408: a server too starved to read the request in time
-                // (actix's request timeout) never processed it. 429: the
-                // database fallback's rate while Redis is down.
-                503 | 408 | 429 => pause().await,
+                // (actix's request timeout) never processed it.
+                408 => pause().await,
+                // 429 (the database fallback's rate while Redis is down) and
+                // 503 say when to come back, and a shop's client does; it
+                // does not wait more than 2 s (the sale goes on).
+                503 | 429 => pause_for(retry_after).await,
                 _ => panic!("buyer {user}: unexpected {status} {body}"),
             }
         }
@@ -1440,6 +1453,38 @@ fn stall_report(pid: Option<u32>, url: &str, path: &std::path::Path) {
         Err(e) => report.push_str(&format!("{e}\n")),
     }
     let _ = std::fs::write(path, report);
+}
+
+/// What kind of failure a request without an answer met.
+fn failure(e: &reqwest::Error) -> &'static str {
+    if e.is_timeout() {
+        "timeout"
+    } else if e.is_connect() {
+        "connect failed"
+    } else {
+        "connection lost"
+    }
+}
+
+/// The `Retry-After` of an answer, in seconds.
+fn retry_after(res: &reqwest::Response) -> Option<u64> {
+    res.headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Waits as `Retry-After` asks, at most 2 s, with a little jitter; without
+/// it, as [`pause`].
+async fn pause_for(retry_after: Option<u64>) {
+    match retry_after {
+        Some(secs) => {
+            let wait =
+                Duration::from_secs(secs.min(2)) + Duration::from_millis(fastrand::u64(..300));
+            tokio::time::sleep(wait).await;
+        }
+        None => pause().await,
+    }
 }
 
 async fn pause() {

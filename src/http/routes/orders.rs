@@ -182,6 +182,10 @@ fn answer(refusal: Refusal) -> ApiError {
     match refusal {
         Refusal::Invalid(why) => ApiError::bad_request(why),
         Refusal::RateLimited(why, _) => ApiError::new(ErrorCode::RateLimited, why),
+        Refusal::FallbackRateLimited(_) => ApiError::new(
+            ErrorCode::RateLimited,
+            "too many purchases for this activity while Redis is down",
+        ),
         Refusal::NotActive => ApiError::new(ErrorCode::NotActive, "the sale is not open"),
         Refusal::Restoring => {
             ApiError::new(RetryLater, "the sale is being restored; retry shortly")
