@@ -149,34 +149,8 @@ fn ready(address: &str) -> String {
 /// Every thread's frames in the project's code (`seckill`, the test
 /// crate), from gdb attached to this process; empty without gdb.
 fn stacks() -> String {
-    // gdb stops this process while it writes: into a file, never into a
-    // pipe this process would have to drain.
-    let path = std::env::temp_dir().join(format!("seckill-hang-{}.txt", std::process::id()));
-    let Ok(file) = std::fs::File::create(&path) else {
-        return "(no file for gdb's output)".into();
-    };
-    let gdb = std::process::Command::new("gdb")
-        .args(["-p", &std::process::id().to_string(), "-batch", "-nx"])
-        .args(["-ex", "thread apply all bt"])
-        .stdin(std::process::Stdio::null())
-        .stdout(file)
-        .stderr(std::process::Stdio::null())
-        .spawn();
-    let Ok(mut gdb) = gdb else {
-        return "(no gdb here)".into();
-    };
     // gdb takes seconds; one that takes minutes is stuck itself.
-    let given_up = Instant::now() + Duration::from_secs(120);
-    while matches!(gdb.try_wait(), Ok(None)) {
-        if Instant::now() > given_up {
-            let _ = gdb.kill();
-            let _ = gdb.wait();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let text = std::fs::read_to_string(&path).unwrap_or_default();
-    let _ = std::fs::remove_file(&path);
+    let text = crate::gdb::all_threads(std::process::id(), Duration::from_secs(120));
     own_frames(&text)
 }
 

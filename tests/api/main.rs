@@ -13,6 +13,8 @@ mod deploy;
 mod errors_and_auth;
 mod fallback;
 mod forensics;
+#[path = "../common/gdb.rs"]
+mod gdb;
 mod hang;
 mod health;
 mod helpers;

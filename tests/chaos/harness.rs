@@ -1459,14 +1459,7 @@ fn stall_report(pid: Option<u32>, url: &str, path: &std::path::Path) {
     }
     let mut report = String::new();
     if let Some(pid) = pid {
-        let out = Command::new("timeout")
-            .args(["60", "gdb", "-p", &pid.to_string(), "-batch"])
-            .args(["-ex", "thread apply all bt 30"])
-            .output();
-        match out {
-            Ok(out) => report.push_str(&String::from_utf8_lossy(&out.stdout)),
-            Err(e) => report.push_str(&format!("gdb: {e}\n")),
-        }
+        report.push_str(&crate::gdb::all_threads(pid, Duration::from_secs(60)));
     }
     report.push_str("\n== pg_stat_activity ==\n");
     match diesel::PgConnection::establish(url) {

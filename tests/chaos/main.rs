@@ -8,6 +8,8 @@
 
 #[path = "../common/db.rs"]
 mod db;
+#[path = "../common/gdb.rs"]
+mod gdb;
 mod harness;
 mod nemesis;
 mod replicated;
