@@ -606,13 +606,20 @@ impl Reply {
             #[serde(borrow)]
             order_no: Option<std::borrow::Cow<'a, str>>,
             #[serde(borrow)]
-            status: Option<std::borrow::Cow<'a, str>>,
+            status: Option<Status<'a>>,
+        }
+        /// An order's `status` is text; a problem's is its HTTP status.
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Status<'a> {
+            Text(#[serde(borrow)] std::borrow::Cow<'a, str>),
+            Other(serde::de::IgnoredAny),
         }
         match serde_json::from_slice::<Fields>(bytes) {
             Ok(f) => Self {
                 code: f.code.map(|c| c.into_owned()).unwrap_or_default(),
                 order_no: f.order_no.map(|o| o.into_owned()),
-                failed: f.status.as_deref() == Some(OrderStatus::Failed.as_str()),
+                failed: matches!(f.status, Some(Status::Text(s)) if s == OrderStatus::Failed.as_str()),
             },
             Err(_) => Self::default(),
         }
@@ -774,5 +781,29 @@ impl Progress {
 
     fn finish(&self) {
         self.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{OrderStatus, Reply};
+
+    #[test]
+    fn a_problem_is_read_for_its_code_although_its_status_is_a_number() {
+        let body = br#"{"type":"urn:seckill:problem:SOLD_OUT","title":"Sold out","status":409,"detail":"d","code":"SOLD_OUT","message":"m"}"#;
+        let reply = Reply::parse(body);
+        assert_eq!(reply.code, "SOLD_OUT");
+        assert!(!reply.failed);
+    }
+
+    #[test]
+    fn an_order_is_read_for_its_number_and_a_failed_status() {
+        let order = |status: OrderStatus| {
+            serde_json::json!({"order_no": "1234", "status": status.as_str()}).to_string()
+        };
+        let accepted = Reply::parse(order(OrderStatus::Processing).as_bytes());
+        assert_eq!(accepted.order_no.as_deref(), Some("1234"));
+        assert!(!accepted.failed);
+        assert!(Reply::parse(order(OrderStatus::Failed).as_bytes()).failed);
     }
 }
