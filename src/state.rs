@@ -441,6 +441,12 @@ impl AppState {
             metrics: self.metrics.clone(),
             order_events: self.redis.order_events.clone(),
             supervision: self.supervision(),
+            rush: (self.settings.orders.rush_in_flight > 0).then(|| crate::bus::batch::Rush {
+                in_flight: self.sale.admission.in_flight.clone(),
+                max: self.settings.admission.max_in_flight.max(1),
+                threshold: self.settings.orders.rush_in_flight,
+                wait: self.settings.orders.rush_batch_wait_ms,
+            }),
         }
     }
 }

@@ -4,6 +4,7 @@
 //! its own ([`closing`]); offsets are stored locally after the database
 //! commits and committed by librdkafka's own background thread.
 
+pub mod batch;
 pub mod closing;
 pub mod events;
 pub mod probe;

@@ -42,6 +42,9 @@ pub struct Subscription {
     /// order they were received, each only when it and every batch before
     /// it are done, so a crash replays at most the batches in flight.
     pub in_flight: usize,
+    /// While purchases rush through this instance, a batch waits longer to
+    /// fill ([`super::batch`]); None: never.
+    pub rush: Option<super::batch::Rush>,
 }
 
 /// Applies batches of messages.
@@ -407,7 +410,7 @@ async fn run<H: Handler>(
         let next = tokio::select! {
             _ = shutdown.cancelled() => Next::Stop,
             r = oldest(&mut applying), if !applying.is_empty() => Next::Applied(r),
-            m = consumer.recv(), if applying.len() < depth => Next::Received(m.map(|m| m.detach())),
+            m = consumer.recv(), if applying.len() < depth_now(depth, sub.rush.as_ref()) => Next::Received(m.map(|m| m.detach())),
         };
         match next {
             Next::Stop => break,
@@ -422,18 +425,17 @@ async fn run<H: Handler>(
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             Next::Received(Ok(first)) => {
-                let mut batch = vec![first];
-                let deadline = tokio::time::Instant::now() + sub.batch_wait;
-                while batch.len() < max {
-                    match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                        Ok(Ok(m)) => batch.push(m.detach()),
-                        Ok(Err(e)) => {
-                            tracing::warn!(error = %e, group = sub.group, "receive failed");
-                            break;
+                let batch =
+                    super::batch::fill(first, max, sub.batch_wait, sub.rush.as_ref(), || async {
+                        match consumer.recv().await {
+                            Ok(m) => Some(m.detach()),
+                            Err(e) => {
+                                tracing::warn!(error = %e, group = sub.group, "receive failed");
+                                None
+                            }
                         }
-                        Err(_) => break,
-                    }
-                }
+                    })
+                    .await;
                 let (handler, stop) = (handler.clone(), shutdown.clone());
                 applying.push_back(Applying {
                     started_ms: now_ms(),
@@ -455,6 +457,16 @@ async fn run<H: Handler>(
         }
     }
     busy_since.store(0, Ordering::Relaxed);
+}
+
+/// Batches applied at once: `depth`, or one while purchases rush through
+/// this instance (the database's commits then wait their turn too).
+fn depth_now(depth: usize, rush: Option<&super::batch::Rush>) -> usize {
+    if rush.is_some_and(super::batch::Rush::on) {
+        1
+    } else {
+        depth
+    }
 }
 
 /// What the consumer loop does next.

@@ -233,6 +233,18 @@ pub struct OrderSettings {
     /// `admission.max_consumer_lag`.
     #[serde(default)]
     pub max_write_rate: u32,
+    /// More purchases in flight on this instance than this is a rush, in
+    /// which an order batch waits up to `rush_batch_wait_ms` to fill
+    /// (0 = never).
+    #[serde(default = "default_rush_in_flight")]
+    pub rush_in_flight: usize,
+    /// How long an order batch waits to fill during a rush, in ms (at
+    /// least `batch_wait_ms`).
+    #[serde(
+        default = "default_rush_batch_wait_ms",
+        deserialize_with = "duration::millis"
+    )]
+    pub rush_batch_wait_ms: Duration,
     /// How long an order's event stream stays open without reaching a
     /// final status, in seconds.
     #[serde(
@@ -252,6 +264,14 @@ fn default_streams_per_user() -> usize {
 
 fn default_batches_in_flight() -> usize {
     4
+}
+
+fn default_rush_in_flight() -> usize {
+    64
+}
+
+fn default_rush_batch_wait_ms() -> Duration {
+    Duration::from_millis(300)
 }
 
 fn default_events_timeout_secs() -> Duration {
@@ -734,6 +754,17 @@ impl Settings {
             );
         }
         self.check_durations()?;
+        let rush = self.orders.rush_batch_wait_ms;
+        if self.orders.rush_in_flight > 0
+            && (rush < self.orders.batch_wait_ms || rush > Duration::from_secs(5))
+        {
+            bail!(
+                "orders.rush_batch_wait_ms must be within orders.batch_wait_ms ({} ms) and \
+                 5000 ms: a batch held longer would look to the watchdog like a stalled \
+                 consumer (or set orders.rush_in_flight = 0 to turn rushes off)",
+                self.orders.batch_wait_ms.as_millis()
+            );
+        }
         if self.redis.mode == RedisMode::Cluster
             && self.redis.gate_connection == GateConnection::Pool
         {

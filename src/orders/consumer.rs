@@ -24,6 +24,7 @@ use super::repo::{self, BatchOutcome};
 use crate::admission::Layout;
 use crate::admission::gate::Status;
 use crate::admission::{RedisGate, ReleaseReason};
+use crate::bus::batch::Rush;
 use crate::bus::events::OrderRequested;
 pub use crate::bus::runner::ConsumerHandle;
 use crate::bus::runner::{self, Handler, Subscription, Supervision};
@@ -62,6 +63,10 @@ pub struct ConsumerDeps {
     pub order_events: Arc<super::events::OrderEvents>,
     /// The watchdog every consumer runs under.
     pub supervision: Supervision,
+    /// This instance's purchases in flight, which make the order consumer
+    /// hold its batches while they rush (`orders.rush_in_flight`); None
+    /// when that is off.
+    pub rush: Option<Rush>,
 }
 
 impl ConsumerDeps {
@@ -75,26 +80,23 @@ impl ConsumerDeps {
         batch_wait: Duration,
         handler: H,
     ) -> anyhow::Result<ConsumerHandle> {
-        self.subscribe_in_flight(group, topic, batch_size, batch_wait, 1, handler)
-    }
-
-    /// As [`Self::subscribe`], applying up to `in_flight` batches at once.
-    pub fn subscribe_in_flight<H: Handler>(
-        &self,
-        group: &'static str,
-        topic: &str,
-        batch_size: usize,
-        batch_wait: Duration,
-        in_flight: usize,
-        handler: H,
-    ) -> anyhow::Result<ConsumerHandle> {
         let sub = Subscription {
             group,
             topic: topic.to_owned(),
             batch_size,
             batch_wait,
-            in_flight,
+            in_flight: 1,
+            rush: None,
         };
+        self.subscribe_as(sub, handler)
+    }
+
+    /// As [`Self::subscribe`], with every setting of `sub`.
+    pub fn subscribe_as<H: Handler>(
+        &self,
+        sub: Subscription,
+        handler: H,
+    ) -> anyhow::Result<ConsumerHandle> {
         runner::spawn(&self.settings.kafka, sub, handler, self.supervision.clone())
     }
 }
@@ -114,12 +116,16 @@ pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
     let batch_size = pacer
         .as_ref()
         .map_or(orders.batch_size, |p| p.batch_size(orders.batch_size));
-    deps.subscribe_in_flight(
-        CONSUMER,
-        &deps.topics.order_requested,
+    let sub = Subscription {
+        group: CONSUMER,
+        topic: deps.topics.order_requested.clone(),
         batch_size,
-        wait,
-        orders.batches_in_flight,
+        batch_wait: wait,
+        in_flight: orders.batches_in_flight,
+        rush: deps.rush.clone(),
+    };
+    deps.subscribe_as(
+        sub,
         OrderCreator {
             deps: deps.clone(),
             pacer,

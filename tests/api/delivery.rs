@@ -13,7 +13,7 @@ use rdkafka::util::Timeout;
 use seckill::admission::gate::Unsent;
 use seckill::admission::{Admission, RedisGate, ReserveRequest};
 use seckill::bus::events::OrderRequested;
-use seckill::bus::runner::Handler;
+use seckill::bus::runner::{Handler, Subscription};
 use seckill::bus::{Producer, PublishError, Topics, client_config};
 use seckill::config::Settings;
 use seckill::domain::ActivityId;
@@ -984,15 +984,16 @@ async fn batches_applied_at_once_store_offsets_in_order_so_a_batch_behind_a_stuc
     let deps = ConsumerDeps::connect(app.settings.clone()).unwrap();
     let group = "in-flight-order";
     let subscribe = |hold: bool, applied: Arc<Mutex<Vec<i64>>>| {
-        deps.subscribe_in_flight(
+        let sub = Subscription {
             group,
-            &topic,
-            5,
-            Duration::from_millis(200),
-            3,
-            HoldTheFirst { hold, applied },
-        )
-        .unwrap()
+            topic: topic.clone(),
+            batch_size: 5,
+            batch_wait: Duration::from_millis(200),
+            in_flight: 3,
+            rush: None,
+        };
+        deps.subscribe_as(sub, HoldTheFirst { hold, applied })
+            .unwrap()
     };
 
     // The first batch is stuck; the ones behind it are applied.
