@@ -11,6 +11,10 @@
 #                                   # timeline drawn (scripts/timeline.py)
 #   scripts/bench.sh --timeline     # as --open-only 1, and the chart goes to
 #                                   # docs/open-loop-timeline.svg
+#   scripts/bench.sh --open-only N --open-rate R
+#                                   # row 5c at R purchases/s, not half of row 5's
+#                                   # peak: an A/B at one rate (a setting switched
+#                                   # by its SECKILL__ variable between two runs)
 #
 # Rows (see BENCHMARKS.md):
 #   1 ceiling: redis-benchmark running our reserve script (EVALSHA)
@@ -32,7 +36,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
-USERS=20000 STOCK=1000 CONC=256 DRAIN=50000 PG_SECONDS=10 PROFILE=0 HOT_ONLY=0 OPEN_ONLY=0 CHART=""
+USERS=20000 STOCK=1000 CONC=256 DRAIN=50000 PG_SECONDS=10 PROFILE=0 HOT_ONLY=0 OPEN_ONLY=0 OPEN_RATE="" CHART=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --users) USERS=$2; shift 2 ;;
@@ -43,6 +47,7 @@ while [ $# -gt 0 ]; do
     --profile) PROFILE=1; shift ;;
     --hot-only) HOT_ONLY=$2; shift 2 ;;
     --open-only) OPEN_ONLY=$2; shift 2 ;;
+    --open-rate) OPEN_RATE=$2; shift 2 ;;
     --timeline) OPEN_ONLY=1; CHART=docs/open-loop-timeline.svg; shift ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
@@ -177,7 +182,7 @@ if [ "$OPEN_ONLY" != 0 ]; then
   for i in $(seq 1 "$OPEN_ONLY"); do
     base=$((40000000 + i * 1000000))
     two=$(row2); five=$(row5 $base)
-    half=$(python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['per_sec'] / 2))" "$five")
+    half=${OPEN_RATE:-$(python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['per_sec'] / 2))" "$five")}
     open=$(row5c "$half" $((base + 100000)) "open-$i")
     python3 - "$i" "$two" "$five" "$open" <<'EOF'
 import json, sys
