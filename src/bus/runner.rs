@@ -402,6 +402,8 @@ async fn run<H: Handler>(
     let depth = sub.in_flight.max(1);
     // Batches being applied, oldest first.
     let mut applying: VecDeque<Applying> = VecDeque::with_capacity(depth);
+    // The last batch filled to `max`: the topic has a backlog.
+    let mut backlog = false;
     loop {
         busy_since.store(
             applying.front().map_or(0, |a| a.started_ms),
@@ -410,7 +412,7 @@ async fn run<H: Handler>(
         let next = tokio::select! {
             _ = shutdown.cancelled() => Next::Stop,
             r = oldest(&mut applying), if !applying.is_empty() => Next::Applied(r),
-            m = consumer.recv(), if applying.len() < depth_now(depth, sub.rush.as_ref()) => Next::Received(m.map(|m| m.detach())),
+            m = consumer.recv(), if applying.len() < depth_now(depth, sub.rush.as_ref(), backlog) => Next::Received(m.map(|m| m.detach())),
         };
         match next {
             Next::Stop => break,
@@ -436,6 +438,7 @@ async fn run<H: Handler>(
                         }
                     })
                     .await;
+                backlog = batch.len() >= max;
                 let (handler, stop) = (handler.clone(), shutdown.clone());
                 applying.push_back(Applying {
                     started_ms: now_ms(),
@@ -459,10 +462,13 @@ async fn run<H: Handler>(
     busy_since.store(0, Ordering::Relaxed);
 }
 
-/// Batches applied at once: `depth`, or one while purchases rush through
-/// this instance (the database's commits then wait their turn too).
-fn depth_now(depth: usize, rush: Option<&super::batch::Rush>) -> usize {
-    if rush.is_some_and(super::batch::Rush::on) {
+/// Batches applied at once: `depth`; or one while purchases rush through
+/// this instance (the database's commits then wait their turn too), unless
+/// the last batch filled up. A sale that keeps accepting thousands a
+/// second is one long rush, and its orders must not fall behind: full
+/// batches say they are, and get every batch in flight again.
+fn depth_now(depth: usize, rush: Option<&super::batch::Rush>, backlog: bool) -> usize {
+    if !backlog && rush.is_some_and(super::batch::Rush::on) {
         1
     } else {
         depth
@@ -615,5 +621,40 @@ pub async fn dead_letter(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::depth_now;
+    use crate::bus::batch::Rush;
+
+    fn rush(in_use: u32) -> (Rush, Option<tokio::sync::OwnedSemaphorePermit>) {
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(100));
+        let held = (in_use > 0).then(|| in_flight.clone().try_acquire_many_owned(in_use).unwrap());
+        let rush = Rush {
+            in_flight,
+            max: 100,
+            threshold: 64,
+            wait: Duration::from_millis(300),
+        };
+        (rush, held)
+    }
+
+    #[test]
+    fn a_rush_applies_one_batch_at_a_time_unless_the_topic_has_a_backlog() {
+        let (busy, _held) = rush(65);
+        assert_eq!(depth_now(4, Some(&busy), false), 1);
+        assert_eq!(
+            depth_now(4, Some(&busy), true),
+            4,
+            "full batches: orders falling behind"
+        );
+        let (quiet, _held) = rush(64);
+        assert_eq!(depth_now(4, Some(&quiet), false), 4);
+        assert_eq!(depth_now(4, None, false), 4);
     }
 }
