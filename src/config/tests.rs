@@ -140,6 +140,24 @@ fn a_publish_window_shorter_than_a_publish_can_take_is_refused() {
 }
 
 #[test]
+fn a_rush_wait_is_held_between_the_batch_wait_and_five_seconds() {
+    use std::time::Duration;
+    let mut s = Settings::load_env("test").expect("test settings load");
+    s.orders.batch_wait_ms = Duration::from_millis(20);
+    for ok in [20, 300, 5_000] {
+        s.orders.rush_batch_wait_ms = Duration::from_millis(ok);
+        assert!(s.validate().is_ok(), "{ok} ms");
+    }
+    for refused in [19, 5_001] {
+        s.orders.rush_batch_wait_ms = Duration::from_millis(refused);
+        let err = s.validate().expect_err("outside the range").to_string();
+        assert!(err.contains("orders.rush_batch_wait_ms"), "{err}");
+    }
+    s.orders.rush_in_flight = 0;
+    assert!(s.validate().is_ok(), "rushes off: the wait is not used");
+}
+
+#[test]
 fn an_unknown_redis_mode_and_a_pooled_gate_on_a_cluster_are_refused() {
     let mode = |name: &str| {
         serde_json::from_value::<RedisMode>(serde_json::json!(name)).map_err(|e| e.to_string())
