@@ -77,7 +77,7 @@ where
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Messages due at `offset`, then one every `every`, from the call;
@@ -99,73 +99,58 @@ mod tests {
         }
     }
 
-    fn rush(in_use: usize, threshold: usize) -> (Rush, Vec<tokio::sync::OwnedSemaphorePermit>) {
+    /// A rush of threshold 64 and a wait of 300 ms, with `in_use` of its
+    /// 100 permits held (as long as the second half lives).
+    pub(crate) fn rush(in_use: u32) -> (Rush, Option<tokio::sync::OwnedSemaphorePermit>) {
         let in_flight = Arc::new(Semaphore::new(100));
-        let permits = (0..in_use)
-            .map(|_| in_flight.clone().try_acquire_owned().unwrap())
-            .collect();
+        let held = (in_use > 0).then(|| in_flight.clone().try_acquire_many_owned(in_use).unwrap());
         let rush = Rush {
             in_flight,
             max: 100,
-            threshold,
+            threshold: 64,
             wait: Duration::from_millis(300),
         };
-        (rush, permits)
+        (rush, held)
+    }
+
+    /// A batch of at most `max` with a 20 ms wait, from messages at 3 ms
+    /// and every 5 ms after: the batch, and how long it took.
+    async fn every_5_ms(max: usize, rush: &Rush) -> (Vec<u32>, Duration) {
+        let began = Instant::now();
+        let ticks = ticking(Duration::from_millis(3), Duration::from_millis(5));
+        let batch = fill(0, max, Duration::from_millis(20), Some(rush), ticks).await;
+        (batch, began.elapsed())
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_quiet_instance_closes_a_batch_at_its_wait() {
-        let (quiet, _held) = rush(10, 64);
+        let (quiet, _held) = rush(64);
         assert!(!quiet.on());
-        let began = Instant::now();
-        let batch = fill(
-            0,
-            1000,
-            Duration::from_millis(20),
-            Some(&quiet),
-            ticking(Duration::from_millis(3), Duration::from_millis(5)),
-        )
-        .await;
-        assert_eq!(began.elapsed(), Duration::from_millis(20));
+        let (batch, took) = every_5_ms(1000, &quiet).await;
+        assert_eq!(took, Duration::from_millis(20));
         assert_eq!(batch, vec![0, 1, 2, 3, 4], "messages at 3, 8, 13 and 18 ms");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_rush_holds_the_batch_up_to_its_own_wait() {
-        let (busy, _held) = rush(65, 64);
+        let (busy, _held) = rush(65);
         assert!(busy.on());
-        let began = Instant::now();
-        let batch = fill(
-            0,
-            1000,
-            Duration::from_millis(20),
-            Some(&busy),
-            ticking(Duration::from_millis(3), Duration::from_millis(5)),
-        )
-        .await;
-        assert_eq!(began.elapsed(), Duration::from_millis(300));
+        let (batch, took) = every_5_ms(1000, &busy).await;
+        assert_eq!(took, Duration::from_millis(300));
         assert_eq!(batch.len(), 61, "messages at 3, 8, … 298 ms");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_batch_closes_when_the_rush_ends() {
-        let (busy, held) = rush(80, 64);
-        let began = Instant::now();
+        let (busy, held) = rush(80);
         let ends = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(90)).await;
             drop(held);
         });
-        let batch = fill(
-            0,
-            1000,
-            Duration::from_millis(20),
-            Some(&busy),
-            ticking(Duration::from_millis(3), Duration::from_millis(5)),
-        )
-        .await;
+        let (batch, took) = every_5_ms(1000, &busy).await;
         ends.await.unwrap();
         assert_eq!(
-            began.elapsed(),
+            took,
             Duration::from_millis(100),
             "the first step after the rush ended"
         );
@@ -174,23 +159,19 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_full_batch_does_not_wait_for_the_rush() {
-        let (busy, _held) = rush(90, 64);
-        let began = Instant::now();
-        let batch = fill(
-            0,
-            10,
-            Duration::from_millis(20),
-            Some(&busy),
-            ticking(Duration::from_millis(1), Duration::from_millis(1)),
-        )
-        .await;
-        assert_eq!(began.elapsed(), Duration::from_millis(9));
+        let (busy, _held) = rush(90);
+        let (batch, took) = every_5_ms(10, &busy).await;
+        assert_eq!(
+            took,
+            Duration::from_millis(43),
+            "at the ninth message, within the rush"
+        );
         assert_eq!(batch.len(), 10);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_failed_receive_closes_the_batch_at_once() {
-        let (busy, _held) = rush(90, 64);
+        let (busy, _held) = rush(90);
         let mut n = 0;
         let batch = fill(0, 1000, Duration::from_millis(20), Some(&busy), move || {
             n += 1;

@@ -626,23 +626,8 @@ pub async fn dead_letter(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
     use super::depth_now;
-    use crate::bus::batch::Rush;
-
-    fn rush(in_use: u32) -> (Rush, Option<tokio::sync::OwnedSemaphorePermit>) {
-        let in_flight = Arc::new(tokio::sync::Semaphore::new(100));
-        let held = (in_use > 0).then(|| in_flight.clone().try_acquire_many_owned(in_use).unwrap());
-        let rush = Rush {
-            in_flight,
-            max: 100,
-            threshold: 64,
-            wait: Duration::from_millis(300),
-        };
-        (rush, held)
-    }
+    use crate::bus::batch::tests::rush;
 
     #[test]
     fn a_rush_applies_one_batch_at_a_time_unless_the_topic_has_a_backlog() {
