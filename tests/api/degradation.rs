@@ -164,9 +164,10 @@ async fn past_the_in_flight_limit_purchases_get_503_busy_and_keep_nothing() {
                 let first = app.attempt(u, activity, &request_id).await;
                 // On a slow host, 503 RETRY_LATER: the outcome is not known yet
                 // (an event unconfirmed, or a Redis call that timed out). The
-                // client asks again under the same request_id to learn it.
+                // client asks again under the same request_id to learn it (a
+                // 200 with its order then is a 202 to the buyer).
                 if first.0 == 503 && first.1["code"] == "RETRY_LATER" {
-                    app.buy_as(u, activity, &request_id).await
+                    app.retry_as(u, activity, &request_id).await
                 } else {
                     first
                 }

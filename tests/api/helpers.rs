@@ -529,8 +529,31 @@ impl TestApp {
         activity_id: i64,
         request_id: &str,
     ) -> (u16, serde_json::Value) {
+        self.buy_as_after(user_id, activity_id, request_id, false)
+            .await
+    }
+
+    /// [`TestApp::buy_as`] after the caller's own attempt was answered 503:
+    /// a 2xx now is the purchase accepted on a retry (202), although this
+    /// call's first answer is already it.
+    pub async fn retry_as(
+        &self,
+        user_id: i64,
+        activity_id: i64,
+        request_id: &str,
+    ) -> (u16, serde_json::Value) {
+        self.buy_as_after(user_id, activity_id, request_id, true)
+            .await
+    }
+
+    async fn buy_as_after(
+        &self,
+        user_id: i64,
+        activity_id: i64,
+        request_id: &str,
+        mut retried: bool,
+    ) -> (u16, serde_json::Value) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        let mut retried = false;
         loop {
             let (status, body) = self.attempt(user_id, activity_id, request_id).await;
             if status == 503 && std::time::Instant::now() < deadline {
