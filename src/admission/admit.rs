@@ -461,11 +461,10 @@ impl Admitter {
                 self.replay(p.activity_id, layout, order_no).await
             }
             Admission::SoldOut => {
-                let (flags, gate, activity_id) =
-                    (self.sold_out.clone(), self.gate.clone(), p.activity_id);
                 // Asked at `started`: a release heard after that may have
                 // come after Redis's answer, and keeps the flag off.
-                tokio::spawn(async move { flags.mark(&gate, activity_id, layout, started).await });
+                self.sold_out
+                    .mark_soon(&self.gate, p.activity_id, layout, started);
                 Err(Refusal::SoldOut { from_memory: false })
             }
             Admission::LimitExceeded => Err(Refusal::LimitExceeded),

@@ -102,6 +102,12 @@ pub struct SoldOut {
     /// Activities whose flag a task keeps fresh.
     refreshing: std::sync::Mutex<HashSet<ActivityId>>,
     gauge: IntGauge,
+    /// The runtime this was made on (the process's background runtime),
+    /// where its reads of Redis run: spawned on the HTTP worker that
+    /// needed them, they waited behind that worker's purchases for each
+    /// hop, and a sale's first SOLD_OUT took up to 600 ms to become a flag
+    /// while every purchase meanwhile went to Redis (BENCHMARKS.md).
+    home: Option<tokio::runtime::Handle>,
 }
 
 impl SoldOut {
@@ -115,7 +121,33 @@ impl SoldOut {
             count: AtomicI64::new(0),
             refreshing: std::sync::Mutex::new(HashSet::new()),
             gauge,
+            home: tokio::runtime::Handle::try_current().ok(),
         }
+    }
+
+    /// Runs `task` on this flag set's own runtime (the current one if it
+    /// was made outside any).
+    fn spawn<F>(&self, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        match &self.home {
+            Some(home) => drop(home.spawn(task)),
+            None => drop(tokio::spawn(task)),
+        }
+    }
+
+    /// [`Self::mark`] on this flag set's own runtime: what a purchase that
+    /// Redis answered SOLD_OUT calls, without waiting for it.
+    pub fn mark_soon(
+        self: &Arc<Self>,
+        gate: &Arc<RedisGate>,
+        activity_id: ActivityId,
+        layout: Layout,
+        asked_at: Instant,
+    ) {
+        let (flags, gate) = (self.clone(), gate.clone());
+        self.spawn(async move { flags.mark(&gate, activity_id, layout, asked_at).await });
     }
 
     /// Whether `user_id`'s purchase in `activity_id` is answered SOLD_OUT
@@ -172,7 +204,7 @@ impl SoldOut {
                 // A task of its own: a purchase dropped by its client must
                 // not take the read the others wait for with it.
                 let (recount, gate) = (recount.clone(), gate.clone());
-                tokio::spawn(async move {
+                self.spawn(async move {
                     let n = recount.started.fetch_add(1, Ordering::SeqCst) + 1;
                     let count = gate.acceptances(activity_id, layout).await.ok();
                     recount.reading.store(false, Ordering::SeqCst);
@@ -216,7 +248,7 @@ impl SoldOut {
                     .unwrap_or_else(|e| e.into_inner())
                     .insert(activity_id);
                 if first {
-                    tokio::spawn(self.clone().keep_fresh(gate.clone(), activity_id, layout));
+                    self.spawn(self.clone().keep_fresh(gate.clone(), activity_id, layout));
                 }
             }
             Err(e) => {
@@ -422,6 +454,37 @@ mod tests {
             },
         );
         s.recount(&flags);
+    }
+
+    /// The reads behind a flag run on the runtime the flags were made on,
+    /// not on the busy HTTP worker that asked for them: here the asking
+    /// thread never yields again, and the read still runs.
+    #[test]
+    fn its_reads_run_on_the_runtime_it_was_made_on_while_the_asking_thread_is_busy() {
+        let home = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .unwrap();
+        let s = {
+            let _inside = home.enter();
+            flags(200)
+        };
+        let worker = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let ran = Arc::new(AtomicBool::new(false));
+        let done = ran.clone();
+        let ran_within = worker.block_on(async move {
+            s.spawn(async move { done.store(true, Ordering::SeqCst) });
+            // Busy, as a worker under a sale's first purchases: no await.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !ran.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            ran.load(Ordering::SeqCst)
+        });
+        assert!(ran_within, "the read waited for the asking thread to yield");
     }
 
     #[test]
