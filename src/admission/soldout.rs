@@ -105,8 +105,9 @@ pub struct SoldOut {
     /// The runtime this was made on (the process's background runtime),
     /// where its reads of Redis run: spawned on the HTTP worker that
     /// needed them, they waited behind that worker's purchases for each
-    /// hop, and a sale's first SOLD_OUT took up to 600 ms to become a flag
-    /// while every purchase meanwhile went to Redis (BENCHMARKS.md).
+    /// hop, and a sale's first SOLD_OUT took 45–224 ms to become a flag
+    /// while every purchase meanwhile went to Redis (14–50 ms here;
+    /// BENCHMARKS.md).
     home: Option<tokio::runtime::Handle>,
 }
 
