@@ -92,10 +92,47 @@ pg_ha_keeper() {
     XDG_CONFIG_HOME="$PGHA_DIR/xdg/config" XDG_DATA_HOME="$PGHA_DIR/xdg/data"
     XDG_RUNTIME_DIR="$PGHA_DIR/xdg/run" pg_autoctl run --pgdata "$dir/data")
   if is_root; then cmd=(runuser -u postgres -- "${cmd[@]}"); fi
+  # pg_autoctl expects a supervisor that starts it again whenever it
+  # exits (the systemd unit `pg_autoctl show systemd` writes says
+  # Restart=always): it gives up at once on some errors, such as one
+  # failed connection to its own PostgreSQL ("pg_autoctl stops retrying
+  # now"), and a node without its keeper never reports or changes role
+  # again, so the pair never settles. This loop is that supervisor. It is
+  # in the node's process group: killing the group still kills the node,
+  # and a SIGTERM to the group ends the loop (no trap) while pg_autoctl
+  # stops PostgreSQL gracefully.
   # A background job is no group leader: setsid makes it one in place,
   # so its pid is the new session's and process group's.
-  setsid "${cmd[@]}" >>"$dir/keeper.log" 2>&1 </dev/null &
+  setsid bash -c 'while :; do
+      "$@"; rc=$?
+      echo "[services] pg_autoctl run exited ($rc); starting it again in 1 s"
+      sleep 1
+    done' keeper "${cmd[@]}" >>"$dir/keeper.log" 2>&1 </dev/null &
   echo $! >"$dir/keeper.pid"
+}
+
+# pg_ha_explain: what the monitor and the keepers say, on stderr, when the
+# pair does not come up as asked.
+pg_ha_explain() {
+  {
+    echo "[services] the monitor's nodes (health: 1 good, 0 bad, -1 not checked yet):"
+    as_pg psql -h "$PG_HOST" -p "$PGHA_MONITOR_PORT" -U postgres -d pg_auto_failover -P pager=off \
+      -c "select nodeid, nodename, nodeport, reportedstate, goalstate, reportedpgisrunning as pg_running,
+                 reportedtli, reportedlsn, health, now() - reporttime as since_report,
+                 now() - healthchecktime as since_health_check
+            from pgautofailover.node order by nodeid" 2>&1
+    echo "[services] the monitor's last events:"
+    as_pg psql -h "$PG_HOST" -p "$PGHA_MONITOR_PORT" -U postgres -d pg_auto_failover -P pager=off \
+      -c "select eventtime::time(0), nodename, reportedstate, goalstate, description
+            from (select * from pgautofailover.event order by eventid desc limit 12) e
+           order by eventid" 2>&1
+    local dir
+    for dir in "$PGHA_DIR/monitor" "$PGHA_DIR/node1" "$PGHA_DIR/node2"; do
+      if keeper_alive "$dir"; then echo "[services] $dir: keeper running"
+      else echo "[services] $dir: keeper NOT running"; fi
+      tail -n 25 "$dir/keeper.log" 2>/dev/null | cut -c1-240 | sed 's/^/    /'
+    done
+  } >&2
 }
 
 pg_ha_monitor_up() {
@@ -135,7 +172,7 @@ pg_ha_node_up() {
       | as_pg tee -a "$dir/data/postgresql.conf" >/dev/null
   fi
   pg_ha_keeper "$dir"
-  wait_for 120 pg_ha_answers "$port" || die "node $n does not answer; see $dir/keeper.log"
+  wait_for 120 pg_ha_answers "$port" || { pg_ha_explain; die "node $n does not answer; see $dir/keeper.log"; }
 }
 
 pg_ha_primary_port() {
@@ -154,9 +191,12 @@ pg_ha_up() {
   as_pg mkdir -p "$PGHA_DIR/monitor" "$PGHA_DIR/xdg/config" "$PGHA_DIR/xdg/data" "$PGHA_DIR/xdg/run"
   pg_ha_monitor_up
   pg_ha_node_up 1
-  wait_for 120 pg_ha_primary_port >/dev/null || die "no primary; see $PGHA_DIR/node1/keeper.log"
+  wait_for 120 pg_ha_primary_port >/dev/null || { pg_ha_explain; die "no primary; see $PGHA_DIR/node1/keeper.log"; }
   pg_ha_node_up 2
-  wait_for 180 pg_ha_settled || die "the pair did not settle as primary and standby; see $PGHA_DIR/node*/keeper.log"
+  wait_for 180 pg_ha_settled || {
+    pg_ha_explain
+    die "the pair did not settle as primary and standby; see $PGHA_DIR/node*/keeper.log"
+  }
   local primary
   primary=$(pg_ha_primary_port)
   if [ -z "$(pg_ha_sql "$primary" -c "select 1 from pg_roles where rolname = '$PG_USER'")" ]; then
