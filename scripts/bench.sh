@@ -156,14 +156,16 @@ row5() {
 # be all of its tail). The buyers hold OPEN_CONNS connections when it
 # starts (loadgen --connections). Both sides write a timeline, a sampler
 # reads every process's CPU, and scripts/timeline.py draws
-# $OUT/TAG-timeline.svg.
+# $OUT/TAG-timeline.svg. The load generator runs one worker thread
+# (OPEN_LG_THREADS): a fixed rate needs no more, and with one per core it
+# took both cores from the server as the units sold (BENCHMARKS.md).
 OPEN_CONNS=2048
 row5c() {
   local tag=$3 out
   start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve --timeline "$OUT/$tag-server.csv"
   local serve_pid=${PIDS[-1]}
   $BIN loadgen --json --url http://127.0.0.1:18080 --users $((USERS * 4)) --stock "$STOCK" --rate "$1" \
-    --first-user "$2" --connections "$OPEN_CONNS" --cpu-pid "$serve_pid" --timeline "$OUT/$tag-client.csv" \
+    --first-user "$2" --connections "$OPEN_CONNS" --threads "${OPEN_LG_THREADS:-1}" --cpu-pid "$serve_pid" --timeline "$OUT/$tag-client.csv" \
     2>/dev/null >"$OUT/$tag-loadgen.txt" &
   local lg=$!
   python3 scripts/timeline.py sample "$OUT/$tag-procs.csv" "serve=$serve_pid" "loadgen=$lg" &

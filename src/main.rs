@@ -129,9 +129,20 @@ enum Direction {
     Down,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    if let Command::Loadgen { args, .. } = &cli.command
+        && let Some(threads) = args.threads
+    {
+        anyhow::ensure!(threads > 0, "--threads must be at least 1");
+        runtime.worker_threads(threads);
+    }
+    runtime.build()?.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Command::Openapi = cli.command {
         // Needs no settings: the document is the code's.
         println!("{}", seckill::http::openapi::json());

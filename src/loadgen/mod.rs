@@ -116,6 +116,13 @@ pub struct LoadgenArgs {
     /// none to spare.
     #[arg(long, default_value_t = 0)]
     pub connections: usize,
+    /// Worker threads of this process (default: one per core). An open
+    /// loop on the server's own host wants 1: a fixed rate needs only the
+    /// CPU of that rate, and with a worker per core the load generator
+    /// took both cores from the server at the sale's first moment
+    /// (BENCHMARKS.md, "The load generator off the server's second core").
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 /// One purchase: HTTP status (0 when the transport failed), error code,
