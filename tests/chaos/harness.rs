@@ -1058,9 +1058,10 @@ pub struct Sale<'a> {
 
 /// The answers of a sale's buyers over time: printed per 5 s after the
 /// burst, so a failure shows what buyers heard before and after the
-/// fault; and a server that answers nobody for [`STALL`] while buyers wait
-/// is caught in the act (its threads and the database's sessions, written
-/// beside its log).
+/// fault; a stretch of [`STALL`] without an answer is told of with how
+/// the CPUs were shared, and a server that answers nobody for [`HUNG`]
+/// while the buyers are not starved is caught in the act (its threads and
+/// the database's sessions, written beside its log).
 #[derive(Default)]
 struct Answers {
     started: std::sync::OnceLock<Instant>,
@@ -1072,6 +1073,10 @@ struct Answers {
 
 /// No answer to any buyer for this long, with buyers waiting: a stall.
 const STALL: Duration = Duration::from_secs(8);
+
+/// A stall this long, longer than a buyer waits for one answer: the server
+/// is hung, and what it was doing is worth stopping it for.
+const HUNG: Duration = Duration::from_secs(24);
 
 impl Answers {
     fn now_ms(&self) -> u64 {
@@ -1292,37 +1297,67 @@ impl<'a> Sale<'a> {
     }
 
     /// Until `done`: whenever no buyer has heard anything for [`STALL`],
-    /// writes the server's threads (gdb) and the database's sessions to
-    /// `<log dir>/<name>.stall.<n>.txt` (twice at most) and says so.
+    /// says how the CPUs were shared over that time: the server's threads
+    /// and this process's, time run and time waited for a CPU. A stall
+    /// that lasts [`HUNG`] while the buyers' own process was not starved
+    /// (it waited less for a CPU than it ran) is the server's: its threads
+    /// (gdb) and the database's sessions go to
+    /// `<log dir>/<name>.stall.<n>.txt`, twice at most. gdb stops the
+    /// server while it writes (7 s on a loaded host), so never for a
+    /// passing slowdown of the host.
     async fn watch_for_stalls(&self, done: &std::sync::atomic::AtomicBool) {
-        let mut caught = 0;
+        let server = self.chaos.server.lock().unwrap().as_ref().map(Child::id);
+        let mut dumps = 0;
+        // The last answer (ms) whose stall was told of, and dumped.
+        let (mut told, mut dumped) = (None, None);
+        // One sample per second, the last STALL's worth kept.
+        let mut samples = std::collections::VecDeque::new();
+        let window = usize::try_from(STALL.as_secs()).unwrap();
         while !done.load(std::sync::atomic::Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_secs(1)).await;
+            samples.push_back((sched(server), sched(Some(std::process::id()))));
+            if samples.len() > window + 1 {
+                samples.pop_front();
+            }
             let now = self.answers.now_ms();
             let last = self
                 .answers
                 .last_ms
                 .load(std::sync::atomic::Ordering::Relaxed);
-            let stalled_ms = now.saturating_sub(last);
-            if caught >= 2 || last == 0 || stalled_ms < u64::try_from(STALL.as_millis()).unwrap() {
+            let stalled = Duration::from_millis(now.saturating_sub(last));
+            if last == 0 || stalled < STALL {
                 continue;
             }
-            caught += 1;
-            let path = log_dir().join(format!("{}.stall.{caught}.txt", self.chaos.name));
+            let (first, latest) = (samples.front().unwrap(), samples.back().unwrap());
+            let spent = |a: Option<Sched>, b: Option<Sched>| a.zip(b).map(|(a, b)| b.since(a));
+            let buyers = spent(first.1, latest.1);
+            if told != Some(last) {
+                told = Some(last);
+                eprintln!(
+                    "{}: no buyer answered for {:.1}s at {:.1}s; over the last {}s the server {} and the buyers' process {}",
+                    self.chaos.name,
+                    stalled.as_secs_f64(),
+                    now as f64 / 1000.0,
+                    samples.len() - 1,
+                    Sched::describe(spent(first.0, latest.0)),
+                    Sched::describe(buyers),
+                );
+            }
+            let starved = buyers.is_some_and(|s| s.waited_ns > s.ran_ns);
+            if stalled < HUNG || starved || dumps >= 2 || dumped == Some(last) {
+                continue;
+            }
+            dumps += 1;
+            dumped = Some(last);
+            let path = log_dir().join(format!("{}.stall.{dumps}.txt", self.chaos.name));
             eprintln!(
-                "{}: no buyer answered for {:.1}s at {:.1}s; threads and sessions in {}",
+                "{}: still no answer after {:.1}s; threads and sessions in {}",
                 self.chaos.name,
-                stalled_ms as f64 / 1000.0,
-                now as f64 / 1000.0,
+                stalled.as_secs_f64(),
                 path.display()
             );
-            let pid = self.chaos.server.lock().unwrap().as_ref().map(Child::id);
             let url = self.chaos.settings.postgres.url.expose_secret().to_owned();
-            let _ = tokio::task::spawn_blocking(move || stall_report(pid, &url, &path)).await;
-            // The next report, if any, a stall later.
-            self.answers
-                .last_ms
-                .store(now, std::sync::atomic::Ordering::Relaxed);
+            let _ = tokio::task::spawn_blocking(move || stall_report(server, &url, &path)).await;
         }
     }
 
@@ -1331,6 +1366,14 @@ impl<'a> Sale<'a> {
     /// time, as the old one may be spent or lost) until a final answer.
     pub async fn buyer(&self, user: i64) -> Bought {
         let c = self.chaos;
+        // A connection of this buyer's own, as a shop's buyer has: a
+        // shared pool hands a buyer a connection another opened and left
+        // idle, which a starved client may not see closed (actix answers
+        // 408 to a first request later than 5 s, and closes).
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .unwrap();
         let jwt = c.user(user);
         let request_id = format!(
             "b{user}-{}",
@@ -1349,8 +1392,7 @@ impl<'a> Sale<'a> {
         while Instant::now() < give_up {
             bought.attempts += 1;
             let asked = Instant::now();
-            let token = match c
-                .client
+            let token = match client
                 .get(c.url(&format!("/api/v1/activities/{}/token", self.activity)))
                 .bearer_auth(&jwt)
                 .send()
@@ -1390,8 +1432,7 @@ impl<'a> Sale<'a> {
                 }
             };
             let asked = Instant::now();
-            let res = c
-                .client
+            let res = client
                 .post(c.url(&format!("/api/v1/activities/{}/orders", self.activity)))
                 .bearer_auth(&jwt)
                 .json(&json!({"request_id": request_id, "token": token}))
@@ -1485,11 +1526,82 @@ fn stall_report(pid: Option<u32>, url: &str, path: &std::path::Path) {
 /// What kind of failure a request without an answer met.
 fn failure(e: &reqwest::Error) -> &'static str {
     if e.is_timeout() {
-        "timeout"
-    } else if e.is_connect() {
-        "connect failed"
-    } else {
-        "connection lost"
+        return "timeout";
+    }
+    if e.is_connect() {
+        return "connect failed";
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            match io.kind() {
+                std::io::ErrorKind::ConnectionReset => return "connection reset",
+                std::io::ErrorKind::BrokenPipe => return "connection lost (broken pipe)",
+                _ => {}
+            }
+        }
+        let text = cause.to_string();
+        if text.contains("closed before message completed") {
+            return "connection closed by the server";
+        }
+        // The 408 actix sends when a connection's first request is late
+        // (5 s), read by a client that held the connection idle meanwhile.
+        if text.contains("unexpected message") {
+            return "connection closed by the server (408 unasked)";
+        }
+        source = cause.source();
+    }
+    "connection lost"
+}
+
+/// CPU time of a process's threads so far (`/proc/<pid>/task/*/schedstat`).
+#[derive(Clone, Copy)]
+struct Sched {
+    ran_ns: u64,
+    waited_ns: u64,
+}
+
+/// `pid`'s [`Sched`], if it still runs (and the kernel keeps schedstats).
+fn sched(pid: Option<u32>) -> Option<Sched> {
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", pid?)).ok()?;
+    let mut total = Sched {
+        ran_ns: 0,
+        waited_ns: 0,
+    };
+    for task in tasks.flatten() {
+        let Ok(line) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            continue;
+        };
+        let mut fields = line
+            .split_whitespace()
+            .map(|f| f.parse::<u64>().unwrap_or(0));
+        total.ran_ns += fields.next().unwrap_or(0);
+        total.waited_ns += fields.next().unwrap_or(0);
+    }
+    Some(total)
+}
+
+impl Sched {
+    /// What ran and waited between `before` and `self` (threads that ended
+    /// meanwhile are not counted).
+    fn since(self, before: Sched) -> Sched {
+        Sched {
+            ran_ns: self.ran_ns.saturating_sub(before.ran_ns),
+            waited_ns: self.waited_ns.saturating_sub(before.waited_ns),
+        }
+    }
+
+    fn describe(spent: Option<Sched>) -> String {
+        spent.map_or_else(
+            || "(unknown)".to_owned(),
+            |s| {
+                format!(
+                    "ran {:.1}s and waited {:.1}s for a CPU",
+                    s.ran_ns as f64 / 1e9,
+                    s.waited_ns as f64 / 1e9
+                )
+            },
+        )
     }
 }
 

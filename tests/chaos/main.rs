@@ -21,7 +21,7 @@ use harness::{Chaos, Fault, OnDrop, Outcome, Sale, signal};
 
 /// 20 s of a stopped broker (SIGSTOP) in the middle of the burst, buyers
 /// retrying 503s with the same request_id throughout.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_broker_paused_for_twenty_seconds_mid_burst_loses_and_duplicates_nothing() {
     let chaos = Chaos::start("broker_paused").await;
@@ -50,7 +50,7 @@ const SERVE_AGAIN_WITHIN: Duration = Duration::from_secs(150);
 /// [`SERVE_AGAIN_WITHIN`]: ready, and a new purchase answered 202, with no
 /// restart by hand (a server that exits by itself is started again, as a
 /// supervisor would). Then the invariants, over every buyer.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_broker_paused_round_after_round_the_instance_serves_again_after_each() {
     use futures_util::StreamExt;
@@ -160,7 +160,7 @@ async fn the_broker_paused_round_after_round_the_instance_serves_again_after_eac
 /// every Kafka client of the server waits on a coordinator that never
 /// answers, and closing them would wait with it. Before the deadline
 /// existed, such an instance closed its listener and ran on for minutes.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn a_wedged_instance_stops_on_sigterm_within_its_shutdown_deadline() {
     let chaos = Chaos::start("wedged_sigterm").await;
@@ -191,7 +191,7 @@ async fn a_wedged_instance_stops_on_sigterm_within_its_shutdown_deadline() {
 }
 
 /// The broker killed (SIGKILL) mid-burst and started again.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_broker_killed_and_restarted_mid_burst_loses_and_duplicates_nothing() {
     let chaos = Chaos::start("broker_killed").await;
@@ -207,7 +207,7 @@ async fn the_broker_killed_and_restarted_mid_burst_loses_and_duplicates_nothing(
 }
 
 /// PostgreSQL restarted while the consumers write the orders of a burst.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn postgres_restarted_mid_drain_loses_and_duplicates_nothing() {
     let chaos = Chaos::start_with("postgres_restarted", |env| {
@@ -248,7 +248,7 @@ const BATCH_FAILED: &str = "order batch failed; retrying";
 
 /// Redis flushed (FLUSHALL) mid-sale: reservations, tokens, stock, all of
 /// it. The reconciler restores the activity from the database.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn redis_flushed_mid_sale_is_restored_and_loses_and_duplicates_nothing() {
     let chaos = Chaos::start("redis_flushed").await;
@@ -270,7 +270,7 @@ async fn redis_flushed_mid_sale_is_restored_and_loses_and_duplicates_nothing() {
 /// the sale goes on through the database fallback, then returns to Redis,
 /// which reconciliation loads from the database (the fallback's orders'
 /// request ids and holdings with it).
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn redis_killed_mid_sale_falls_back_to_the_database_and_returns() {
     let chaos = Chaos::start_with("redis_killed", fallback_env).await;
@@ -292,7 +292,7 @@ async fn redis_killed_mid_sale_falls_back_to_the_database_and_returns() {
 /// it comes back holding the activity as it was before the fallback sold
 /// from the database, so its keys are dropped and loaded again from the
 /// database.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn redis_paused_mid_sale_falls_back_to_the_database_and_returns() {
     let chaos = Chaos::start_with("redis_paused", fallback_env).await;
@@ -367,7 +367,7 @@ async fn fallback_then_redis(chaos: &Chaos, sale: &Sale<'_>, outcome: &Outcome) 
 
 /// The server killed (SIGKILL) mid-burst and started again; buyers retry
 /// through the outage with the same request_id.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_server_killed_mid_burst_and_restarted_loses_and_duplicates_nothing() {
     let chaos = Chaos::start("server_killed").await;
@@ -388,7 +388,7 @@ async fn the_server_killed_mid_burst_and_restarted_loses_and_duplicates_nothing(
 /// written, and its client, told 503, never came back: the coupon stayed
 /// taken in Redis with nothing behind it. The reconciler sends such a
 /// claim again once the publish window has passed.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn a_coupon_claim_unconfirmed_when_its_server_died_is_written_in_the_end() {
     let chaos = Chaos::start("claim_unconfirmed").await;
@@ -463,14 +463,14 @@ async fn a_coupon_claim_unconfirmed_when_its_server_died_is_written_in_the_end()
 /// overlapping faults on every process over three minutes of a sale that
 /// buys, pays, cancels, times out and claims coupons, then a checker over
 /// every answer the clients got.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn nemesis_overlapping_faults_over_buying_paying_cancelling_and_claiming() {
     let chaos = Chaos::start("nemesis").await;
     nemesis::run(&chaos).await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn two_api_instances_and_a_worker_sell_a_thousand_units_to_twenty_thousand_buyers() {
     // API-only nodes (no consumer of any kind) with the default instance-id

@@ -95,7 +95,7 @@ async fn sells_again(chaos: &Chaos, activity: i64, mut user: i64) -> f64 {
 /// burst, started again 20 s later: no 202 lost or duplicated, and buying
 /// goes on (its partitions get a new leader from the in-sync replicas)
 /// without a restart of the server.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_partition_leader_killed_mid_sale_loses_and_duplicates_nothing() {
     leader_hit("leader_killed", "KILL", Duration::from_secs(20)).await;
@@ -104,7 +104,7 @@ async fn the_partition_leader_killed_mid_sale_loses_and_duplicates_nothing() {
 /// The leader stopped (SIGSTOP) for 30 s: fenced by the controllers while
 /// it is away, its partitions led by another broker; the same outcome as
 /// the kill.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_partition_leader_paused_thirty_seconds_loses_and_duplicates_nothing() {
     leader_hit("leader_paused", "STOP", Duration::from_secs(30)).await;
@@ -147,7 +147,7 @@ async fn leader_hit(name: &str, sig: &'static str, hold: Duration) {
 /// 503 RETRY_LATER with a Retry-After, nothing is accepted, readiness says
 /// why, and the instance does not restart itself (for three times the
 /// stall window and more). Once the brokers are back it sells again.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn two_brokers_down_refuse_purchases_without_a_restart_loop_and_it_sells_again_after() {
     let chaos = start("two_brokers_down").await;
@@ -258,7 +258,7 @@ async fn purchase(chaos: &Chaos, activity: i64, user: i64) -> (u16, Option<u64>,
 /// there through the multi-host URL. A payment callback sent during the
 /// switch answers 503 (the provider retries) or, once the standby took
 /// over, 200, never anything else, and the order is paid exactly once.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicates_nothing() {
     let chaos = Chaos::start_with("primary_killed", |env| {
@@ -356,7 +356,7 @@ async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicat
 /// health checks fail, and writes go on, held on one node until the
 /// standby is back. What that trade costs is measured here: how long
 /// commits waited before the primary went on alone.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_postgres_standby_killed_the_primary_goes_on() {
     let chaos = start("standby_killed").await;

@@ -206,7 +206,7 @@ async fn pause() {
 /// lost queue buys, no pass buys twice, every buyer whose ticket was lost
 /// is told so (and joins again), and the sale then ends with the SPEC
 /// invariants holding.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn redis_killed_mid_queue_restarts_the_queue_honours_no_pass_twice_and_tells_every_buyer() {
     let chaos = Chaos::start("room_redis_killed").await;
