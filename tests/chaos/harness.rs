@@ -1306,7 +1306,6 @@ impl<'a> Sale<'a> {
     /// server while it writes (7 s on a loaded host), so never for a
     /// passing slowdown of the host.
     async fn watch_for_stalls(&self, done: &std::sync::atomic::AtomicBool) {
-        let server = self.chaos.server.lock().unwrap().as_ref().map(Child::id);
         let mut dumps = 0;
         // The last answer (ms) whose stall was told of, and dumped.
         let (mut told, mut dumped) = (None, None);
@@ -1315,6 +1314,8 @@ impl<'a> Sale<'a> {
         let window = usize::try_from(STALL.as_secs()).unwrap();
         while !done.load(std::sync::atomic::Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_secs(1)).await;
+            // Read each time: a fault test may have started it again.
+            let server = self.chaos.server.lock().unwrap().as_ref().map(Child::id);
             samples.push_back((sched(server), sched(Some(std::process::id()))));
             if samples.len() > window + 1 {
                 samples.pop_front();
