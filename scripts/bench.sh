@@ -154,26 +154,41 @@ row5() {
 # Row 5c, RATE FIRST_USER TAG: the open loop, four times the buyers (at
 # half the peak, $USERS would last about two seconds, and the start would
 # be all of its tail). The buyers hold OPEN_CONNS connections when it
-# starts (loadgen --connections). Both sides write a timeline, a sampler
+# starts (loadgen --connections) and no more: a purchase due while all are
+# out waits for one, its wait counted (--max-in-flight). Both sides write a timeline, a sampler
 # reads every process's CPU, and scripts/timeline.py draws
 # $OUT/TAG-timeline.svg. The load generator runs one worker thread
 # (OPEN_LG_THREADS): a fixed rate needs no more, and with one per core it
 # took both cores from the server as the units sold (BENCHMARKS.md).
 OPEN_CONNS=2048
+# The first FIRST_MS of 5c's burst, when its units sell: every process's
+# CPU run and run-queue wait (scripts/first-moment.py).
+FIRST_MS=250
 row5c() {
   local tag=$3 out
   start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve --timeline "$OUT/$tag-server.csv"
   local serve_pid=${PIDS[-1]}
   $BIN loadgen --json --url http://127.0.0.1:18080 --users $((USERS * 4)) --stock "$STOCK" --rate "$1" \
-    --first-user "$2" --connections "$OPEN_CONNS" --threads "${OPEN_LG_THREADS:-1}" --cpu-pid "$serve_pid" --timeline "$OUT/$tag-client.csv" \
-    2>/dev/null >"$OUT/$tag-loadgen.txt" &
+    --first-user "$2" --connections "$OPEN_CONNS" --max-in-flight "$OPEN_CONNS" --threads "${OPEN_LG_THREADS:-1}" \
+    --cpu-pid "$serve_pid" --timeline "$OUT/$tag-client.csv" 2>"$OUT/$tag-loadgen.err" >"$OUT/$tag-loadgen.txt" &
   local lg=$!
   python3 scripts/timeline.py sample "$OUT/$tag-procs.csv" "serve=$serve_pid" "loadgen=$lg" &
   local sampler=$!
+  python3 scripts/first-moment.py "$OUT/$tag-loadgen.err" "$FIRST_MS" "serve=$serve_pid" "loadgen=$lg" \
+    >"$OUT/$tag-first.json" 2>/dev/null &
+  local first=$!
   wait "$lg" || true
+  wait "$first" || true
   kill "$sampler"; wait "$sampler" 2>/dev/null || true
   stop_all
-  out=$(tail -n 1 "$OUT/$tag-loadgen.txt")
+  out=$(python3 -c '
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+try:
+    r["first_moment"] = json.loads(open(sys.argv[2]).read())
+except (OSError, ValueError):
+    r["first_moment"] = None
+print(json.dumps(r))' "$OUT/$tag-loadgen.txt" "$OUT/$tag-first.json")
   python3 scripts/timeline.py draw "$OUT/$tag-timeline.svg" "$OUT/$tag-client.csv" "$OUT/$tag-server.csv" \
     "$OUT/$tag-procs.csv" --title "seckill open loop at $1/s, $STOCK units ($(git rev-parse --short HEAD))" >&2
   echo "$out"
@@ -181,8 +196,8 @@ row5c() {
 
 if [ "$OPEN_ONLY" != 0 ]; then
   say "rows 2, 5 and 5c, $OPEN_ONLY times; rows 2 and 5 again at $((USERS * 5)) requests"
-  echo "| run | 2 trivial handler | 5 ours | 5 / 2 | CPU µs per request, server / loadgen: 2; 5 | 2 and 5 at 5x the requests | 5 / 2 there | 5c offered | 5c done | p50 / p90 / p99 / p99.9 ms | p99 of the 202s | p99 of refusals | 5c CPU µs per request | host busy |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| run | 2 trivial handler | 5 ours | 5 / 2 | CPU µs per request, server / loadgen: 2; 5 | 2 and 5 at 5x the requests | 5 / 2 there | 5c offered | 5c done | p50 / p90 / p99 / p99.9 ms | p99 of the 202s | p99 of refusals | 5c CPU µs per request | host busy | 5c's first $FIRST_MS ms: CPU run (waiting) ms, serve / loadgen / kafka / redis / postgres; of the CPU there was |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   for i in $(seq 1 "$OPEN_ONLY"); do
     base=$((40000000 + i * 1000000))
     two=$(row2); five=$(row5 $base)
@@ -196,11 +211,18 @@ if [ "$OPEN_ONLY" != 0 ]; then
 import json, sys
 i, two, five, two_l, five_l, o = sys.argv[1], *(json.loads(a) for a in sys.argv[2:])
 c = lambda r: f"{r['server_cpu_us_per_request']:.1f} / {r['loadgen_cpu_us_per_request']:.1f}"
+def first(m):
+    if not m:
+        return "-"
+    names = ("serve", "loadgen", "kafka", "redis", "postgres")
+    each = " / ".join(f"{m['run_ms'].get(n, 0):.0f} ({m['wait_ms'].get(n, 0):.0f})" for n in names)
+    return f"{each}; {sum(m['run_ms'].values()) / (m['cpus'] * m['ms']):.0%} of {m['cpus'] * m['ms']:.0f}"
 bad = [r for r in (five, five_l, o) if r.get('invariants_ok') is not True]
 print(f"| {i} | {two['per_sec']:,.0f}/s | {five['per_sec']:,.0f}/s | {five['per_sec']/two['per_sec']:.0%} | {c(two)}; {c(five)} "
       f"| {two_l['per_sec']:,.0f}/s; {five_l['per_sec']:,.0f}/s | {five_l['per_sec']/two_l['per_sec']:.0%} "
       f"| {o['rate']:,.0f}/s | {o['per_sec']:,.0f}/s | {o['p50_ms']:.1f} / {o['p90_ms']:.1f} / {o['p99_ms']:.1f} / {o['p999_ms']:.1f} "
-      f"| {o['p99_accepted_ms']:.1f} | {o['p99_refused_ms']:.1f} | {c(o)} | {o['host_busy']:.0%} |" + (" INVARIANTS FAILED" if bad else ""))
+      f"| {o['p99_accepted_ms']:.1f} | {o['p99_refused_ms']:.1f} | {c(o)} | {o['host_busy']:.0%} | {first(o.get('first_moment'))} |"
+      + (" INVARIANTS FAILED" if bad else ""))
 EOF
   done
   if [ -n "$CHART" ]; then

@@ -71,7 +71,7 @@ enum Command {
     /// Fire a flash-sale burst at a running server and check the invariants.
     Loadgen {
         #[command(flatten)]
-        args: seckill::loadgen::LoadgenArgs,
+        args: Box<seckill::loadgen::LoadgenArgs>,
         /// Also print the report as one JSON line.
         #[arg(long)]
         json: bool,
@@ -180,7 +180,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Loadgen { args, json } => {
-            let report = seckill::loadgen::run(&settings, args).await?;
+            let report = seckill::loadgen::run(&settings, *args).await?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             }

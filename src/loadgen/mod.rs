@@ -116,6 +116,14 @@ pub struct LoadgenArgs {
     /// none to spare.
     #[arg(long, default_value_t = 0)]
     pub connections: usize,
+    /// Open loop: at most this many purchases in flight at once; one due
+    /// while all are out waits for an answer (its wait counts in its
+    /// latency, which runs from its intended start). The buyers' connections
+    /// are then the ones `--connections` opened: an open loop whose answers
+    /// lag otherwise opens a connection for each purchase past them, at the
+    /// moment the host has least to spare for it.
+    #[arg(long)]
+    pub max_in_flight: Option<usize>,
     /// Worker threads of this process (default: one per core). An open
     /// loop on the server's own host wants 1: a fixed rate needs only the
     /// CPU of that rate, and with a worker per core the load generator
@@ -448,12 +456,23 @@ async fn fire(
             // Each purchase is spawned at its intended start and timed from
             // it: a slow answer delays no other purchase, and time spent
             // waiting to be sent counts.
+            let cap = match args.max_in_flight {
+                Some(0) => anyhow::bail!("--max-in-flight must be at least 1"),
+                Some(n) => Some(Arc::new(tokio::sync::Semaphore::new(n))),
+                None => None,
+            };
             let mut running = Vec::with_capacity(prepared.len());
             for (i, t) in prepared.into_iter().enumerate() {
                 let intended = started + Duration::from_secs_f64(i as f64 / rate);
                 tokio::time::sleep_until(intended.into()).await;
                 let bought = buy(t, intended);
+                let cap = cap.clone();
                 running.push(tokio::spawn(async move {
+                    // Sent once a place is free: the lag is to the send.
+                    let _place = match cap {
+                        Some(cap) => Some(cap.acquire_owned().await),
+                        None => None,
+                    };
                     let lag = intended.elapsed();
                     (bought.await, lag)
                 }));
