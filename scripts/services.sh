@@ -30,6 +30,8 @@
 #   scripts/services.sh pid kafka-broker N | pg-node N
 #                                    the pid (group, for a node) a fault test signals
 #
+# SECKILL_KAFKA_JVM_OPTS adds flags to every Kafka JVM this script starts
+# (an experiment: -XX:TieredStopAtLevel=1 for C1 only, BENCHMARKS.md).
 # SECKILL_SERVICES_DIR puts the data elsewhere and the SECKILL__* address
 # overrides move the ports: scripts/chaos.sh runs a second set this way.
 #
@@ -447,7 +449,8 @@ kafka_format() {
 # DIR/kafka.pid.
 kafka_start() {
   : >"$1/kafka.log"
-  nohup java -Xms"$2" -Xmx"$2" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+  # shellcheck disable=SC2086
+  nohup java -Xms"$2" -Xmx"$2" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 ${SECKILL_KAFKA_JVM_OPTS:-} \
     -Djava.awt.headless=true -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.properties" \
     -cp "$KAFKA_LIBS/*" kafka.Kafka "$1/server.properties" \
     >>"$1/kafka.log" 2>&1 </dev/null &
