@@ -202,7 +202,7 @@ print(json.dumps(r))' "$OUT/$tag-loadgen.txt" "$OUT/$tag-first.json")
 # first moment, measured"). A shop's broker has served millions of
 # messages before its sale; this run's gets one sale in which every buyer
 # is served before anything is measured.
-WARM_UNITS=${WARM_UNITS:-20000}
+WARM_UNITS=${WARM_UNITS:-100000}
 warm_up() {
   say "warming the broker: a sale of $WARM_UNITS units, every buyer served (not measured)"
   start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve

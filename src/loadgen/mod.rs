@@ -23,6 +23,7 @@ mod cpu;
 mod sale;
 pub mod timeline;
 mod verify;
+mod wire;
 
 pub use self::sale::SaleFigures;
 use self::verify::{print_report, summarize, verify};
@@ -192,8 +193,13 @@ impl Client {
 
     /// The instance buyer `user` talks to.
     fn url_of(&self, user: i64) -> &str {
+        &self.urls[self.server_of(user)]
+    }
+
+    /// Which of the servers (`--url`, in order) a user's requests go to.
+    fn server_of(&self, user: i64) -> usize {
         let n = self.urls.len().max(1) as i64;
-        &self.urls[user.rem_euclid(n) as usize]
+        user.rem_euclid(n) as usize
     }
 
     /// An admin call, to the first instance.
@@ -418,16 +424,35 @@ async fn fire(
     // Each request is made before the clock starts: what the burst times
     // is the server, and this process does as little per request as the
     // HTTP ceiling's run does (`ceiling`).
-    let prepared: Vec<Prepared> = tokens
+    let prepared: Vec<(usize, Prepared)> = tokens
         .into_iter()
         .map(|(user, jwt, token)| {
             let body = json!({"request_id": format!("lg-{user}-{}", uuid::Uuid::new_v4().simple()), "token": token});
-            Prepared::new(client.url_of(user), activity_id, &jwt, &body)
+            Ok((client.server_of(user), Prepared::new(client.url_of(user), activity_id, &jwt, &body)?))
         })
         .collect::<anyhow::Result<_>>()?;
-    if args.connections > args.concurrency {
-        open_connections(client, args.connections).await;
-    }
+    // The open loop sends over its own connections (`wire`), the closed
+    // loop through reqwest's pool.
+    let wire = match args.rate {
+        Some(_) => {
+            let n = args.connections.max(args.concurrency);
+            eprintln!("opening {n} connections per server…");
+            Some(Arc::new(wire::Wire::open(&client.urls, n).await?))
+        }
+        None if args.connections > args.concurrency => {
+            open_connections(client, args.connections).await;
+            None
+        }
+        None => None,
+    };
+    // The open loop's requests as bytes, made before the clock starts too.
+    let prepared: Vec<(usize, Prepared, Option<bytes::Bytes>)> = prepared
+        .into_iter()
+        .map(|(server, p)| {
+            let raw = wire.as_ref().map(|w| p.raw(w.addr(server)));
+            (server, p, raw)
+        })
+        .collect();
     tokio::time::sleep(Duration::from_millis(args.settle_ms)).await;
     // A mark for whoever watches from outside (bench.sh --profile starts
     // its sampling here, after the token phase).
@@ -436,11 +461,21 @@ async fn fire(
     let before = cpu_readings(args);
     let started = Instant::now();
     let started_unix_ms = chrono::Utc::now().timestamp_millis();
-    let buy = |request: Prepared, t0: Instant| {
+    let buy = |(server, request, raw): (usize, Prepared, Option<bytes::Bytes>), t0: Instant| {
         let client = client.clone();
         let progress = progress.clone();
+        let wire = wire.clone();
         async move {
-            let result = purchase_as::<Reply>(&client, &request).await;
+            let result = match (&wire, raw) {
+                (Some(wire), Some(raw)) => {
+                    purchase_with(|| async {
+                        let (status, body) = wire.send(server, &raw).await?;
+                        Ok((status, Reply::parse(&body)))
+                    })
+                    .await
+                }
+                _ => purchase_as::<Reply>(&client, &request).await,
+            };
             let elapsed = t0.elapsed();
             progress.tick();
             match result {
@@ -560,6 +595,19 @@ impl Prepared {
         })
     }
 
+    /// The whole HTTP/1.1 request, for [`wire::Wire::send`] to `host`.
+    fn raw(&self, host: &str) -> bytes::Bytes {
+        let mut raw = format!(
+            "POST {} HTTP/1.1\r\nhost: {host}\r\nauthorization: {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            self.url.path(),
+            self.auth.to_str().unwrap_or_default(),
+            self.body.len()
+        )
+        .into_bytes();
+        raw.extend_from_slice(&self.body);
+        raw.into()
+    }
+
     async fn send<A: Answer>(&self, client: &Client) -> anyhow::Result<(u16, A)> {
         let res = client
             .http
@@ -668,10 +716,20 @@ async fn purchase(
 
 /// [`purchase`] of a request built beforehand, its answer read as `A`.
 async fn purchase_as<A: Answer>(client: &Client, request: &Prepared) -> anyhow::Result<(u16, A)> {
+    purchase_with(|| request.send::<A>(client)).await
+}
+
+/// [`purchase`], each attempt made by `send`.
+async fn purchase_with<A, F, Fut>(send: F) -> anyhow::Result<(u16, A)>
+where
+    A: Answer,
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<(u16, A)>>,
+{
     let give_up = Instant::now() + Duration::from_secs(60);
     let mut pending = false;
     loop {
-        let (status, answer) = match request.send::<A>(client).await {
+        let (status, answer) = match send().await {
             Ok(answer) => answer,
             // Lost on the way, in either direction: the same request_id
             // again is safe (the server answers a replay with the order it
