@@ -239,6 +239,10 @@ impl Client {
     }
 }
 
+/// How long a request waits for its answer before it counts as lost (and
+/// is sent again, as a client does).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Runs the load and prints the report; errors when an invariant fails.
 pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Report> {
     anyhow::ensure!(!args.urls.is_empty(), "at least one --url");
@@ -253,7 +257,7 @@ pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Repor
             // Below the server's keep-alive (actix's 5 s): a connection the
             // server is closing is not picked for the next request.
             .pool_idle_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(30))
+            .timeout(ANSWER_TIMEOUT)
             .build()?,
         urls: args
             .urls
@@ -469,7 +473,13 @@ async fn fire(
             let result = match (&wire, raw) {
                 (Some(wire), Some(raw)) => {
                     purchase_with(|| async {
-                        let (status, body) = wire.send(server, &raw).await?;
+                        // As reqwest's timeout does for the closed loop:
+                        // a server that never answers is retried, not
+                        // waited on for ever.
+                        let (status, body) =
+                            tokio::time::timeout(ANSWER_TIMEOUT, wire.send(server, &raw))
+                                .await
+                                .context("no answer")??;
                         Ok((status, Reply::parse(&body)))
                     })
                     .await
