@@ -246,6 +246,11 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Runs the load and prints the report; errors when an invariant fails.
 pub async fn run(settings: &Settings, args: LoadgenArgs) -> anyhow::Result<Report> {
     anyhow::ensure!(!args.urls.is_empty(), "at least one --url");
+    // Refused before the token phase, not after it.
+    anyhow::ensure!(
+        args.max_in_flight != Some(0),
+        "--max-in-flight must be at least 1"
+    );
     let client = Arc::new(Client {
         http: reqwest::Client::builder()
             // Every connection opened is kept for the next request: the
@@ -501,11 +506,9 @@ async fn fire(
             // Each purchase is spawned at its intended start and timed from
             // it: a slow answer delays no other purchase, and time spent
             // waiting to be sent counts.
-            let cap = match args.max_in_flight {
-                Some(0) => anyhow::bail!("--max-in-flight must be at least 1"),
-                Some(n) => Some(Arc::new(tokio::sync::Semaphore::new(n))),
-                None => None,
-            };
+            let cap = args
+                .max_in_flight
+                .map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
             let mut running = Vec::with_capacity(prepared.len());
             for (i, t) in prepared.into_iter().enumerate() {
                 let intended = started + Duration::from_secs_f64(i as f64 / rate);
