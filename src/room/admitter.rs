@@ -308,14 +308,7 @@ impl Admitter {
         let round = self
             .rooms
             .gate()
-            .admit(
-                id,
-                now_ms,
-                view.next_place(),
-                available,
-                pacing,
-                &candidates,
-            )
+            .admit(id, now_ms, &view, available, pacing, &candidates)
             .await?;
         if let Round::Admitted(a) = round {
             self.record(&label, &a);

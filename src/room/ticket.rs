@@ -221,6 +221,7 @@ mod tests {
             seed: String::new(),
             offering: 1,
             used: 0,
+            taken: 0,
         }
     }
 

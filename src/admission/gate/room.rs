@@ -76,6 +76,9 @@ pub struct RoomView {
     pub offering: u64,
     /// Passes and offers used so far (`room_redeem`), this queue's.
     pub used: u64,
+    /// Purchases with a pass or offer marked bought so far
+    /// (`room_bought`), this queue's.
+    pub taken: u64,
 }
 
 impl RoomView {
@@ -97,7 +100,7 @@ impl TryFrom<Vec<String>> for RoomView {
         let bad = || {
             redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "room status reply"))
         };
-        if f.len() != 13 {
+        if f.len() != 14 {
             return Err(bad());
         }
         let int = |i: usize| f[i].parse::<i64>().map_err(|_| bad());
@@ -116,6 +119,7 @@ impl TryFrom<Vec<String>> for RoomView {
             seed: f[10].clone(),
             offering: count(11)?,
             used: count(12)?,
+            taken: count(13)?,
         })
     }
 }
@@ -443,14 +447,15 @@ impl RoomGate {
         RoomView::try_from(fields).map(Some)
     }
 
-    /// One admission round: `candidates` are the tickets at places
-    /// `place`, `place + 1`, … ([`RoomView::next_place`]); `available` the
-    /// units for sale; `pace` what the order pipeline takes now.
+    /// One admission round from `view`, the room as read ([`Self::head`])
+    /// before `available`, the units for sale, was: `candidates` are the
+    /// tickets at places `view.next_place()`, the next one, …; `pace` what
+    /// the order pipeline takes now.
     pub async fn admit(
         &self,
         activity: ActivityId,
         now_ms: i64,
-        place: u64,
+        view: &RoomView,
         available: i64,
         pace: Pacing,
         candidates: &[u64],
@@ -462,14 +467,15 @@ impl RoomGate {
             .key(k.room_active())
             .key(k.room_offers())
             .arg(now_ms)
-            .arg(place)
+            .arg(view.next_place())
             .arg(available)
             .arg(pace.share_permille)
             .arg(
                 pace.window
                     .map_or(-1, |w| i64::try_from(w).unwrap_or(i64::MAX)),
             )
-            .arg(pace.fresh_ms);
+            .arg(pace.fresh_ms)
+            .arg(view.taken);
         for &t in candidates {
             call.arg(t);
         }

@@ -11,7 +11,8 @@
 -- ARGV[5] how many more orders the pipeline may have in flight (adaptive
 -- admission; -1: no limit), before the passes this room gave out in the
 -- last ARGV[6] ms and not used yet, which may still buy, are counted
--- ARGV[7..] the tickets at places ARGV[2], ARGV[2] + 1, … (the caller
+-- ARGV[7] the room's `taken` as the caller read it before it read ARGV[3]
+-- ARGV[8..] the tickets at places ARGV[2], ARGV[2] + 1, … (the caller
 --           computes them from the draw)
 --
 -- Once the units are gone the room is sold out for good. Every ticket that
@@ -72,7 +73,13 @@ if not sold and avail <= 0 then
   redis.call('HSET', KEYS[1], 'sold', '1')
   sold, n = true, 0
 elseif sold then
-  n = math.min(n, avail - offers)
+  -- The units were read before this script: an offer bought since then
+  -- left the offers here, while its unit may still be in ARGV[3]. Each
+  -- purchase marked bought since counts as gone (one read before its
+  -- reservation counts twice, and waits for the next round): without it a
+  -- round offered a unit just sold, to a ticket that could not buy it.
+  local taken = tonumber(redis.call('HGET', KEYS[1], 'taken') or '0') - tonumber(ARGV[7])
+  n = math.min(n, avail - math.max(0, taken) - offers)
 elseif tonumber(r[6]) > 0 then
   n = math.min(n, tonumber(r[6]) - active)
 end
@@ -87,7 +94,7 @@ end
 
 local seq = tonumber(r[2])
 local out = {}
-local i = 7
+local i = 8
 while n > 0 and i <= #ARGV do
   local t = ARGV[i]
   if tonumber(t) > seq then break end
