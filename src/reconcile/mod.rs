@@ -499,11 +499,11 @@ impl Reconciler {
             ));
         }
 
-        // Redis first, then the database: a stock move in between (a
-        // purchase, a release) shows up as a changed sum, and the
-        // compare-and-set below refuses to act on it.
-        let redis_before = self.gate.available(activity_id, layout).await?;
-        let open = self.gate.open_reservations(activity_id, layout).await?;
+        // Redis first, then the database: a stock move in between shows up
+        // as a purchase counted (the acceptance count) or a changed sum,
+        // and the compare-and-set below refuses to act on it. The sum alone
+        // missed a purchase and a release that cancel out in it.
+        let mark = self.repairs(fence).mark(activity_id, layout).await?;
         // The figures and the releases to apply from ONE snapshot: a cancel
         // committing between two separate reads would have its units added
         // to Redis below but missing from the figures, and the repair would
@@ -516,7 +516,7 @@ impl Reconciler {
             ))
         })
         .await?;
-        self.show_stock(activity_id, redis_before, open, &f);
+        self.show_stock(activity_id, mark.available, mark.open, &f);
         // Every release of that snapshot is applied to Redis before the
         // comparison, by the same idempotent script the stock releaser
         // runs: the releaser's copy, later, is a no-op. A release committed
@@ -561,13 +561,13 @@ impl Reconciler {
                 format!("db sold {} ≠ Σ PAID quantity {}", f.sold, f.paid_units),
             );
         }
-        let expected = redis_before + added;
+        let expected = mark.available + added;
         let db_available = i64::from(f.available);
         // Only while nothing is open, and only if nothing moved since
         // Redis was read: otherwise the figures describe different moments.
-        let repaired = if open == 0 && expected != db_available {
+        let repaired = if mark.open == 0 && expected != db_available {
             self.repairs(fence)
-                .repair(activity_id, layout, expected, db_available)
+                .repair(activity_id, layout, &mark, added, db_available)
                 .await?
         } else {
             None

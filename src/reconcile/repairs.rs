@@ -27,6 +27,21 @@ struct ShardState {
     sum: i64,
     open: i64,
     lent: i64,
+    accepted: i64,
+}
+
+/// Redis's stock of an activity as reconciliation read it before its
+/// database snapshot ([`Repairs::mark`]): what a repair is decided on, and
+/// what must not have moved when it is applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StockMark {
+    /// Units available: every shard's buckets, plus units lent by one shard
+    /// and not yet credited to another.
+    pub available: i64,
+    /// Reservations open (between Redis and the database).
+    pub open: i64,
+    /// Each shard's acceptance count (`accepted` in its meta).
+    accepted: Vec<i64>,
 }
 
 /// Reconciliation's view of the gate: what it changes in Redis.
@@ -38,6 +53,11 @@ pub struct Repairs<'a> {
 
 /// `lua/repair.lua`: a compare-and-set of one shard's buckets.
 static REPAIR: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/repair.lua")));
+
+/// `lua/stock_mark.lua`: one shard's buckets, open reservations and
+/// acceptance count, read in one step.
+static STOCK_MARK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("lua/stock_mark.lua")));
 
 impl<'a> Repairs<'a> {
     /// The repairs made through `gate`'s connection, each write carrying
@@ -71,36 +91,79 @@ impl<'a> Repairs<'a> {
         writes.run(&self.gate.conn(), fence_key, self.fence).await
     }
 
-    /// Sets the activity's Redis stock to `target` units, but only while
-    /// no reservation is open and the buckets still sum to `expected`
-    /// (`repair.lua`). Returns the delta applied, or `None` when something
-    /// moved in between and nothing was done. Reconciliation only.
+    /// Redis's stock of the activity, each shard read in one step
+    /// (`stock_mark.lua`): what a repair decides on. Read before the
+    /// database snapshot it is compared with.
+    pub async fn mark(&self, activity_id: ActivityId, layout: Layout) -> RedisResult<StockMark> {
+        let mut mark = StockMark {
+            available: 0,
+            open: 0,
+            accepted: Vec::with_capacity(layout.shards),
+        };
+        for shard in 0..layout.shards {
+            let k = self.gate.shard_keys(activity_id, layout, shard);
+            let mut call = STOCK_MARK.prepare_invoke();
+            call.key(k.meta()).key(k.open());
+            for b in 0..layout.buckets {
+                call.key(k.bucket(b));
+            }
+            let (sum, open, accepted): (i64, i64, i64) =
+                call.invoke_async(&mut self.gate.conn()).await?;
+            mark.available += sum;
+            mark.open += open;
+            mark.accepted.push(accepted);
+        }
+        if layout.is_sharded() {
+            mark.available += self.gate.in_transfer(activity_id, layout).await?;
+        }
+        Ok(mark)
+    }
+
+    /// Sets the activity's Redis stock to `target` units (the database's
+    /// figure), but only while no reservation is open, the buckets still
+    /// sum to what `mark` read plus the `added` units this run gave back
+    /// since, and no purchase was accepted since `mark` (`repair.lua`).
+    /// Returns the delta applied, or `None` when something moved in
+    /// between and nothing was done. Reconciliation only.
     ///
     /// A sharded activity is repaired in its shard 0, by the same
     /// compare-and-set; the other shards are read before (nothing open,
-    /// nothing lent) and after, and if any moved meanwhile the repair is
-    /// undone and `None` returned.
+    /// nothing lent, no purchase since `mark`) and after, and if any moved
+    /// meanwhile the repair is undone and `None` returned.
     pub async fn repair(
         &self,
         activity_id: ActivityId,
         layout: Layout,
-        expected: i64,
+        mark: &StockMark,
+        added: i64,
         target: i64,
     ) -> RedisResult<Option<i64>> {
+        let expected = mark.available + added;
         if !layout.is_sharded() {
             return self
-                .repair_shard(activity_id, layout, 0, expected, target)
+                .repair_shard(activity_id, layout, 0, expected, mark.accepted[0], target)
                 .await;
         }
         let before = self.shard_states(activity_id, layout).await?;
         if before.iter().any(|s| s.open > 0 || s.lent > 0)
             || before.iter().map(|s| s.sum).sum::<i64>() != expected
+            || before
+                .iter()
+                .map(|s| s.accepted)
+                .ne(mark.accepted.iter().copied())
         {
             return Ok(None);
         }
-        let sum0 = before[0].sum;
+        let (sum0, accepted0) = (before[0].sum, before[0].accepted);
         let Some(applied) = self
-            .repair_shard(activity_id, layout, 0, sum0, sum0 + target - expected)
+            .repair_shard(
+                activity_id,
+                layout,
+                0,
+                sum0,
+                accepted0,
+                sum0 + target - expected,
+            )
             .await?
         else {
             return Ok(None);
@@ -112,7 +175,7 @@ impl<'a> Repairs<'a> {
         // Another shard moved while shard 0 was repaired: the figures
         // described different moments. Undo (a compare-and-set again).
         if self
-            .repair_shard(activity_id, layout, 0, sum0 + applied, sum0)
+            .repair_shard(activity_id, layout, 0, sum0 + applied, accepted0, sum0)
             .await?
             .is_none()
         {
@@ -131,11 +194,12 @@ impl<'a> Repairs<'a> {
         layout: Layout,
         shard: usize,
         expected: i64,
+        accepted: i64,
         target: i64,
     ) -> RedisResult<Option<i64>> {
         let k = self.gate.shard_keys(activity_id, layout, shard);
         let mut call = REPAIR.prepare_invoke();
-        call.key(k.fence()).key(k.open());
+        call.key(k.fence()).key(k.open()).key(k.meta());
         for b in 0..layout.buckets {
             call.key(k.bucket(b));
         }
@@ -145,6 +209,7 @@ impl<'a> Repairs<'a> {
             .arg(self.gate.returned())
             .arg(activity_id)
             .arg(self.fence)
+            .arg(accepted)
             .invoke_async(&mut self.gate.conn())
             .await?;
         match done {
@@ -162,17 +227,21 @@ impl<'a> Repairs<'a> {
         let mut states = Vec::with_capacity(layout.shards);
         for shard in 0..layout.shards {
             let k = self.gate.shard_keys(activity_id, layout, shard);
-            let (open, lent): (i64, i64) = redis::pipe()
+            let (open, lent, accepted): (i64, i64, Option<i64>) = redis::pipe()
                 .cmd("ZCARD")
                 .arg(k.open())
                 .cmd("HLEN")
                 .arg(k.lent())
+                .cmd("HGET")
+                .arg(k.meta())
+                .arg("accepted")
                 .query_async(&mut self.gate.conn())
                 .await?;
             states.push(ShardState {
                 sum: self.gate.shard_sum(activity_id, layout, shard).await?,
                 open,
                 lent,
+                accepted: accepted.unwrap_or(0),
             });
         }
         Ok(states)

@@ -474,6 +474,78 @@ async fn reconciling_while_buyers_cancel_finds_no_drift_and_takes_no_unit_away()
     }
 }
 
+/// The repair's compare-and-set, given the moment reconciliation reads:
+/// Redis (the mark), then a cancel is written and its unit given back,
+/// then the database snapshot (which counts the cancel), then a purchase
+/// is accepted and written. Redis's sum is back where the mark read it, and
+/// nothing is open, but the snapshot's figure is one unit more than the
+/// database now has. Before the acceptance count was part of the
+/// compare-and-set, the repair applied it: Redis sold a unit the database
+/// did not have, and that 202 ended FAILED.
+#[tokio::test]
+async fn a_repair_decided_before_a_purchase_and_a_cancel_that_cancel_out_is_not_applied() {
+    use seckill::reconcile::repairs::Repairs;
+
+    let app = spawn_app_with(only_reconciled_by_hand).await;
+    let activity = app.live_activity(3, 1, 1).await;
+    let (id, layout) = (
+        ActivityId::new(activity),
+        seckill::admission::Layout::single(1),
+    );
+    let orders = app.buy_as_r_user(activity, 1..=2).await;
+    app.drained(activity, 2).await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let repairs = Repairs::new(&gate, i64::MAX);
+    repairs.claim(id, layout).await.unwrap();
+
+    // (1) Redis read: one unit, nothing open.
+    let mark = repairs.mark(id, layout).await.unwrap();
+    assert_eq!((mark.available, mark.open), (1, 0));
+    // A cancel, written and given back to Redis.
+    assert_eq!(app.cancel(1, &orders[0]).await.status(), 200);
+    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 2)
+        .await;
+    // (2) The snapshot: the database has two units.
+    let snapshot = app.stats(activity).await["db_available"].as_i64().unwrap();
+    assert_eq!(snapshot, 2);
+    // A purchase, accepted and written: one unit in both.
+    assert_eq!(app.buy(3, activity).await.0, 202);
+    let now = app.drained(activity, 2).await;
+    assert_eq!(
+        (now["redis_available"].clone(), now["db_available"].clone()),
+        (json!(1), json!(1))
+    );
+
+    // (3) The repair, decided on (1) and (2): Redis's sum is as the mark
+    // read it, nothing is open, and yet it must not move.
+    let repaired = repairs
+        .repair(id, layout, &mark, 0, snapshot)
+        .await
+        .unwrap();
+    assert_eq!(
+        repaired, None,
+        "a repair gave Redis a unit the database does not have"
+    );
+    let after = app.stats(activity).await;
+    assert_eq!(after["redis_available"], 1, "{after}");
+
+    // A real drift (Redis loses the unit) is repaired from a fresh mark.
+    let bucket = format!("{}{{a:{activity}}}:stock:0", app.settings.redis.key_prefix);
+    let _: () = redis::cmd("DECRBY")
+        .arg(&bucket)
+        .arg(1)
+        .query_async(&mut app.redis())
+        .await
+        .unwrap();
+    let fresh = repairs.mark(id, layout).await.unwrap();
+    assert_eq!(fresh.available, 0);
+    assert_eq!(
+        repairs.repair(id, layout, &fresh, 0, 1).await.unwrap(),
+        Some(1)
+    );
+    assert_eq!(app.stats(activity).await["redis_available"], 1);
+}
+
 #[tokio::test]
 async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_are_removed() {
     let app = spawn_app_with(|s| {
@@ -975,14 +1047,16 @@ async fn a_lease_dropped_mid_run_is_given_back_and_a_newer_holder_fences_the_old
         .await;
     assert!(refused.is_err(), "an older token removed the activity");
     assert!(stale.claim(id, layout).await.is_err());
-    let repaired = stale.repair(id, layout, 5, 3).await;
+    let mark = stale.mark(id, layout).await.unwrap();
+    assert_eq!(mark.available, 5);
+    let repaired = stale.repair(id, layout, &mark, 0, 3).await;
     assert!(repaired.is_err(), "an older token repaired: {repaired:?}");
     assert!(gate.is_warm(id).await.unwrap());
     assert_eq!(app.stats(activity).await["redis_available"], 5);
     // The newer holder writes.
     assert_eq!(
         Repairs::new(&gate, again.token())
-            .repair(id, layout, 5, 4)
+            .repair(id, layout, &mark, 0, 4)
             .await
             .unwrap(),
         Some(-1)

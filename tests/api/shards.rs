@@ -342,3 +342,58 @@ async fn a_sharded_activity_that_lost_one_shard_is_restored_and_that_shards_buye
         .await;
     assert_eq!(stats["db_available"], 12 - 7, "{stats}");
 }
+
+/// A sharded activity's repair, decided before a cancel and a purchase in
+/// another shard than the one it writes (shard 0) that cancel out in the
+/// sum: not applied, as in one shard (`reconcile::a_repair_decided_before_
+/// a_purchase_and_a_cancel_that_cancel_out_is_not_applied`). The other
+/// shards' sums and open sets are as the mark read them; only their
+/// acceptance counts tell.
+#[tokio::test]
+async fn a_sharded_repair_decided_before_a_purchase_and_a_cancel_that_cancel_out_is_not_applied() {
+    use seckill::admission::RedisGate;
+    use seckill::reconcile::repairs::Repairs;
+
+    let app = spawn_app_with(|s| s.reconcile.enabled = false).await;
+    let activity = sharded_activity(&app, 6, 1, 3).await;
+    let (id, layout) = (ActivityId::new(activity), Layout::new(1, 3));
+    let buyers = buyers_of(layout, 1, 3, 1);
+    let mut orders = Vec::new();
+    for &user in &buyers[..2] {
+        let (status, body) = app.buy(user, activity).await;
+        assert_eq!(status, 202, "{body}");
+        orders.push(body["order_no"].as_str().unwrap().to_owned());
+    }
+    app.drained(activity, 2).await;
+    let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
+    let repairs = Repairs::new(&gate, i64::MAX);
+    repairs.claim(id, layout).await.unwrap();
+
+    let mark = repairs.mark(id, layout).await.unwrap();
+    assert_eq!((mark.available, mark.open), (4, 0));
+    assert_eq!(app.cancel(buyers[0], &orders[0]).await.status(), 200);
+    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 5)
+        .await;
+    let snapshot = app.stats(activity).await["db_available"].as_i64().unwrap();
+    assert_eq!(snapshot, 5);
+    assert_eq!(app.buy(buyers[2], activity).await.0, 202);
+    let now = app.drained(activity, 2).await;
+    assert_eq!(now["redis_available"], 4, "{now}");
+    assert_eq!(now["db_available"], 4, "{now}");
+
+    let repaired = repairs
+        .repair(id, layout, &mark, 0, snapshot)
+        .await
+        .unwrap();
+    assert_eq!(
+        repaired, None,
+        "a repair gave Redis a unit the database does not have"
+    );
+    assert_eq!(
+        shard_units(&app, activity, layout)
+            .await
+            .iter()
+            .sum::<i64>(),
+        4
+    );
+}

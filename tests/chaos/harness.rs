@@ -35,6 +35,24 @@ pub fn log_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/chaos"))
 }
 
+/// `line` without its ANSI colour sequences.
+fn strip_colours(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 pub struct OnDrop<F: FnMut()>(pub F);
 
 impl<F: FnMut()> Drop for OnDrop<F> {
@@ -539,6 +557,26 @@ impl Chaos {
     /// Where this world's server logs are, for a failure's message.
     pub(crate) fn logs(&self) -> String {
         format!("{}/{}.*.log", log_dir().display(), self.name)
+    }
+
+    /// The lines of this world's server logs (every launch so far) that
+    /// contain `needle`, colours stripped.
+    pub(crate) fn log_lines(&self, needle: &str) -> Vec<String> {
+        let launches = *self.generation.lock().unwrap();
+        let mut found = Vec::new();
+        for n in 1..=launches {
+            let path = log_dir().join(format!("{}.{n}.log", self.name));
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            for line in text.lines() {
+                let plain = strip_colours(line);
+                if plain.contains(needle) {
+                    found.push(format!("{}.{n}.log: {plain}", self.name));
+                }
+            }
+        }
+        found
     }
 
     /// Starts the server (again) and waits until it is ready.

@@ -149,7 +149,11 @@ impl RedisGate {
     }
 
     /// Units lent by one shard and not yet credited to another.
-    async fn in_transfer(&self, activity_id: ActivityId, layout: Layout) -> RedisResult<i64> {
+    pub(crate) async fn in_transfer(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+    ) -> RedisResult<i64> {
         let mut sum = 0;
         for t in self.transfers(activity_id, layout).await? {
             let credited: bool = redis::cmd("EXISTS")
