@@ -474,6 +474,45 @@ async fn reconciling_while_buyers_cancel_finds_no_drift_and_takes_no_unit_away()
     }
 }
 
+/// Plays reconciliation's reads around a cancel and a purchase that cancel
+/// out in Redis's sum, and returns what its repair then did: (1) Redis is
+/// read (nothing open); `canceller` cancels `order` and the releaser gives
+/// the unit back; (2) the database snapshot (one unit more than at (1));
+/// `buyer` buys the unit and the order is written; (3) the repair decided
+/// on (1) and (2). Redis's sum is as (1) read it and nothing is open.
+pub async fn repair_across_a_cancel_and_a_purchase(
+    app: &TestApp,
+    repairs: &seckill::reconcile::repairs::Repairs<'_>,
+    id: ActivityId,
+    layout: seckill::admission::Layout,
+    (canceller, order): (i64, &str),
+    buyer: i64,
+) -> Option<i64> {
+    let activity = id.get();
+    repairs.claim(id, layout).await.unwrap();
+    let mark = repairs.mark(id, layout).await.unwrap();
+    assert_eq!(mark.open, 0);
+    let before = app.stats(activity).await;
+    let waiting = before["orders"]["WAITING_PAY"].as_i64().unwrap();
+    assert_eq!(before["db_available"], mark.available, "{before}");
+
+    assert_eq!(app.cancel(canceller, order).await.status(), 200);
+    app.wait_for_stats(activity, 60, |s| s["redis_available"] == mark.available + 1)
+        .await;
+    let snapshot = app.stats(activity).await["db_available"].as_i64().unwrap();
+    assert_eq!(snapshot, mark.available + 1);
+
+    assert_eq!(app.buy(buyer, activity).await.0, 202);
+    let now = app.drained(activity, waiting).await;
+    assert_eq!(now["redis_available"], mark.available, "{now}");
+    assert_eq!(now["db_available"], mark.available, "{now}");
+
+    repairs
+        .repair(id, layout, &mark, 0, snapshot)
+        .await
+        .unwrap()
+}
+
 /// The repair's compare-and-set, given the moment reconciliation reads:
 /// Redis (the mark), then a cancel is written and its unit given back,
 /// then the database snapshot (which counts the cancel), then a purchase
@@ -496,32 +535,8 @@ async fn a_repair_decided_before_a_purchase_and_a_cancel_that_cancel_out_is_not_
     app.drained(activity, 2).await;
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let repairs = Repairs::new(&gate, i64::MAX);
-    repairs.claim(id, layout).await.unwrap();
-
-    // (1) Redis read: one unit, nothing open.
-    let mark = repairs.mark(id, layout).await.unwrap();
-    assert_eq!((mark.available, mark.open), (1, 0));
-    // A cancel, written and given back to Redis.
-    assert_eq!(app.cancel(1, &orders[0]).await.status(), 200);
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 2)
-        .await;
-    // (2) The snapshot: the database has two units.
-    let snapshot = app.stats(activity).await["db_available"].as_i64().unwrap();
-    assert_eq!(snapshot, 2);
-    // A purchase, accepted and written: one unit in both.
-    assert_eq!(app.buy(3, activity).await.0, 202);
-    let now = app.drained(activity, 2).await;
-    assert_eq!(
-        (now["redis_available"].clone(), now["db_available"].clone()),
-        (json!(1), json!(1))
-    );
-
-    // (3) The repair, decided on (1) and (2): Redis's sum is as the mark
-    // read it, nothing is open, and yet it must not move.
-    let repaired = repairs
-        .repair(id, layout, &mark, 0, snapshot)
-        .await
-        .unwrap();
+    let repaired =
+        repair_across_a_cancel_and_a_purchase(&app, &repairs, id, layout, (1, &orders[0]), 3).await;
     assert_eq!(
         repaired, None,
         "a repair gave Redis a unit the database does not have"

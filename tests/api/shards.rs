@@ -367,24 +367,15 @@ async fn a_sharded_repair_decided_before_a_purchase_and_a_cancel_that_cancel_out
     app.drained(activity, 2).await;
     let gate = RedisGate::new(&app.settings.redis, &app.settings.admission, None).unwrap();
     let repairs = Repairs::new(&gate, i64::MAX);
-    repairs.claim(id, layout).await.unwrap();
-
-    let mark = repairs.mark(id, layout).await.unwrap();
-    assert_eq!((mark.available, mark.open), (4, 0));
-    assert_eq!(app.cancel(buyers[0], &orders[0]).await.status(), 200);
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 5)
-        .await;
-    let snapshot = app.stats(activity).await["db_available"].as_i64().unwrap();
-    assert_eq!(snapshot, 5);
-    assert_eq!(app.buy(buyers[2], activity).await.0, 202);
-    let now = app.drained(activity, 2).await;
-    assert_eq!(now["redis_available"], 4, "{now}");
-    assert_eq!(now["db_available"], 4, "{now}");
-
-    let repaired = repairs
-        .repair(id, layout, &mark, 0, snapshot)
-        .await
-        .unwrap();
+    let repaired = crate::reconcile::repair_across_a_cancel_and_a_purchase(
+        &app,
+        &repairs,
+        id,
+        layout,
+        (buyers[0], &orders[0]),
+        buyers[2],
+    )
+    .await;
     assert_eq!(
         repaired, None,
         "a repair gave Redis a unit the database does not have"
