@@ -397,6 +397,107 @@ async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does
     );
 }
 
+/// A blip (Redis refused for a moment, far shorter than
+/// `fallback_after_ms`) moved no activity to the database, so once Redis
+/// answers again a purchase goes to Redis at once, without waiting for the
+/// next read of the admission modes. Here that read is held (the test
+/// locks the activities table), so a guard armed by the blip would answer
+/// 503 "Redis is back" for as long: a probe past its timeout on a starved
+/// host made such a blip, and purchases, a malformed one included, got 503
+/// until the read came back.
+#[tokio::test]
+async fn after_a_blip_shorter_than_the_fallback_delay_purchases_go_to_redis_at_once() {
+    use diesel::{Connection, PgConnection, RunQueryDsl};
+    use secrecy::ExposeSecret;
+
+    let real = seckill::config::Settings::load_env("test")
+        .unwrap()
+        .redis
+        .url;
+    if real.contains(',') {
+        return; // one server behind the proxy, not a cluster's seeds
+    }
+    let redis = Switch::start(real.trim_start_matches("redis://").trim_end_matches('/')).await;
+    let app = spawn_app_with(|s| {
+        s.redis.url = format!("redis://{}", redis.addr);
+        // Far longer than the blip takes, even on a slow host.
+        s.admission.fallback_after_ms = Duration::from_secs(60);
+    })
+    .await;
+    app.wait_until_ready().await;
+    let activity = app.live_activity(10, 2, 1).await;
+    assert_eq!(app.buy(1, activity).await.0, 202);
+
+    redis.set(false);
+    eventually(
+        "this server sees Redis down",
+        Duration::from_secs(60),
+        || async { (app.metric("seckill_redis_up").await == Some(0)).then_some(()) },
+    )
+    .await;
+    // The admission modes' next read waits behind the test's lock.
+    let url = app.settings.postgres.url.expose_secret().to_owned();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let (locked, holding) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let mut conn = PgConnection::establish(&url).unwrap();
+        conn.transaction::<_, diesel::result::Error, _>(|c| {
+            diesel::sql_query("LOCK TABLE activities IN ACCESS EXCLUSIVE MODE").execute(c)?;
+            locked.send(()).unwrap();
+            let _ = released.recv();
+            Ok(())
+        })
+        .unwrap();
+    });
+    tokio::task::spawn_blocking(move || holding.recv().unwrap())
+        .await
+        .unwrap();
+    redis.set(true);
+    eventually(
+        "this server sees Redis back",
+        Duration::from_secs(60),
+        || async { (app.metric("seckill_redis_up").await == Some(1)).then_some(()) },
+    )
+    .await;
+    // The blip broke the server's Redis connections, and a purchase that
+    // meets one is answered 503 "a backing service is unavailable" (and
+    // connects again): sent again on that answer only. The guard's 503
+    // ("Redis is back") is the answer under test, not a moment to wait out.
+    let purchase = |user: i64, quantity: u32| {
+        let app = &app;
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let token = app.purchase_token(user, activity).await;
+                let body =
+                    json!({"request_id": format!("r{user}"), "token": token, "quantity": quantity});
+                let res = app.order(user, activity, &body).await;
+                let answer = (res.status().as_u16(), json(res).await);
+                let broken = answer.0 == 503
+                    && answer.1["detail"]
+                        .as_str()
+                        .is_some_and(|d| d.contains("backing service is unavailable"));
+                if !broken || std::time::Instant::now() > deadline {
+                    return answer;
+                }
+            }
+        }
+    };
+    let bought = purchase(2, 1).await;
+    let too_many = purchase(3, 3).await;
+    release.send(()).unwrap();
+    tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(bought.0, 202, "{}", bought.1);
+    assert_eq!(
+        (too_many.0, too_many.1["code"].as_str()),
+        (400, Some("BAD_REQUEST")),
+        "{}",
+        too_many.1
+    );
+}
+
 /// Defect 5 of issue #25: with Redis down no instance id is leased, and a
 /// payment's number used to come only from that lease, so every fallback
 /// order closed unpaid once the outage outlasted its pay window. The

@@ -337,8 +337,10 @@ async fn malformed_purchase_bodies_are_400_with_a_code_and_move_no_stock() {
     ];
     for body in &bodies {
         let res = app.order(1, activity, body).await;
-        assert_eq!(res.status(), 400, "{body}");
-        assert_eq!(json(res).await["code"], "BAD_REQUEST", "{body}");
+        let status = res.status();
+        let answer = json(res).await;
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert_eq!(answer["code"], "BAD_REQUEST", "{body}: {answer}");
     }
     let raw = app
         .client

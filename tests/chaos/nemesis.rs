@@ -1134,6 +1134,19 @@ async fn check(
         fail(format!("reconciliation repaired Redis's count: {line}"));
     }
     let anomalies = clients.anomalies.0.lock().unwrap().clone();
+    if !anomalies.is_empty() {
+        // What reconciliation found and did, in the failure's own output:
+        // CI keeps the test's output, not the server's log files.
+        let found = chaos.log_lines("reconciliation found differences");
+        eprintln!(
+            "nemesis: reconciliation's findings ({} lines, the last {} here):",
+            found.len(),
+            found.len().min(40)
+        );
+        for line in &found[found.len().saturating_sub(40)..] {
+            eprintln!("  {}", line.chars().take(400).collect::<String>());
+        }
+    }
     assert!(
         anomalies.is_empty(),
         "{replay}: {} anomalies:\n{}\nlogs: {}",

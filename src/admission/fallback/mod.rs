@@ -145,7 +145,9 @@ pub enum Declined {
 struct Health {
     /// Since when every probe failed; 0 while Redis answers.
     down_since: AtomicI64,
-    /// When a probe last succeeded after failing ones.
+    /// When a probe last succeeded after failing ones for at least
+    /// `after_ms` (an outage long enough for an instance to have moved an
+    /// activity to the database); a shorter blip leaves it.
     back_at: AtomicI64,
     /// The order events sent before this outage are provably written.
     proven: AtomicBool,
@@ -478,11 +480,23 @@ impl Fallback {
             );
             let now = unix_ms();
             if up && !was_up {
-                self.health.back_at.store(now, Ordering::Release);
+                // After an outage the fallback could have acted on, no
+                // purchase goes to Redis before the modes are read again.
+                // A shorter blip (one probe past its timeout on a starved
+                // host) moved no activity: an instance enters the fallback
+                // only after failing probes for `after_ms` itself, and one
+                // that saw Redis down for longer while this one did not is
+                // a partition (FALLBACK.md's limits: one poll at most).
+                // Guarded, such a blip answered purchases 503 until the
+                // next read of the modes.
+                let down_since = self.health.down_since.load(Ordering::Acquire);
+                if now - down_since >= self.health.after_ms {
+                    self.health.back_at.store(now, Ordering::Release);
+                    next_poll = tokio::time::Instant::now();
+                }
                 self.health.down_since.store(0, Ordering::Release);
                 self.health.proven.store(false, Ordering::Release);
-                tracing::warn!("Redis answers again");
-                next_poll = tokio::time::Instant::now();
+                tracing::warn!(down_ms = now - down_since, "Redis answers again");
             } else if !up && was_up {
                 self.health.down_since.store(now, Ordering::Release);
                 tracing::warn!("Redis does not answer");
