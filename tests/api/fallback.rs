@@ -288,6 +288,55 @@ impl Switch {
     }
 }
 
+/// A server whose Redis is behind a [`Switch`], falling back after
+/// `fallback_after`; `None` on a Redis Cluster (one server fits behind the
+/// proxy, not a cluster's seeds).
+async fn behind_a_switch(fallback_after: Duration) -> Option<(Switch, TestApp)> {
+    let real = seckill::config::Settings::load_env("test")
+        .unwrap()
+        .redis
+        .url;
+    if real.contains(',') {
+        return None;
+    }
+    let redis = Switch::start(real.trim_start_matches("redis://").trim_end_matches('/')).await;
+    let app = spawn_app_with(|s| {
+        s.redis.url = format!("redis://{}", redis.addr);
+        s.admission.fallback_after_ms = fallback_after;
+    })
+    .await;
+    app.wait_until_ready().await;
+    Some((redis, app))
+}
+
+/// Runs `sql` in a transaction of its own connection and holds it open
+/// (its locks with it) until the sender is used; returns once it holds.
+async fn held_open(
+    app: &TestApp,
+    sql: String,
+) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    use diesel::{Connection, PgConnection, RunQueryDsl};
+    use secrecy::ExposeSecret;
+
+    let url = app.settings.postgres.url.expose_secret().to_owned();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let (locked, holding) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let mut conn = PgConnection::establish(&url).unwrap();
+        conn.transaction::<_, diesel::result::Error, _>(|c| {
+            diesel::sql_query(sql).execute(c)?;
+            locked.send(()).unwrap();
+            let _ = released.recv();
+            Ok(())
+        })
+        .unwrap();
+    });
+    tokio::task::spawn_blocking(move || holding.recv().unwrap())
+        .await
+        .unwrap();
+    (release, holder)
+}
+
 /// Defect 1 of issue #25: a fallback purchase that waited for the stock
 /// row's lock while Redis came back must not take the sale over. Its
 /// "may the database take over?" is asked again under the lock: the
@@ -296,23 +345,9 @@ impl Switch {
 #[tokio::test]
 async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does_not_take_the_sale_over()
  {
-    use diesel::{Connection, PgConnection, RunQueryDsl};
-    use secrecy::ExposeSecret;
-
-    let real = seckill::config::Settings::load_env("test")
-        .unwrap()
-        .redis
-        .url;
-    if real.contains(',') {
-        return; // one server behind the proxy, not a cluster's seeds
-    }
-    let redis = Switch::start(real.trim_start_matches("redis://").trim_end_matches('/')).await;
-    let app = spawn_app_with(|s| {
-        s.redis.url = format!("redis://{}", redis.addr);
-        s.admission.fallback_after_ms = std::time::Duration::from_millis(200);
-    })
-    .await;
-    app.wait_until_ready().await;
+    let Some((redis, app)) = behind_a_switch(Duration::from_millis(200)).await else {
+        return;
+    };
     let activity = app.live_activity(10, 1, 1).await;
     redis.set(false);
     fallback_takes_purchases(&app).await;
@@ -325,25 +360,11 @@ async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does
     let token = json(res).await["token"].as_str().unwrap().to_owned();
 
     // The test holds the stock row's lock, so the purchase queues behind it.
-    let url = app.settings.postgres.url.expose_secret().to_owned();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let (locked, holding) = std::sync::mpsc::channel::<()>();
-    let holder = std::thread::spawn(move || {
-        let mut conn = PgConnection::establish(&url).unwrap();
-        conn.transaction::<_, diesel::result::Error, _>(|c| {
-            diesel::sql_query(format!(
-                "SELECT activity_id FROM stock WHERE activity_id = {activity} FOR UPDATE"
-            ))
-            .execute(c)?;
-            locked.send(()).unwrap();
-            let _ = released.recv();
-            Ok(())
-        })
-        .unwrap();
-    });
-    tokio::task::spawn_blocking(move || holding.recv().unwrap())
-        .await
-        .unwrap();
+    let (release, holder) = held_open(
+        &app,
+        format!("SELECT activity_id FROM stock WHERE activity_id = {activity} FOR UPDATE"),
+    )
+    .await;
     let body = json!({"request_id": "queued", "token": token});
     let purchase = app.order(1, activity, &body);
     let meanwhile = async {
@@ -407,24 +428,10 @@ async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does
 /// until the read came back.
 #[tokio::test]
 async fn after_a_blip_shorter_than_the_fallback_delay_purchases_go_to_redis_at_once() {
-    use diesel::{Connection, PgConnection, RunQueryDsl};
-    use secrecy::ExposeSecret;
-
-    let real = seckill::config::Settings::load_env("test")
-        .unwrap()
-        .redis
-        .url;
-    if real.contains(',') {
-        return; // one server behind the proxy, not a cluster's seeds
-    }
-    let redis = Switch::start(real.trim_start_matches("redis://").trim_end_matches('/')).await;
-    let app = spawn_app_with(|s| {
-        s.redis.url = format!("redis://{}", redis.addr);
-        // Far longer than the blip takes, even on a slow host.
-        s.admission.fallback_after_ms = Duration::from_secs(60);
-    })
-    .await;
-    app.wait_until_ready().await;
+    // Far longer than the blip takes, even on a slow host.
+    let Some((redis, app)) = behind_a_switch(Duration::from_secs(60)).await else {
+        return;
+    };
     let activity = app.live_activity(10, 2, 1).await;
     assert_eq!(app.buy(1, activity).await.0, 202);
 
@@ -436,22 +443,11 @@ async fn after_a_blip_shorter_than_the_fallback_delay_purchases_go_to_redis_at_o
     )
     .await;
     // The admission modes' next read waits behind the test's lock.
-    let url = app.settings.postgres.url.expose_secret().to_owned();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let (locked, holding) = std::sync::mpsc::channel::<()>();
-    let holder = std::thread::spawn(move || {
-        let mut conn = PgConnection::establish(&url).unwrap();
-        conn.transaction::<_, diesel::result::Error, _>(|c| {
-            diesel::sql_query("LOCK TABLE activities IN ACCESS EXCLUSIVE MODE").execute(c)?;
-            locked.send(()).unwrap();
-            let _ = released.recv();
-            Ok(())
-        })
-        .unwrap();
-    });
-    tokio::task::spawn_blocking(move || holding.recv().unwrap())
-        .await
-        .unwrap();
+    let (release, holder) = held_open(
+        &app,
+        "LOCK TABLE activities IN ACCESS EXCLUSIVE MODE".into(),
+    )
+    .await;
     redis.set(true);
     eventually(
         "this server sees Redis back",
