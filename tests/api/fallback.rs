@@ -309,6 +309,21 @@ async fn behind_a_switch(fallback_after: Duration) -> Option<(Switch, TestApp)> 
     Some((redis, app))
 }
 
+/// Waits until `app`'s probes see Redis answering (`up`) or not.
+async fn sees_redis(app: &TestApp, up: bool) {
+    let want = Some(i64::from(up));
+    eventually(
+        if up {
+            "this server sees Redis back"
+        } else {
+            "this server sees Redis down"
+        },
+        Duration::from_secs(60),
+        || async { (app.metric("seckill_redis_up").await == want).then_some(()) },
+    )
+    .await;
+}
+
 /// Runs `sql` in a transaction of its own connection and holds it open
 /// (its locks with it) until the sender is used; returns once it holds.
 async fn held_open(
@@ -383,12 +398,7 @@ async fn a_fallback_purchase_that_waited_for_the_lock_while_redis_came_back_does
         )
         .await;
         redis.set(true);
-        eventually(
-            "this server sees Redis back",
-            Duration::from_secs(60),
-            || async { (app.metric("seckill_redis_up").await == Some(1)).then_some(()) },
-        )
-        .await;
+        sees_redis(&app, true).await;
         release.send(()).unwrap();
     };
     let (res, ()) = tokio::join!(purchase, meanwhile);
@@ -436,12 +446,7 @@ async fn after_a_blip_shorter_than_the_fallback_delay_purchases_go_to_redis_at_o
     assert_eq!(app.buy(1, activity).await.0, 202);
 
     redis.set(false);
-    eventually(
-        "this server sees Redis down",
-        Duration::from_secs(60),
-        || async { (app.metric("seckill_redis_up").await == Some(0)).then_some(()) },
-    )
-    .await;
+    sees_redis(&app, false).await;
     // The admission modes' next read waits behind the test's lock.
     let (release, holder) = held_open(
         &app,
@@ -449,12 +454,7 @@ async fn after_a_blip_shorter_than_the_fallback_delay_purchases_go_to_redis_at_o
     )
     .await;
     redis.set(true);
-    eventually(
-        "this server sees Redis back",
-        Duration::from_secs(60),
-        || async { (app.metric("seckill_redis_up").await == Some(1)).then_some(()) },
-    )
-    .await;
+    sees_redis(&app, true).await;
     // The blip broke the server's Redis connections, and a purchase that
     // meets one is answered 503 "a backing service is unavailable" (and
     // connects again): sent again on that answer only. The guard's 503
