@@ -193,6 +193,12 @@ metrics! {
         "sold_out_activities",
         "Activities answered SOLD_OUT from memory (the sold-out fast path)",
     );
+    /// Reads of an activity's acceptance count that confirmed refusals
+    /// answered from memory (one read for the refusals of a moment).
+    sold_out_recounts: IntCounter = IntCounter::new(
+        "sold_out_recounts_total",
+        "Reads of an acceptance count that confirmed sold-out refusals from memory",
+    );
     /// Order events whose event_id was applied before with a different
     /// payload (two instances minted one number): dead-lettered, alerting.
     event_conflicts: IntCounter = IntCounter::new(

@@ -243,6 +243,7 @@ impl Sale {
         let sold_out = Arc::new(SoldOut::new(
             a.sold_out_ttl_ms,
             metrics.sold_out_activities.clone(),
+            metrics.sold_out_recounts.clone(),
         ));
         let restore_wanted = Arc::new(Notify::new());
         let fallback = Arc::new(Fallback::new(

@@ -31,16 +31,27 @@
 //! The refusals waiting at one moment share one read ([`Recount`]), so a
 //! sale's thousands of refusals a second cost Redis a read per round trip,
 //! not one each (it was an HGET of the buyer's request id per refusal).
+//! Reads start at most once per [`RECOUNT_SPACING`]: back to back, a read
+//! every loopback round trip confirmed two or three refusals each, and
+//! the reads and their wake-ups were a quarter of the server's CPU per
+//! refusal (BENCHMARKS.md, row 5 against row 2).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use prometheus::IntGauge;
+use prometheus::{IntCounter, IntGauge};
 
 use super::{Layout, RedisGate};
 use crate::domain::ActivityId;
+
+/// The least time between the starts of two reads of one activity's
+/// acceptance count ([`Recount`]). A refusal waits for a read started
+/// after it arrived, so at most this much longer than a round trip; in
+/// exchange, at a sale's tens of thousands of refusals a second, one read
+/// confirms tens of them, not two or three.
+pub const RECOUNT_SPACING: Duration = Duration::from_millis(1);
 
 /// The pub/sub channel of stock coming back, under a key prefix: messages
 /// are activity ids.
@@ -89,6 +100,61 @@ pub struct Recount {
     /// The number of the last read done, and the count it found (`None`:
     /// Redis failed).
     done: tokio::sync::watch::Sender<(u64, Option<i64>)>,
+    /// When the last read started.
+    last_start: std::sync::Mutex<Option<Instant>>,
+}
+
+impl Recount {
+    /// Whether a read started after read number `arrival` finds
+    /// `generation` (or fails). When none is under way, the next one starts
+    /// as a task of its own, `spawn(task)`, reading with `read`: a purchase
+    /// dropped by its client must not take with it the read the others
+    /// wait for.
+    async fn finds<R, F>(
+        self: &Arc<Self>,
+        generation: i64,
+        arrival: u64,
+        spawn: impl Fn(std::pin::Pin<Box<dyn Future<Output = ()> + Send>>),
+        read: R,
+    ) -> bool
+    where
+        R: Fn() -> F,
+        F: Future<Output = Option<i64>> + Send + 'static,
+    {
+        let mut done = self.done.subscribe();
+        loop {
+            let (last, count) = *done.borrow_and_update();
+            if last > arrival {
+                return count.is_none_or(|c| c == generation);
+            }
+            if !self.reading.swap(true, Ordering::SeqCst) {
+                let (recount, read) = (self.clone(), read());
+                spawn(Box::pin(async move {
+                    let n = recount.start().await;
+                    let count = read.await;
+                    recount.reading.store(false, Ordering::SeqCst);
+                    recount.done.send_replace((n, count));
+                }));
+            }
+            if done.changed().await.is_err() {
+                return true;
+            }
+        }
+    }
+
+    /// Waits until [`RECOUNT_SPACING`] has passed since the last read
+    /// started, then numbers the read that starts now. Only the task that
+    /// set `reading` calls this, so reads never overlap.
+    async fn start(&self) -> u64 {
+        let last = *self.last_start.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(due) = last.map(|t| t + RECOUNT_SPACING)
+            && due > Instant::now()
+        {
+            tokio::time::sleep_until(due.into()).await;
+        }
+        *self.last_start.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        self.started.fetch_add(1, Ordering::SeqCst) + 1
+    }
 }
 
 /// The flags of this instance.
@@ -102,6 +168,8 @@ pub struct SoldOut {
     /// Activities whose flag a task keeps fresh.
     refreshing: std::sync::Mutex<HashSet<ActivityId>>,
     gauge: IntGauge,
+    /// Reads of an acceptance count made to confirm refusals.
+    recounts: IntCounter,
     /// The runtime this was made on (the process's background runtime),
     /// where its reads of Redis run: spawned on the HTTP worker that
     /// needed them, they waited behind that worker's purchases for each
@@ -113,8 +181,9 @@ pub struct SoldOut {
 
 impl SoldOut {
     /// Flags living `ttl` (zero turns the fast path off); `gauge` shows
-    /// how many activities are flagged.
-    pub fn new(ttl: Duration, gauge: IntGauge) -> Self {
+    /// how many activities are flagged, `recounts` counts the reads that
+    /// confirm refusals.
+    pub fn new(ttl: Duration, gauge: IntGauge, recounts: IntCounter) -> Self {
         Self {
             ttl,
             flags: RwLock::new(HashMap::new()),
@@ -122,6 +191,7 @@ impl SoldOut {
             count: AtomicI64::new(0),
             refreshing: std::sync::Mutex::new(HashSet::new()),
             gauge,
+            recounts,
             home: tokio::runtime::Handle::try_current().ok(),
         }
     }
@@ -195,27 +265,16 @@ impl SoldOut {
             arrival,
             recount,
         } = refused;
-        let mut done = recount.done.subscribe();
-        loop {
-            let (read, count) = *done.borrow_and_update();
-            if read > arrival {
-                return count.is_none_or(|c| c == generation);
+        let read = || {
+            let (gate, recounts) = (gate.clone(), self.recounts.clone());
+            async move {
+                recounts.inc();
+                gate.acceptances(activity_id, layout).await.ok()
             }
-            if !recount.reading.swap(true, Ordering::SeqCst) {
-                // A task of its own: a purchase dropped by its client must
-                // not take the read the others wait for with it.
-                let (recount, gate) = (recount.clone(), gate.clone());
-                self.spawn(async move {
-                    let n = recount.started.fetch_add(1, Ordering::SeqCst) + 1;
-                    let count = gate.acceptances(activity_id, layout).await.ok();
-                    recount.reading.store(false, Ordering::SeqCst);
-                    recount.done.send_replace((n, count));
-                });
-            }
-            if done.changed().await.is_err() {
-                return true;
-            }
-        }
+        };
+        recount
+            .finds(generation, arrival, |task| self.spawn(task), read)
+            .await
     }
 
     /// Redis answered SOLD_OUT for `activity_id` to a call sent at
@@ -438,6 +497,7 @@ mod tests {
         SoldOut::new(
             Duration::from_millis(ttl_ms),
             IntGauge::new("g", "g").unwrap(),
+            IntCounter::new("c", "c").unwrap(),
         )
     }
 
@@ -537,6 +597,58 @@ mod tests {
         s.recount(&f);
         drop(f);
         assert!(s.refuses(ActivityId::new(1), 5).is_some());
+    }
+
+    /// The refusals of a moment share one read, and reads start at most
+    /// once per [`RECOUNT_SPACING`]: here a read takes a moment, so back to
+    /// back there would be thousands.
+    #[test]
+    fn reads_shared_by_waiting_refusals_start_at_most_once_per_spacing() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let recount = Arc::new(Recount::default());
+        let reads = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let (waiters, each) = (64, 20);
+        let confirmed = rt.block_on(async {
+            let tasks = (0..waiters).map(|_| {
+                let (recount, reads) = (recount.clone(), reads.clone());
+                tokio::spawn(async move {
+                    let mut confirmed = 0;
+                    for _ in 0..each {
+                        let arrival = recount.started.load(Ordering::SeqCst);
+                        let read = || {
+                            let reads = reads.clone();
+                            async move {
+                                reads.fetch_add(1, Ordering::SeqCst);
+                                tokio::task::yield_now().await;
+                                Some(7)
+                            }
+                        };
+                        let spawn = |task| drop(tokio::spawn(task));
+                        confirmed += usize::from(recount.finds(7, arrival, spawn, read).await);
+                    }
+                    confirmed
+                })
+            });
+            let mut confirmed = 0;
+            for task in tasks.collect::<Vec<_>>() {
+                confirmed += task.await.unwrap();
+            }
+            confirmed
+        });
+        let elapsed = started.elapsed();
+        let reads = reads.load(Ordering::SeqCst);
+        assert_eq!(confirmed, waiters * each, "every refusal confirmed");
+        let most = (elapsed.as_micros() / RECOUNT_SPACING.as_micros()) as u64 + 1;
+        assert!(
+            (1..=most).contains(&reads),
+            "{reads} reads for {} refusals in {elapsed:?}: at most {most} may start",
+            waiters * each
+        );
     }
 
     #[test]

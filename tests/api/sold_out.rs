@@ -13,6 +13,7 @@ use crate::helpers::{TestApp, eventually, spawn_app_with};
 
 const FROM_MEMORY: &str = "seckill_admission_total{outcome=\"sold_out_memory\"}";
 const SCRIPT_CALLS: &str = "seckill_admission_script_seconds_count";
+const RECOUNTS: &str = "seckill_sold_out_recounts_total";
 
 async fn app_with_long_flags() -> TestApp {
     spawn_app_with(|s| s.admission.sold_out_ttl_ms = std::time::Duration::from_millis(600_000))
@@ -49,6 +50,7 @@ async fn sold_out_answers_come_from_memory_without_a_redis_call_and_buyers_with_
 
     let calls = app.metric(SCRIPT_CALLS).await.unwrap();
     let answered = app.metric(FROM_MEMORY).await.unwrap_or(0);
+    let reads = app.metric(RECOUNTS).await.unwrap_or(0);
     for buyer in 200..210 {
         let (status, body) = app.buy(buyer, activity).await;
         assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
@@ -59,6 +61,10 @@ async fn sold_out_answers_come_from_memory_without_a_redis_call_and_buyers_with_
         "no Redis call"
     );
     assert_eq!(app.metric(FROM_MEMORY).await.unwrap(), answered + 10);
+    // Each refusal waited for a read of the acceptance count (one at a
+    // time here: at most one each).
+    let reads = app.metric(RECOUNTS).await.unwrap() - reads;
+    assert!((1..=10).contains(&reads), "{reads} reads for 10 refusals");
 
     // A buyer with an order: the replay gets it, a new purchase hears
     // LIMIT_EXCEEDED; both from Redis.
