@@ -31,7 +31,7 @@ psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -qtA \
 # order table); the admission side only reads them.
 if [ "$MODE" = drain ]; then "$BIN" migrate >/dev/null; else $NEW migrate >/dev/null; fi
 PIDS=()
-trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; scripts/services.sh forget "$RUN:" >/dev/null 2>&1 || true' EXIT
+trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; scripts/services.sh forget "$RUN:" >/dev/null 2>&1 || true' EXIT
 serve() { # PORT BIN CONFIG_DIR ARGS...: serve in the background until ready
   local port=$1 bin=$2 conf=$3; shift 3
   env SECKILL_CONFIG_DIR="$conf" SECKILL__APP__PORT="$port" "$@" "$bin" serve ${SERVE_ARGS:-} >"/tmp/$RUN-serve.log" 2>&1 &
