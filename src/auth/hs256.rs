@@ -21,29 +21,28 @@ use super::Claims;
 pub(super) struct Hs256 {
     mac: hmac::Hmac<sha2::Sha256>,
     header: String,
-    issuer: Option<String>,
-    audience: Option<String>,
 }
 
 impl Hs256 {
-    pub(super) fn new(
-        secret: &[u8],
-        issuer: Option<String>,
-        audience: Option<String>,
-    ) -> anyhow::Result<Self> {
+    pub(super) fn new(secret: &[u8]) -> anyhow::Result<Self> {
         let header =
             serde_json::to_vec(&jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256))?;
         Ok(Self {
             mac: hmac::Hmac::new_from_slice(secret)?,
             header: URL_SAFE_NO_PAD.encode(header),
-            issuer,
-            audience,
         })
     }
 
     /// The claims of `token` if it is in our shape, signed with the secret,
-    /// and valid now without leeway; `None`: ask the full verification.
-    pub(super) fn claims(&self, token: &str, now: i64) -> Option<Claims> {
+    /// valid now without leeway, and from `issuer` for `audience` when
+    /// they are set; `None`: ask the full verification.
+    pub(super) fn claims(
+        &self,
+        token: &str,
+        now: i64,
+        issuer: Option<&str>,
+        audience: Option<&str>,
+    ) -> Option<Claims> {
         let (signed, signature) = token.rsplit_once('.')?;
         let (header, payload) = signed.split_once('.')?;
         if header != self.header || payload.contains('.') {
@@ -55,14 +54,8 @@ impl Hs256 {
         mac.verify_slice(&signature).ok()?;
         let claims: Claims = serde_json::from_slice(&URL_SAFE_NO_PAD.decode(payload).ok()?).ok()?;
         let fresh = claims.exp > now && claims.nbf.is_none_or(|nbf| nbf <= now);
-        let issued = self
-            .issuer
-            .as_ref()
-            .is_none_or(|iss| claims.iss.as_ref() == Some(iss));
-        let meant = self
-            .audience
-            .as_ref()
-            .is_none_or(|aud| claims.aud.as_ref() == Some(aud));
+        let issued = issuer.is_none_or(|iss| claims.iss.as_deref() == Some(iss));
+        let meant = audience.is_none_or(|aud| claims.aud.as_deref() == Some(aud));
         (fresh && issued && meant).then_some(claims)
     }
 }
@@ -88,20 +81,15 @@ mod tests {
         jsonwebtoken::encode(header, &claims, &key).unwrap()
     }
 
-    fn fast(issuer: Option<&str>, audience: Option<&str>) -> Hs256 {
-        Hs256::new(
-            secret().expose_secret().as_bytes(),
-            issuer.map(Into::into),
-            audience.map(Into::into),
-        )
-        .unwrap()
+    fn fast() -> Hs256 {
+        Hs256::new(secret().expose_secret().as_bytes()).unwrap()
     }
 
     #[test]
     fn a_token_minted_here_is_read_without_jsonwebtoken() {
         let keys = JwtKeys::new(&secret()).unwrap();
         let token = keys.mint(42, Role::Admin, 600).unwrap();
-        let claims = fast(None, None).claims(&token, now()).expect("our shape");
+        let claims = fast().claims(&token, now(), None, None).expect("our shape");
         assert_eq!((claims.sub.as_str(), claims.role), ("42", Role::Admin));
         assert_eq!(keys.verify(&token).unwrap().1, Role::Admin);
     }
@@ -109,14 +97,14 @@ mod tests {
     #[test]
     fn what_the_fast_path_does_not_accept_is_decided_by_the_full_verification() {
         let keys = JwtKeys::new(&secret()).unwrap();
-        let fast = fast(None, None);
+        let fast = fast();
         let ours = Header::new(Algorithm::HS256);
 
         // A signature that does not match: refused by both.
         let mut forged = keys.mint(7, Role::User, 600).unwrap();
         let last = forged.pop().unwrap();
         forged.push(if last == 'A' { 'B' } else { 'A' });
-        assert!(fast.claims(&forged, now()).is_none());
+        assert!(fast.claims(&forged, now(), None, None).is_none());
         assert!(keys.verify(&forged).is_err(), "a forged signature");
 
         // Expired a second ago: within the full check's leeway of 5 s.
@@ -124,7 +112,10 @@ mod tests {
             &ours,
             serde_json::json!({"sub": "7", "role": "user", "exp": now() - 1}),
         );
-        assert!(fast.claims(&late, now()).is_none(), "no leeway here");
+        assert!(
+            fast.claims(&late, now(), None, None).is_none(),
+            "no leeway here"
+        );
         assert!(keys.verify(&late).is_ok(), "the leeway of the full check");
 
         // Not valid for another minute: refused by both.
@@ -132,7 +123,7 @@ mod tests {
             &ours,
             serde_json::json!({"sub": "7", "role": "user", "exp": now() + 600, "nbf": now() + 60}),
         );
-        assert!(fast.claims(&early, now()).is_none());
+        assert!(fast.claims(&early, now(), None, None).is_none());
         assert!(keys.verify(&early).is_err());
 
         // Another header (a `kid`), the same secret: the full check.
@@ -142,7 +133,7 @@ mod tests {
             &with_kid,
             serde_json::json!({"sub": "9", "role": "user", "exp": now() + 600}),
         );
-        assert!(fast.claims(&other, now()).is_none());
+        assert!(fast.claims(&other, now(), None, None).is_none());
         assert_eq!(keys.verify(&other).unwrap().0.get(), 9);
 
         // Our header on an unsigned token ("alg": "none" cannot be ours).
@@ -153,27 +144,31 @@ mod tests {
             .map(|(a, b)| (a.to_owned(), b.to_owned()))
             .unwrap();
         let unsigned = format!("{signed_part}.");
-        assert!(fast.claims(&unsigned, now()).is_none());
+        assert!(fast.claims(&unsigned, now(), None, None).is_none());
         assert!(keys.verify(&unsigned).is_err());
     }
 
     #[test]
     fn an_issuer_and_audience_set_here_must_be_in_the_token() {
-        let fast = fast(Some("https://shop"), Some("seckill"));
+        let fast = fast();
+        let (shop, seckill) = (Some("https://shop"), Some("seckill"));
         let ours = Header::new(Algorithm::HS256);
         let exp = now() + 600;
         let right = signed(
             &ours,
             serde_json::json!({"sub": "7", "role": "user", "exp": exp, "iss": "https://shop", "aud": "seckill"}),
         );
-        assert!(fast.claims(&right, now()).is_some());
+        assert!(fast.claims(&right, now(), shop, seckill).is_some());
         for claims in [
             serde_json::json!({"sub": "7", "role": "user", "exp": exp}),
             serde_json::json!({"sub": "7", "role": "user", "exp": exp, "iss": "https://other", "aud": "seckill"}),
             serde_json::json!({"sub": "7", "role": "user", "exp": exp, "iss": "https://shop", "aud": "other"}),
         ] {
             let token = signed(&ours, claims.clone());
-            assert!(fast.claims(&token, now()).is_none(), "{claims}");
+            assert!(
+                fast.claims(&token, now(), shop, seckill).is_none(),
+                "{claims}"
+            );
         }
     }
 }

@@ -119,7 +119,7 @@ impl JwtKeys {
             encoding: EncodingKey::from_secret(bytes)?,
             decoding: DecodingKey::from_secret(bytes)?,
             validation,
-            fast: hs256::Hs256::new(bytes, issuer.clone(), audience.clone())?,
+            fast: hs256::Hs256::new(bytes)?,
             issuer,
             audience,
             provider: None,
@@ -166,14 +166,18 @@ impl JwtKeys {
             return Err("tokens are verified with the identity provider's keys".into());
         }
         let now = jsonwebtoken::get_current_timestamp() as i64;
-        let claims = match self.fast.claims(token, now) {
-            Some(claims) => claims,
-            None => {
-                jsonwebtoken::decode::<Claims>(token, &self.decoding, &self.validation)
-                    .map_err(|e| format!("invalid token: {e}"))?
-                    .claims
-            }
-        };
+        let claims =
+            match self
+                .fast
+                .claims(token, now, self.issuer.as_deref(), self.audience.as_deref())
+            {
+                Some(claims) => claims,
+                None => {
+                    jsonwebtoken::decode::<Claims>(token, &self.decoding, &self.validation)
+                        .map_err(|e| format!("invalid token: {e}"))?
+                        .claims
+                }
+            };
         let user_id = UserId::parse(&claims.sub)
             .ok_or_else(|| "token subject is not a user id".to_owned())?;
         Ok((user_id, claims.role))
