@@ -7,12 +7,24 @@
   timeline.py draw OUT.svg CLIENT.csv SERVER.csv PROCS.csv [--title T] [--ms N]
       one SVG of the three on the load generator's clock: latency of what
       was sent, in flight, the server's queues, CPU by process, the host
+  timeline.py verdict REPORT.json CLIENT.csv SERVER.csv
+      one line: whether the run met issue #44's three targets (p90 <= 10 ms,
+      p99 <= 50 ms, p99 of the 202s <= 100 ms) and, when it did not, the
+      host while the slow requests waited (from when the first was sent
+      until the last was answered): threads runnable (besides the
+      server's own sampler), and how long the
+      server's HTTP workers waited for a CPU per ms they ran. `CPUs
+      saturated` means more threads runnable than CPUs and the workers
+      waiting at least as long as they ran; a miss that is not says so.
+      (The busy share of /proc/stat counts 10 ms ticks: over a span of
+      100 ms it is too coarse to say, so it is not used.)
 
 CLIENT.csv is `seckill loadgen --rate R --timeline` (src/loadgen/timeline.rs),
 SERVER.csv `seckill serve --timeline` (src/timeline.rs). No third-party
 package: the SVG is written by hand.
 """
 import csv
+import json
 import os
 import signal
 import sys
@@ -235,6 +247,53 @@ def draw(out, client, server, procs, title, span):
         f.write(svg.text())
 
 
+# Issue #44's targets for the open loop, in ms.
+TARGETS = {"p90_ms": 10.0, "p99_ms": 50.0, "p99_accepted_ms": 100.0}
+# Slow slots at most this far apart belong to one episode.
+GAP_MS = 50
+
+
+def verdict(report, client, server, cpus):
+    """One line: the targets met, or the host while the slow requests waited."""
+    missed = {k for k, limit in TARGETS.items() if report[k] > limit}
+    if not missed:
+        return "met"
+    named = ", ".join(f"{k[:-3].replace('_accepted', ' of the 202s')} {report[k]:.1f}"
+                      for k in TARGETS if k in missed)
+    # A 10 ms slot is slow when what was sent in it missed a target on its own.
+    slow = [r for r in client
+            if r["p99_ms"] > TARGETS["p99_ms"] or r["p99_accepted_ms"] > TARGETS["p99_accepted_ms"]
+            or ("p90_ms" in missed and r["p50_ms"] > TARGETS["p90_ms"])]
+    if not slow:
+        return f"missed ({named}); no 10 ms slot slow on its own"
+    # Slow slots less than GAP_MS apart are one episode; the one in which
+    # the most requests were sent is the tail's.
+    episodes = [[slow[0]]]
+    for r in slow[1:]:
+        if r["unix_ms"] - episodes[-1][-1]["unix_ms"] <= GAP_MS:
+            episodes[-1].append(r)
+        else:
+            episodes.append([r])
+    ep = max(episodes, key=lambda e: sum(r["sent"] for r in e))
+    t0 = client[0]["unix_ms"]
+    start, sent = ep[0]["unix_ms"], ep[-1]["unix_ms"] + 10
+    end = max(r["unix_ms"] + 10 + r["p99_ms"] for r in ep)
+    span = [r for r in server if start <= r["unix_ms"] <= end]
+    if not span:
+        return f"missed ({named}); no server sample while the slow requests waited"
+    # procs_running counts the sampler itself, reading it.
+    runnable = sum(r["host_runnable"] for r in span) / len(span) - 1
+    run = sum(r["cpu_http_ms"] for r in span)
+    wait = sum(r["wait_http_ms"] for r in span)
+    state = "CPUs saturated" if runnable > cpus else "NOT saturated"
+    share = sum(r["sent"] for r in ep) / max(1, sum(r["sent"] for r in slow))
+    others = f" ({len(episodes) - 1} more slow episodes, {1 - share:.0%} of the slow slots' requests)" \
+        if len(episodes) > 1 else ""
+    return (f"missed ({named}): sent {start - t0:.0f}-{sent - t0:.0f} ms, answered by {end - t0:.0f} ms{others}; "
+            f"{runnable:.1f} threads runnable on {cpus} CPUs, the HTTP workers waited "
+            f"{wait / run if run else 0:.1f} ms for a CPU per ms run: {state}")
+
+
 def main(argv):
     if len(argv) >= 2 and argv[0] == "sample":
         sample(argv[1], argv[2:])
@@ -249,6 +308,10 @@ def main(argv):
             else:
                 sys.exit(f"unknown argument {rest[0]}")
         draw(argv[1], argv[2], argv[3], argv[4], title, span)
+    elif len(argv) == 4 and argv[0] == "verdict":
+        with open(argv[1]) as f:
+            report = json.loads(f.read().strip().splitlines()[-1])
+        print(verdict(report, rows(argv[2]), rows(argv[3]), os.cpu_count()))
     else:
         sys.exit(__doc__)
 
