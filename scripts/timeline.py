@@ -10,14 +10,14 @@
   timeline.py verdict REPORT.json CLIENT.csv SERVER.csv
       one line: whether the run met issue #44's three targets (p90 <= 10 ms,
       p99 <= 50 ms, p99 of the 202s <= 100 ms) and, when it did not, the
-      host while the slow requests waited (from when the first was sent
-      until the last was answered): threads runnable (besides the
-      server's own sampler), and how long the
-      server's HTTP workers waited for a CPU per ms they ran. `CPUs
-      saturated` means more threads runnable than CPUs and the workers
-      waiting at least as long as they ran; a miss that is not says so.
-      (The busy share of /proc/stat counts 10 ms ticks: over a span of
-      100 ms it is too coarse to say, so it is not used.)
+      host while the slow requests of its largest slow episode waited
+      (from when the first was sent until the last was answered): the
+      threads runnable on average (besides the server's own sampler),
+      and how long the server's HTTP workers waited for a CPU per ms
+      they ran. `CPUs saturated` means more threads runnable than CPUs;
+      a miss that is not says `NOT saturated`. (The busy share of
+      /proc/stat counts 10 ms ticks: over a span of 100 ms it is too
+      coarse to say, so it is not used.)
 
 CLIENT.csv is `seckill loadgen --rate R --timeline` (src/loadgen/timeline.rs),
 SERVER.csv `seckill serve --timeline` (src/timeline.rs). No third-party
@@ -266,7 +266,7 @@ def verdict(report, client, server, cpus):
             or ("p90_ms" in missed and r["p50_ms"] > TARGETS["p90_ms"])]
     if not slow:
         return f"missed ({named}); no 10 ms slot slow on its own"
-    # Slow slots less than GAP_MS apart are one episode; the one in which
+    # Slow slots at most GAP_MS apart are one episode; the one in which
     # the most requests were sent is the tail's.
     episodes = [[slow[0]]]
     for r in slow[1:]:
@@ -287,8 +287,9 @@ def verdict(report, client, server, cpus):
     wait = sum(r["wait_http_ms"] for r in span)
     state = "CPUs saturated" if runnable > cpus else "NOT saturated"
     share = sum(r["sent"] for r in ep) / max(1, sum(r["sent"] for r in slow))
-    others = f" ({len(episodes) - 1} more slow episodes, {1 - share:.0%} of the slow slots' requests)" \
-        if len(episodes) > 1 else ""
+    more = len(episodes) - 1
+    others = f" ({more} more slow episode{'s' if more > 1 else ''}, {1 - share:.0%} of the slow slots' requests)" \
+        if more else ""
     return (f"missed ({named}): sent {start - t0:.0f}-{sent - t0:.0f} ms, answered by {end - t0:.0f} ms{others}; "
             f"{runnable:.1f} threads runnable on {cpus} CPUs, the HTTP workers waited "
             f"{wait / run if run else 0:.1f} ms for a CPU per ms run: {state}")
