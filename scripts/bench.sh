@@ -188,7 +188,8 @@ row5c() {
   stop_all
   local verdict
   verdict=$(python3 scripts/timeline.py verdict "$OUT/$tag-loadgen.txt" "$OUT/$tag-client.csv" \
-    "$OUT/$tag-server.csv" 2>&1 | tail -n 1)
+    "$OUT/$tag-server.csv" 2>"$OUT/$tag-verdict.err") ||
+    verdict="no verdict: the timelines could not be read ($OUT/$tag-verdict.err)"
   out=$(python3 -c '
 import json, sys
 r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
