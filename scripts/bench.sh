@@ -188,7 +188,7 @@ row5c() {
   stop_all
   local verdict
   verdict=$(python3 scripts/timeline.py verdict "$OUT/$tag-loadgen.txt" "$OUT/$tag-client.csv" \
-    "$OUT/$tag-server.csv" 2>"$OUT/$tag-verdict.err") ||
+    "$OUT/$tag-server.csv" "$OUT/$tag-first.json" 2>"$OUT/$tag-verdict.err") ||
     verdict="no verdict: the timelines could not be read ($OUT/$tag-verdict.err)"
   out=$(python3 -c '
 import json, sys

@@ -82,6 +82,9 @@ step() {
 }
 
 tests_lane() {
+  # The bench's verdict on a run of issue #44's open loop (saturated or
+  # not), on made-up timelines: a check that can say "not saturated".
+  step bench-verdict python3 scripts/timeline.py selftest
   step benches cargo test --benches
   # Integration tests mostly wait on I/O: more of them than there are cores.
   step tests cargo test --lib --bins --tests -- --test-threads="$THREADS"
