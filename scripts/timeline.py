@@ -337,7 +337,7 @@ def verdict(report, client, server, cpus, first=None):
 
 
 def selftest():
-    """The verdict on made-up timelines: met, saturated, and two misses that are not."""
+    """The verdict on made-up timelines: met, saturated, and three misses that are not."""
     def client(slow_at, n=300):
         return [{"unix_ms": 1000.0 + 10 * i, "sent": 150.0, "p50_ms": 2.0,
                  "p99_ms": 400.0 if i in slow_at else 5.0,
