@@ -2,12 +2,17 @@
 //! the public keys it publishes as a JWKS (RFC 7517), found at
 //! `auth.jwks_url` or through OIDC discovery from `auth.issuer`.
 //!
-//! The key set is kept for `auth.jwks_ttl_secs`. A token whose `kid` is not
-//! in it makes the set be fetched again (a provider rotated its keys), but
-//! at most once per `auth.jwks_cooldown_secs`, and one fetch at a time: a
-//! storm of made-up `kid`s costs one fetch, then each of them is refused
-//! from memory. A key removed from the JWKS is refused from the first
-//! fetch that no longer has it.
+//! The key set is kept for `auth.jwks_ttl_secs`. A token whose key is in
+//! the set is verified at once, however old the set: a set past its TTL is
+//! fetched again in the background, and stays in use until a fetch
+//! answers, so an identity provider's outage never holds a request. A
+//! token whose `kid` is not in it waits for the set to be fetched again (a
+//! provider rotated its keys), but at most once per
+//! `auth.jwks_cooldown_secs`, and one fetch at a time: a storm of made-up
+//! `kid`s costs one fetch, then each of them is refused from memory. A
+//! fetch that fails is tried again after the cooldown, then twice as long
+//! each time, up to the TTL. A key removed from the JWKS is refused from
+//! the first fetch that no longer has it.
 //!
 //! Only RS256 and ES256 are accepted, whatever a token's header or a
 //! key's `alg` says; a key is used only for the one algorithm its type
@@ -73,6 +78,17 @@ struct Fetched {
     at: Option<Instant>,
 }
 
+/// When the set was last asked for, and how that went.
+#[derive(Default)]
+struct Tries {
+    /// When the last fetch started.
+    last: Option<Instant>,
+    /// Fetches that failed since the last one that answered.
+    failures: u32,
+    /// A background fetch is under way.
+    refreshing: bool,
+}
+
 /// The claims read from a provider's token (`iss`, `aud`, `exp` and `nbf`
 /// are checked by the validation, in whatever shape they come).
 #[derive(Debug, Deserialize)]
@@ -90,8 +106,9 @@ pub struct Jwks {
     http: reqwest::Client,
     validation_base: Validation,
     fetched: RwLock<Fetched>,
-    /// Held while a fetch runs; holds when the last one was tried.
-    fetching: tokio::sync::Mutex<Option<Instant>>,
+    /// Held while a fetch runs: one at a time.
+    fetching: tokio::sync::Mutex<()>,
+    tries: std::sync::Mutex<Tries>,
     /// Fetches tried since start.
     fetches: AtomicU64,
     /// The same, exported as `seckill_auth_jwks_fetches_total` once
@@ -122,7 +139,8 @@ impl Jwks {
             http,
             validation_base: validation,
             fetched: RwLock::default(),
-            fetching: tokio::sync::Mutex::new(None),
+            fetching: tokio::sync::Mutex::new(()),
+            tries: std::sync::Mutex::default(),
             fetches: AtomicU64::new(0),
             counter: prometheus::IntCounter::new(
                 "auth_jwks_fetches_total",
@@ -144,7 +162,7 @@ impl Jwks {
     }
 
     /// The caller `token` names, or why it is refused.
-    pub async fn verify(&self, token: &str) -> Result<(UserId, Role), String> {
+    pub async fn verify(self: &Arc<Self>, token: &str) -> Result<(UserId, Role), String> {
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| format!("invalid token: {e}"))?;
         if !ALLOWED.contains(&header.alg) {
@@ -175,35 +193,94 @@ impl Jwks {
         Ok((user, data.claims.role.unwrap_or(Role::User)))
     }
 
-    /// The key `kid`, fetching the set again when it is stale, or when the
-    /// key is unknown and the cooldown has passed.
-    async fn key(&self, kid: &str) -> Option<Key> {
+    /// The key `kid`. A known key answers at once, however old the set:
+    /// a stale set is fetched again in the background. An unknown `kid`
+    /// waits for a fetch, one at a time, only when one is due.
+    async fn key(self: &Arc<Self>, kid: &str) -> Option<Key> {
         let (known, fresh) = self.lookup(kid);
-        if known.is_some() && fresh {
-            return known;
+        if let Some(key) = known {
+            if !fresh {
+                self.refresh_in_background();
+            }
+            return Some(key);
         }
-        let mut last = self.fetching.lock().await;
+        if !self.due(false) {
+            return None;
+        }
+        let _one = self.fetching.lock().await;
         // Another caller may have fetched while this one waited.
-        let (known, fresh) = self.lookup(kid);
-        if known.is_some() && fresh {
-            return known;
+        if let (Some(key), _) = self.lookup(kid) {
+            return Some(key);
         }
-        // A stale set is fetched again whatever the cooldown; an unknown
-        // key only once the cooldown since the last try has passed.
-        let stale = !fresh;
-        let cooled = last.is_none_or(|at| at.elapsed() >= self.config.cooldown);
-        if stale || cooled {
-            *last = Some(Instant::now());
-            if let Err(e) = self.fetch().await {
+        if self.due(false) {
+            self.try_fetch().await;
+        }
+        self.lookup(kid).0
+    }
+
+    /// Whether a fetch may start now: never tried; after a failure, once
+    /// the backoff (the cooldown, doubled per failure, at most the TTL)
+    /// has passed; else for a stale set at once, and for an unknown `kid`
+    /// once the cooldown has passed.
+    fn due(&self, stale: bool) -> bool {
+        let tries = self.tries.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(last) = tries.last else {
+            return true;
+        };
+        let wait = match tries.failures {
+            0 if stale => return true,
+            0 => self.config.cooldown,
+            n => self
+                .config
+                .cooldown
+                .saturating_mul(1 << (n - 1).min(16))
+                .min(self.config.ttl.max(self.config.cooldown)),
+        };
+        last.elapsed() >= wait
+    }
+
+    /// Starts a fetch of a stale set, unless one is under way or not due:
+    /// the callers go on with the set they have.
+    fn refresh_in_background(self: &Arc<Self>) {
+        {
+            let mut tries = self.tries.lock().unwrap_or_else(|e| e.into_inner());
+            if tries.refreshing {
+                return;
+            }
+            tries.refreshing = true;
+        }
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            {
+                let _one = me.fetching.lock().await;
+                let stale = !me.lookup("").1;
+                if stale && me.due(true) {
+                    me.try_fetch().await;
+                }
+            }
+            me.tries
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .refreshing = false;
+        });
+    }
+
+    /// One fetch, noted for the backoff; a failure leaves the set in use.
+    async fn try_fetch(&self) {
+        self.tries.lock().unwrap_or_else(|e| e.into_inner()).last = Some(Instant::now());
+        let fetched = self.fetch().await;
+        let mut tries = self.tries.lock().unwrap_or_else(|e| e.into_inner());
+        match fetched {
+            Ok(()) => tries.failures = 0,
+            Err(e) => {
+                tries.failures = tries.failures.saturating_add(1);
                 tracing::warn!(
                     error = format!("{e:#}"),
-                    "fetching the identity provider's JWKS failed"
+                    failures = tries.failures,
+                    "fetching the identity provider's JWKS failed; the last set stays in use"
                 );
             }
         }
-        drop(last);
-        // A set that could not be fetched again stays in use.
-        self.lookup(kid).0
     }
 
     /// The key `kid` as held now, and whether the set is within its TTL.
@@ -427,6 +504,17 @@ mod tests {
         base: String,
         published: Arc<Mutex<Vec<Jwk>>>,
         fetches: Arc<AtomicUsize>,
+        mode: Arc<AtomicUsize>,
+    }
+
+    /// How the provider answers a JWKS fetch.
+    #[derive(Clone, Copy)]
+    enum Answer {
+        Keys = 0,
+        /// 500 at once.
+        Fails = 1,
+        /// Nothing for a minute: a provider that hangs.
+        Hangs = 2,
     }
 
     impl Provider {
@@ -435,41 +523,54 @@ mod tests {
             let base = format!("http://{}", listener.local_addr().unwrap());
             let published: Arc<Mutex<Vec<Jwk>>> = Arc::default();
             let fetches = Arc::new(AtomicUsize::new(0));
+            let mode = Arc::new(AtomicUsize::new(Answer::Keys as usize));
             let (keys, count, issuer) = (published.clone(), fetches.clone(), base.clone());
+            let how = mode.clone();
             tokio::spawn(async move {
                 while let Ok((mut conn, _)) = listener.accept().await {
-                    let mut request = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match conn.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                    let (keys, count, issuer, how) =
+                        (keys.clone(), count.clone(), issuer.clone(), how.clone());
+                    tokio::spawn(async move {
+                        let mut request = Vec::new();
+                        let mut buf = [0u8; 1024];
+                        while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                            match conn.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => request.extend_from_slice(&buf[..n]),
+                            }
                         }
-                    }
-                    let line = String::from_utf8_lossy(&request)
-                        .lines()
-                        .next()
-                        .unwrap_or("")
-                        .to_owned();
-                    let body = if line.contains("/.well-known/openid-configuration") {
+                        let line = String::from_utf8_lossy(&request)
+                            .lines()
+                            .next()
+                            .unwrap_or("")
+                            .to_owned();
+                        let mut status = "200 OK";
+                        let body = if line.contains("/.well-known/openid-configuration") {
                         serde_json::json!({"issuer": issuer, "jwks_uri": format!("{issuer}/jwks")})
                     } else {
                         count.fetch_add(1, Ordering::SeqCst);
+                        match how.load(Ordering::SeqCst) {
+                            1 => status = "500 Internal Server Error",
+                            2 => tokio::time::sleep(Duration::from_secs(60)).await,
+                            _ => {}
+                        }
                         let keys = keys.lock().unwrap().clone();
                         serde_json::json!({"keys": keys})
                     }
                     .to_string();
-                    let reply = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
-                    let _ = conn.write_all(reply.as_bytes()).await;
+                        let reply = format!(
+                            "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        );
+                        let _ = conn.write_all(reply.as_bytes()).await;
+                    });
                 }
             });
             Self {
                 base,
                 published,
                 fetches,
+                mode,
             }
         }
 
@@ -481,15 +582,22 @@ mod tests {
             self.fetches.load(Ordering::SeqCst)
         }
 
-        fn jwks(&self, ttl: Duration, cooldown: Duration) -> Jwks {
-            Jwks::new(JwksConfig {
-                source: Source::Jwks(format!("{}/jwks", self.base)),
-                issuer: ISSUER.into(),
-                audience: AUDIENCE.into(),
-                ttl,
-                cooldown,
-            })
-            .unwrap()
+        fn jwks(&self, ttl: Duration, cooldown: Duration) -> Arc<Jwks> {
+            Arc::new(
+                Jwks::new(JwksConfig {
+                    source: Source::Jwks(format!("{}/jwks", self.base)),
+                    issuer: ISSUER.into(),
+                    audience: AUDIENCE.into(),
+                    ttl,
+                    cooldown,
+                })
+                .unwrap(),
+            )
+        }
+
+        /// From now on, each JWKS fetch is answered as `answer` says.
+        fn answer(&self, answer: Answer) {
+            self.mode.store(answer as usize, Ordering::SeqCst);
         }
     }
 
@@ -681,29 +789,97 @@ mod tests {
         let provider = Provider::start().await;
         let rsa = rsa_signer("r1");
         provider.publish(&[&rsa]);
-        let jwks = Jwks::new(JwksConfig {
-            source: Source::Discovery(provider.base.clone()),
-            issuer: ISSUER.into(),
-            audience: AUDIENCE.into(),
-            ttl: Duration::ZERO,
-            cooldown: LONG,
-        })
-        .unwrap();
+        let jwks = Arc::new(
+            Jwks::new(JwksConfig {
+                source: Source::Discovery(provider.base.clone()),
+                issuer: ISSUER.into(),
+                audience: AUDIENCE.into(),
+                ttl: Duration::ZERO,
+                cooldown: LONG,
+            })
+            .unwrap(),
+        );
         assert!(
             jwks.verify(&rsa.token(&claims("7"))).await.is_ok(),
             "found by discovery"
         );
         assert!(jwks.verify(&rsa.token(&claims("7"))).await.is_ok());
-        assert_eq!(provider.fetches(), 2, "a set past its TTL is fetched again");
+        fetched(&provider, 2, "a set past its TTL is fetched again").await;
         // An issuer whose document names another issuer is not trusted.
-        let wrong = Jwks::new(JwksConfig {
-            source: Source::Discovery(format!("{}/other", provider.base)),
-            issuer: ISSUER.into(),
-            audience: AUDIENCE.into(),
-            ttl: LONG,
-            cooldown: LONG,
-        })
-        .unwrap();
+        let wrong = Arc::new(
+            Jwks::new(JwksConfig {
+                source: Source::Discovery(format!("{}/other", provider.base)),
+                issuer: ISSUER.into(),
+                audience: AUDIENCE.into(),
+                ttl: LONG,
+                cooldown: LONG,
+            })
+            .unwrap(),
+        );
         assert!(wrong.verify(&rsa.token(&claims("7"))).await.is_err());
+    }
+
+    /// Waits (a minute at most) until the provider has been asked `n`
+    /// times: a background fetch lands when it lands.
+    async fn fetched(provider: &Provider, n: usize, what: &str) {
+        for _ in 0..600 {
+            if provider.fetches() >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(provider.fetches(), n, "{what}");
+    }
+
+    /// An identity provider that hangs past the set's TTL holds no
+    /// request whose key is known: each is verified with the set in hand,
+    /// and one fetch at a time goes on in the background.
+    #[tokio::test]
+    async fn a_hung_provider_never_holds_a_token_of_a_known_key() {
+        let provider = Provider::start().await;
+        let rsa = rsa_signer("r1");
+        provider.publish(&[&rsa]);
+        let jwks = provider.jwks(Duration::ZERO, LONG);
+        assert!(jwks.verify(&rsa.token(&claims("7"))).await.is_ok());
+        provider.answer(Answer::Hangs);
+        let token = rsa.token(&claims("7"));
+        for round in 0..2 {
+            let verified = tokio::time::timeout(
+                Duration::from_secs(30),
+                futures_util::future::join_all((0..20).map(|_| jwks.verify(&token))),
+            )
+            .await
+            .expect("no request waits for the hung fetch");
+            assert!(verified.iter().all(Result::is_ok), "round {round}");
+            fetched(
+                &provider,
+                2,
+                "one fetch in the background, not one per request",
+            )
+            .await;
+        }
+    }
+
+    /// A provider that fails is asked again only after a backoff, not by
+    /// every request that finds the set stale.
+    #[tokio::test]
+    async fn a_failing_provider_is_asked_again_only_after_a_backoff() {
+        let provider = Provider::start().await;
+        let rsa = rsa_signer("r1");
+        provider.publish(&[&rsa]);
+        let jwks = provider.jwks(Duration::ZERO, LONG);
+        assert!(jwks.verify(&rsa.token(&claims("7"))).await.is_ok());
+        provider.answer(Answer::Fails);
+        assert!(jwks.verify(&rsa.token(&claims("7"))).await.is_ok());
+        fetched(&provider, 2, "the stale set is fetched again").await;
+        // Whether that fetch is still under way or has failed, no request
+        // starts another.
+        for _ in 0..50 {
+            assert!(
+                jwks.verify(&rsa.token(&claims("7"))).await.is_ok(),
+                "the last set stays in use"
+            );
+        }
+        assert_eq!(provider.fetches(), 2, "no fetch before the backoff");
     }
 }
