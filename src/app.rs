@@ -96,7 +96,7 @@ impl Worker {
             Worker::PaymentSweeper => s.payment.sweeper_enabled.then(|| {
                 crate::payments::sweeper::spawn(crate::payments::sweeper::Sweeper {
                     db: state.pg.db.clone(),
-                    provider: state.payments.provider.clone(),
+                    providers: state.payments.providers.clone(),
                     settings: s.payment.clone(),
                     metrics: state.metrics.clone(),
                     events: state.redis.order_events.clone(),

@@ -33,7 +33,7 @@ use crate::metrics::Metrics;
 use crate::orders::consumer::ConsumerDeps;
 use crate::orders::events::{OrderEvents, StreamCounts};
 use crate::outbox::relay::Relay;
-use crate::payments::provider::{PaymentProvider, SignedProvider};
+use crate::payments::provider::SignedProvider;
 use crate::reconcile::Reconciler;
 use crate::replica::Replica;
 use crate::room::Rooms;
@@ -304,10 +304,11 @@ impl Sale {
     }
 }
 
-/// Payments: the provider pay intents are registered with.
+/// Payments: the providers pay intents are registered with.
 pub struct Payments {
-    /// Where pay intents are registered.
-    pub provider: Arc<dyn PaymentProvider>,
+    /// Every configured provider: new payments go to the current one, and
+    /// every call about a payment to its own.
+    pub providers: Arc<crate::payments::Providers>,
     /// The mock provider, when `payment.provider` is `mock`.
     pub mock: Option<SignedProvider>,
     /// Outgoing HTTP (the mock provider's callbacks).
@@ -323,7 +324,7 @@ impl Payments {
         let is_mock = payment.kind() == crate::config::ProviderKind::Mock;
         let tolerance = crate::clock::millis(payment.signature_tolerance_secs) / 1000;
         Ok(Self {
-            provider: Arc::from(crate::payments::provider(settings)?),
+            providers: Arc::new(crate::payments::Providers::from_settings(settings)?),
             mock: is_mock.then(|| SignedProvider::mock(payment.notify_secret.clone(), tolerance)),
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(10))

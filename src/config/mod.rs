@@ -13,7 +13,7 @@ use serde::Deserialize;
 mod payment;
 mod waiting_room;
 
-pub use payment::{PaymentSettings, ProviderKind, StripeSettings, WechatPaySettings};
+pub use payment::{PaymentSettings, ProviderKind, StripeSettings, TradeType, WechatPaySettings};
 pub use waiting_room::WaitingRoomSettings;
 
 /// Durations as the files write them: whole milliseconds or seconds, the
@@ -696,7 +696,13 @@ impl Settings {
                  not the development secret)",
             );
         }
-        if weak(&self.payment.notify_secret, DEV_NOTIFY_SECRET) {
+        // Only `external` and the mock (refused below) verify callbacks
+        // with it: under another provider its route is not there.
+        if matches!(
+            self.payment.kind(),
+            ProviderKind::External | ProviderKind::Mock
+        ) && weak(&self.payment.notify_secret, DEV_NOTIFY_SECRET)
+        {
             problems.push(
                 "SECKILL__PAYMENT__NOTIFY_SECRET (payment.notify_secret: at least 32 bytes, \
                  not the development secret)",
@@ -733,7 +739,22 @@ impl Settings {
                 );
             }
         }
-        self.auth.provider()?;
+        let identity_provider = self.auth.provider()?.is_some();
+        if identity_provider && !self.allows_development_conveniences() {
+            // Keys fetched in clear text can be swapped on the way: anyone
+            // on the path could then mint every buyer's and admin's token.
+            for (name, url) in [
+                ("auth.jwks_url", &self.auth.jwks_url),
+                ("auth.issuer", &self.auth.issuer),
+            ] {
+                if let Some(url) = url.as_deref().filter(|u| u.starts_with("http://")) {
+                    bail!(
+                        "{name} is {url:?}: outside development the identity provider is \
+                         reached over https only"
+                    );
+                }
+            }
+        }
         match self.payment.kind() {
             ProviderKind::Wechatpay if self.payment.wechatpay.is_none() => bail!(
                 "payment.provider = \"wechatpay\" needs [payment.wechatpay]: mchid, appid, \

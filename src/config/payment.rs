@@ -131,6 +131,27 @@ pub struct WechatPaySettings {
     /// Where WeChat Pay sends callbacks: this server's
     /// `/api/v1/payments/notify/wechatpay` as the internet reaches it.
     pub notify_url: String,
+    /// How buyers pay: `native` (a QR code the buyer scans) or `jsapi`
+    /// (inside WeChat: a mini-program's `wx.requestPayment`, as the buyer's
+    /// `openid`).
+    #[serde(default)]
+    pub trade_type: TradeType,
+    /// JSAPI: the claim of the buyer's identity token that carries their
+    /// WeChat `openid`. Unset, or absent from a token: the pay request's
+    /// body gives it.
+    #[serde(default)]
+    pub openid_claim: Option<String>,
+}
+
+/// How a WeChat Pay buyer pays.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TradeType {
+    /// `/v3/pay/transactions/native`: a `code_url` shown as a QR code.
+    #[default]
+    Native,
+    /// `/v3/pay/transactions/jsapi`: the parameters of `wx.requestPayment`.
+    Jsapi,
 }
 
 fn query_after() -> Duration {

@@ -235,3 +235,66 @@ fn an_identity_provider_needs_an_issuer_an_audience_and_one_way_to_its_keys() {
     let e = s.validate().unwrap_err().to_string();
     assert!(e.contains("jwks_ttl_secs"), "{e}");
 }
+
+#[test]
+fn outside_development_the_identity_provider_is_reached_over_https_only() {
+    let strong = |s: &mut Settings| {
+        s.auth.jwt_secret = SecretString::from("x".repeat(40));
+        s.auth.server_secret = SecretString::from("z".repeat(40));
+        s.payment.notify_secret = SecretString::from("y".repeat(40));
+    };
+    for (jwks_url, issuer, refused) in [
+        (
+            Some("http://id.example.test/jwks"),
+            "https://id.example.test",
+            "auth.jwks_url",
+        ),
+        (None, "http://id.example.test", "auth.issuer"),
+    ] {
+        let mut s = settings("production", DEV_JWT_SECRET);
+        strong(&mut s);
+        s.auth.jwks_url = jwks_url.map(str::to_owned);
+        s.auth.discovery = jwks_url.is_none();
+        s.auth.issuer = Some(issuer.into());
+        s.auth.audience = Some("seckill".into());
+        let e = s.validate().expect_err("clear text refused").to_string();
+        assert!(e.contains(refused) && e.contains("https"), "{e}");
+        // Development and tests run a local provider over http.
+        s.app.env = "test".into();
+        assert!(s.validate().is_ok());
+    }
+    let mut s = settings("production", DEV_JWT_SECRET);
+    strong(&mut s);
+    s.auth.jwks_url = Some("https://id.example.test/jwks".into());
+    s.auth.issuer = Some("https://id.example.test".into());
+    s.auth.audience = Some("seckill".into());
+    assert!(s.validate().is_ok());
+    // Without an identity provider, the issuer is only a name to compare.
+    s.auth.jwks_url = None;
+    s.auth.issuer = Some("http://shop.example".into());
+    assert!(s.validate().is_ok());
+}
+
+#[test]
+fn production_asks_for_the_notify_secret_only_where_a_provider_uses_it() {
+    let mut s = settings("production", &"x".repeat(40));
+    s.auth.server_secret = SecretString::from("z".repeat(40));
+    let e = s
+        .validate()
+        .expect_err("external verifies with it")
+        .to_string();
+    assert!(e.contains("SECKILL__PAYMENT__NOTIFY_SECRET"), "{e}");
+    s.payment.provider = Some(ProviderKind::Stripe);
+    s.payment.stripe = Some(StripeSettings {
+        api_base: "https://api.stripe.com".into(),
+        secret_key: SecretString::from("sk_live_x"),
+        webhook_secret: SecretString::from("whsec_x"),
+        previous_webhook_secret: None,
+        currency: "cny".into(),
+    });
+    assert!(
+        s.validate().is_ok(),
+        "under stripe nothing verifies X-Pay-Signature: {:?}",
+        s.validate()
+    );
+}

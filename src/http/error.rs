@@ -90,6 +90,7 @@ error_codes! {
     NotInQueue => "NOT_IN_QUEUE", "No ticket in the queue";
     QueuePassRequired => "QUEUE_PASS_REQUIRED", "Queue pass required";
     QueuePassInvalid => "QUEUE_PASS_INVALID", "Queue pass not valid";
+    OpenidRequired => "OPENID_REQUIRED", "The buyer's WeChat openid is needed";
     Internal => "INTERNAL", "Internal error";
 }
 
@@ -115,7 +116,7 @@ impl ErrorCode {
             Self::InvalidToken | Self::QueuePassRequired | Self::QueuePassInvalid => {
                 StatusCode::FORBIDDEN
             }
-            Self::PowInvalid => StatusCode::BAD_REQUEST,
+            Self::PowInvalid | Self::OpenidRequired => StatusCode::BAD_REQUEST,
             Self::NotInQueue => StatusCode::NOT_FOUND,
             Self::CouponInvalid | Self::AmountMismatch => StatusCode::BAD_REQUEST,
             Self::BadSignature => StatusCode::UNAUTHORIZED,

@@ -117,28 +117,39 @@ pub struct DueRefund {
     pub payment_ref: Option<String>,
     #[diesel(sql_type = Nullable<Text>)]
     pub provider_refund_id: Option<String>,
+    /// The payment's provider: the refund goes there.
+    #[diesel(sql_type = Text)]
+    pub provider: String,
 }
 
-/// Up to `limit` refunds whose next attempt is due, each leased until its
-/// backoff (`2^attempts` s, at most `max_secs`) has passed, so that no
-/// other sweeper sends it meanwhile; their payments go REFUNDING.
-pub fn lease_due(conn: &mut PgConn, limit: i64, max_secs: i64) -> QueryResult<Vec<DueRefund>> {
+/// Up to `limit` refunds of payments of the `providers` configured here
+/// whose next attempt is due, each leased until its backoff (`2^attempts`
+/// s, at most `max_secs`) has passed, so that no other sweeper sends it
+/// meanwhile; their payments go REFUNDING.
+pub fn lease_due(
+    conn: &mut PgConn,
+    limit: i64,
+    max_secs: i64,
+    providers: &[String],
+) -> QueryResult<Vec<DueRefund>> {
     conn.transaction(|conn| {
         let due: Vec<DueRefund> = diesel::sql_query(
             "WITH due AS ( \
-               SELECT refund_no FROM refunds \
-               WHERE status = 'REFUNDING' AND next_attempt_at <= now() \
-               ORDER BY next_attempt_at LIMIT $1 FOR UPDATE SKIP LOCKED) \
+               SELECT r.refund_no FROM refunds r JOIN payments p ON p.payment_no = r.payment_no \
+               WHERE r.status = 'REFUNDING' AND r.next_attempt_at <= now() \
+                 AND p.provider = ANY($3) \
+               ORDER BY r.next_attempt_at LIMIT $1 FOR UPDATE OF r SKIP LOCKED) \
              UPDATE refunds r SET attempts = r.attempts + 1, updated_at = now(), \
                next_attempt_at = now() + make_interval(secs => least($2, power(2, least(r.attempts, 20)))) \
              FROM due, payments p \
              WHERE r.refund_no = due.refund_no AND p.payment_no = r.payment_no \
              RETURNING r.refund_no, r.payment_no, r.amount_cents, p.amount_cents AS total_cents, \
                r.reason, r.accepted, r.attempts, p.provider_ref AS payment_ref, \
-               r.provider_refund_id",
+               r.provider_refund_id, p.provider",
         )
         .bind::<BigInt, _>(limit)
         .bind::<BigInt, _>(max_secs)
+        .bind::<diesel::sql_types::Array<Text>, _>(providers)
         .load(conn)?;
         let numbers: Vec<i64> = due.iter().map(|d| d.payment_no).collect();
         diesel::update(
@@ -183,13 +194,14 @@ impl RefundOutcome {
     }
 }
 
-/// Applies what the provider said of a refund (its answer, a query or a
-/// callback) in one transaction, once: a settled refund stays as it is.
-/// One the provider has accepted is asked about again `query_after_secs`
-/// later, unless its callback comes first.
+/// Applies what `provider` said of a refund (its answer, a query or a
+/// callback) in one transaction. A refund of another provider's payment
+/// is unknown here. One the provider has accepted is asked about again
+/// `query_after_secs` later, unless its callback comes first.
 pub fn apply(
     conn: &mut PgConn,
     report: &RefundReport,
+    provider: &str,
     query_after_secs: i64,
 ) -> QueryResult<RefundOutcome> {
     let (status, error) = match &report.state {
@@ -200,6 +212,7 @@ pub fn apply(
     settle(
         conn,
         report.refund_no,
+        provider,
         status,
         report.provider_refund_id.as_deref(),
         error,
@@ -207,11 +220,15 @@ pub fn apply(
     )
 }
 
-/// Marks the refund `status` (REFUNDING: only accepted), and its payment
-/// alike, unless it is settled already.
+/// Marks the refund `status` (REFUNDING: accepted, still under way), and
+/// its payment alike. The provider's later word wins over an earlier
+/// failure: a REFUND_FAILED refund the provider then reports refunded is
+/// REFUNDED, and one it reports under way is followed again. A REFUNDED
+/// refund stays so: the money is back.
 pub fn settle(
     conn: &mut PgConn,
     refund_no: i64,
+    provider: &str,
     status: &str,
     provider_refund_id: Option<&str>,
     error: Option<&str>,
@@ -224,11 +241,31 @@ pub fn settle(
             .for_update()
             .first(conn)
             .optional()?;
-        let Some(current) = current else {
+        let of_provider: Option<String> = match &current {
+            None => None,
+            Some(_) => refunds::table
+                .inner_join(payments::table)
+                .filter(refunds::refund_no.eq(refund_no))
+                .select(payments::provider)
+                .first(conn)
+                .optional()?,
+        };
+        let (Some(current), Some(of_provider)) = (current, of_provider) else {
             return Ok(RefundOutcome::Unknown);
         };
-        if current != REFUNDING {
+        if of_provider != provider {
+            return Ok(RefundOutcome::Unknown);
+        }
+        let overrules = current == REFUND_FAILED && status != REFUND_FAILED;
+        if current != REFUNDING && !overrules {
             return Ok(RefundOutcome::Duplicate);
+        }
+        if overrules {
+            tracing::warn!(
+                refund_no,
+                status,
+                "the provider's later word overrules a refund's failure"
+            );
         }
         let payment_no: i64 = diesel::sql_query(
             "UPDATE refunds SET status = $2, accepted = true, \
@@ -265,6 +302,24 @@ pub fn settle(
 struct PaymentOfRefund {
     #[diesel(sql_type = BigInt)]
     payment_no: i64,
+}
+
+/// The provider does not know a refund we took as accepted (a query
+/// answered that it has none): it is sent again, under the same number.
+pub fn resend(conn: &mut PgConn, refund_no: i64, error: &str) -> QueryResult<()> {
+    diesel::update(
+        refunds::table
+            .find(refund_no)
+            .filter(refunds::status.eq(REFUNDING)),
+    )
+    .set((
+        refunds::accepted.eq(false),
+        refunds::last_error.eq(error),
+        refunds::next_attempt_at.eq(diesel::dsl::now),
+        refunds::updated_at.eq(diesel::dsl::now),
+    ))
+    .execute(conn)?;
+    Ok(())
 }
 
 /// Notes why an attempt gave no answer to act on (it is tried again).

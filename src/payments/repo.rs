@@ -37,6 +37,12 @@ pub struct Payment {
     /// What the provider answered to the create (NULL until it did).
     #[serde(skip)]
     pub checkout: Option<serde_json::Value>,
+    /// The provider's own id of the payment (a Stripe PaymentIntent).
+    #[serde(skip)]
+    pub provider_ref: Option<String>,
+    /// Its capture paid the order (at most one payment per order).
+    #[serde(skip)]
+    pub pays_order: bool,
 }
 
 fn as_string<S: serde::Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
@@ -50,11 +56,26 @@ pub enum PayIntent {
     NotFound,
     /// The order is not WAITING_PAY.
     InvalidState,
+    /// Earlier payments of the order that failed but that the provider has
+    /// not closed: the buyer could still pay them there. Each is closed at
+    /// its provider before a new payment is made.
+    CloseFirst(Vec<Unclosed>),
     /// The pending payment (new or existing).
     Pending(Payment),
 }
 
-/// Creates the order's pending payment, or returns the one already pending.
+/// A FAILED payment its provider has not closed yet.
+#[derive(Debug, Clone, Queryable)]
+pub struct Unclosed {
+    pub payment_no: i64,
+    pub provider: String,
+    pub provider_ref: Option<String>,
+}
+
+/// Creates the order's pending payment, or returns the one already
+/// pending; or, while an earlier failed payment is still open at its
+/// provider, asks for it to be closed first (defect: an old QR code or
+/// client secret paid after the new one).
 pub fn create_or_get(
     conn: &mut PgConn,
     order_no: OrderNo,
@@ -86,6 +107,19 @@ pub fn create_or_get(
             .optional()?;
         if let Some(p) = pending {
             return Ok(PayIntent::Pending(p));
+        }
+        let unclosed: Vec<Unclosed> = payments::table
+            .filter(payments::order_no.eq(order_no))
+            .filter(payments::status.eq(PaymentStatus::Failed.as_str()))
+            .filter(payments::closed_at.is_null())
+            .select((
+                payments::payment_no,
+                payments::provider,
+                payments::provider_ref,
+            ))
+            .load(conn)?;
+        if !unclosed.is_empty() {
+            return Ok(PayIntent::CloseFirst(unclosed));
         }
         let created = diesel::insert_into(payments::table)
             .values((
@@ -136,6 +170,11 @@ pub enum CallbackOutcome {
     AmountMismatch,
     /// The provider_txn_id was already recorded for another payment.
     TxnReused,
+    /// A payment made through another provider: a callback is applied
+    /// only by its own provider's route.
+    WrongProvider,
+    /// The provider's own id of the payment is not the one we recorded.
+    RefMismatch,
     /// Not paid yet (a query's answer): nothing to do.
     Unchanged,
 }
@@ -152,6 +191,8 @@ impl CallbackOutcome {
             Self::OrderMismatch => "order_mismatch",
             Self::AmountMismatch => "amount_mismatch",
             Self::TxnReused => "txn_reused",
+            Self::WrongProvider => "wrong_provider",
+            Self::RefMismatch => "ref_mismatch",
             Self::Unchanged => "unchanged",
         }
     }
@@ -167,19 +208,34 @@ struct PaidOrder {
     amount_cents: i64,
 }
 
-/// A FAILED callback, or the provider's side closed: the pending payment
-/// becomes FAILED (the order may still await payment, with a new one); a
-/// payment already settled is a duplicate.
+/// A FAILED charge: the pending payment becomes FAILED (the order may
+/// still await payment, with a new one; the provider may still take this
+/// one, so it stays open until closed there). The provider's side closed:
+/// a pending or failed payment becomes FAILED with `closed_at`, and can
+/// never be paid. Anything else is a duplicate.
 fn mark_failed(conn: &mut PgConn, payment_no: i64, closed: bool) -> QueryResult<CallbackOutcome> {
-    let pending = payments::status.eq(PaymentStatus::Pending.as_str());
-    let closed_at = closed.then(Utc::now);
-    let n = diesel::update(payments::table.find(payment_no).filter(pending))
-        .set((
-            payments::status.eq(PaymentStatus::Failed.as_str()),
-            payments::updated_at.eq(diesel::dsl::now),
-            payments::closed_at.eq(closed_at),
-        ))
-        .execute(conn)?;
+    let n = if closed {
+        let open = payments::status
+            .eq(PaymentStatus::Pending.as_str())
+            .or(payments::status
+                .eq(PaymentStatus::Failed.as_str())
+                .and(payments::closed_at.is_null()));
+        diesel::update(payments::table.find(payment_no).filter(open))
+            .set((
+                payments::status.eq(PaymentStatus::Failed.as_str()),
+                payments::updated_at.eq(diesel::dsl::now),
+                payments::closed_at.eq(Some(Utc::now())),
+            ))
+            .execute(conn)?
+    } else {
+        let pending = payments::status.eq(PaymentStatus::Pending.as_str());
+        diesel::update(payments::table.find(payment_no).filter(pending))
+            .set((
+                payments::status.eq(PaymentStatus::Failed.as_str()),
+                payments::updated_at.eq(diesel::dsl::now),
+            ))
+            .execute(conn)?
+    };
     Ok(if n == 1 {
         CallbackOutcome::MarkedFailed
     } else {
@@ -187,11 +243,17 @@ fn mark_failed(conn: &mut PgConn, payment_no: i64, closed: bool) -> QueryResult<
     })
 }
 
-/// Applies a verified charge report (a callback, or a query's answer) in
-/// ONE transaction (SPEC step 5): whichever comes first applies, the rest
-/// are duplicates. The payment row is locked first, so concurrent
-/// duplicates serialize and all but the first see a settled payment.
-pub fn apply_charge(conn: &mut PgConn, charge: &Charge) -> QueryResult<CallbackOutcome> {
+/// Applies a verified charge report of `provider` (a callback to its
+/// route, or its answer to a query) in ONE transaction (SPEC step 5):
+/// whichever comes first applies, the rest are duplicates. The payment row
+/// is locked first, so concurrent duplicates serialize and all but the
+/// first see a settled payment. A payment of another provider is not
+/// touched.
+pub fn apply_charge(
+    conn: &mut PgConn,
+    charge: &Charge,
+    provider: &str,
+) -> QueryResult<CallbackOutcome> {
     let payment_no = charge.payment_no;
     let result = conn.transaction(|conn| {
         let payment: Option<Payment> = payments::table
@@ -203,8 +265,23 @@ pub fn apply_charge(conn: &mut PgConn, charge: &Charge) -> QueryResult<CallbackO
         let Some(payment) = payment else {
             return Ok(CallbackOutcome::UnknownPayment);
         };
+        if payment.provider != provider {
+            return Ok(CallbackOutcome::WrongProvider);
+        }
         if charge.order_no.is_some_and(|o| o != payment.order_no) {
             return Ok(CallbackOutcome::OrderMismatch);
+        }
+        match (&charge.provider_ref, &payment.provider_ref) {
+            (Some(theirs), Some(ours)) if theirs != ours => {
+                return Ok(CallbackOutcome::RefMismatch);
+            }
+            // The create's answer was lost: the provider names it now.
+            (Some(theirs), None) => {
+                diesel::update(payments::table.find(payment_no))
+                    .set(payments::provider_ref.eq(theirs))
+                    .execute(conn)?;
+            }
+            _ => {}
         }
         let order_no = payment.order_no;
         match charge.outcome {
@@ -254,6 +331,9 @@ pub fn apply_charge(conn: &mut PgConn, charge: &Charge) -> QueryResult<CallbackO
             return Ok(CallbackOutcome::RefundRequired);
         };
         settle(conn, payment_no, PaymentStatus::Success, txn, Some(paid_at))?;
+        diesel::update(payments::table.find(payment_no))
+            .set(payments::pays_order.eq(true))
+            .execute(conn)?;
         stock::confirm(conn, order.units)?;
         coupons::use_for_order(conn, order_no)?;
         let event = OrderPaid {
@@ -301,13 +381,14 @@ pub struct PaymentView {
     pub refund_no: Option<String>,
 }
 
-/// The order's latest payment and its refund, if it has a payment.
+/// The payment that paid the order, else its latest one, and its refund,
+/// if it has a payment.
 pub fn view_for_order(conn: &mut PgConn, order_no: i64) -> QueryResult<Option<PaymentView>> {
     use crate::store::schema::refunds;
     let row: Option<(i64, String, String, Option<i64>)> = payments::table
         .left_join(refunds::table)
         .filter(payments::order_no.eq(order_no))
-        .order(payments::created_at.desc())
+        .order((payments::pays_order.desc(), payments::created_at.desc()))
         .select((
             payments::payment_no,
             payments::provider,
@@ -326,45 +407,56 @@ pub fn view_for_order(conn: &mut PgConn, order_no: i64) -> QueryResult<Option<Pa
     )
 }
 
-/// A PENDING payment the sweeper looks at now, leased to it.
+/// A payment the sweeper looks at now, leased to it: PENDING, or FAILED
+/// and not yet closed at its provider.
 #[derive(Debug, Clone, QueryableByName)]
 pub struct DuePayment {
     #[diesel(sql_type = BigInt)]
     pub payment_no: i64,
+    /// Its provider (the one every call about it goes to).
+    #[diesel(sql_type = Text)]
+    pub provider: String,
     #[diesel(sql_type = Nullable<Text>)]
     pub provider_ref: Option<String>,
     /// Its order is no longer payable: close it at the provider. Else its
-    /// callback is late: query it.
+    /// callback is late, or it failed and the buyer may still pay it:
+    /// query it.
     #[diesel(sql_type = diesel::sql_types::Bool)]
     pub to_close: bool,
 }
 
-/// Up to `limit` PENDING payments to close at the provider (their order
-/// is no longer WAITING_PAY) or to query (no callback `query_after_secs`
-/// after their creation), each leased until its backoff (`2^checks` s, at
-/// most `max_secs`) has passed.
+/// Up to `limit` payments of the `providers` configured here to close at
+/// their provider (their order is no longer WAITING_PAY) or to query (a
+/// PENDING one with no callback `query_after_secs` after its creation; a
+/// FAILED one the provider has not closed), each leased until its backoff
+/// (`2^checks` s, at most `max_secs`) has passed. A payment of a provider
+/// not configured here is left alone: nothing here can ask about it.
 pub fn lease_pending(
     conn: &mut PgConn,
     limit: i64,
     query_after_secs: i64,
     max_secs: i64,
+    providers: &[String],
 ) -> QueryResult<Vec<DuePayment>> {
     diesel::sql_query(format!(
         "WITH due AS ( \
            SELECT p.payment_no, o.status <> {waiting} AS to_close FROM payments p \
-           JOIN orders o ON o.order_no = p.order_no \
-           WHERE p.status = 'PENDING' AND p.next_check_at <= now() \
-             AND (o.status <> {waiting} OR p.created_at <= now() - make_interval(secs => $2)) \
+           JOIN orders o ON o.order_no = p.order_no AND o.user_slot = p.order_slot \
+           WHERE (p.status = 'PENDING' OR (p.status = 'FAILED' AND p.closed_at IS NULL)) \
+             AND p.next_check_at <= now() AND p.provider = ANY($4) \
+             AND (o.status <> {waiting} OR p.status = 'FAILED' \
+                  OR p.created_at <= now() - make_interval(secs => $2)) \
            ORDER BY p.next_check_at LIMIT $1 FOR UPDATE OF p SKIP LOCKED) \
          UPDATE payments p SET checks = p.checks + 1, \
            next_check_at = now() + make_interval(secs => least($3, power(2, least(p.checks, 20)))) \
          FROM due WHERE p.payment_no = due.payment_no \
-         RETURNING p.payment_no, p.provider_ref, due.to_close",
+         RETURNING p.payment_no, p.provider, p.provider_ref, due.to_close",
         waiting = OrderStatus::WaitingPay.sql()
     ))
     .bind::<BigInt, _>(limit)
     .bind::<BigInt, _>(query_after_secs)
     .bind::<BigInt, _>(max_secs)
+    .bind::<diesel::sql_types::Array<Text>, _>(providers)
     .load(conn)
 }
 
@@ -391,13 +483,11 @@ pub fn refund_paid_order(conn: &mut PgConn, order_no: i64, reason: &str) -> Quer
         let Some(status) = status else {
             return Ok(AfterSale::NotFound);
         };
+        // The payment whose capture paid the order: never another capture
+        // of it (a late payment, refunded on its own).
         let paid: Option<Payment> = payments::table
             .filter(payments::order_no.eq(order_no))
-            .filter(payments::status.ne_all([
-                PaymentStatus::Pending.as_str(),
-                PaymentStatus::Failed.as_str(),
-                PaymentStatus::RefundRequired.as_str(),
-            ]))
+            .filter(payments::pays_order)
             .select(Payment::as_select())
             .for_update()
             .first(conn)

@@ -63,7 +63,7 @@ struct Intent {
     #[serde(default)]
     metadata: std::collections::HashMap<String, Value>,
     #[serde(default)]
-    created: Option<i64>,
+    currency: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -85,6 +85,10 @@ struct List<T> {
 struct WebhookEvent {
     #[serde(rename = "type")]
     kind: String,
+    /// When the event happened (for a `payment_intent.succeeded`: when
+    /// the money was taken), unix seconds.
+    #[serde(default)]
+    created: Option<i64>,
     data: EventData,
 }
 
@@ -162,8 +166,40 @@ fn charge_of(intent: Intent, payment_no: i64) -> Charge {
             .filter(|a| *a > 0)
             .unwrap_or(intent.amount),
         outcome,
-        txn_id: Some(intent.id),
+        txn_id: Some(intent.id.clone()),
         paid_at: None,
+        provider_ref: Some(intent.id),
+    }
+}
+
+/// What an error answer means (Stripe's API reference, "Errors": HTTP
+/// status codes and error codes):
+///
+/// - 409 (an idempotent request still in flight), 429 (`rate_limit`,
+///   `lock_timeout`), 401 and 403 (a key to mend here), and
+///   `balance_insufficient` (a refund waiting for the balance): retry,
+///   under the same idempotency key;
+/// - other 4xx (400 `invalid_request_error`, 402 `card_error`, 404
+///   `resource_missing`): final;
+/// - 5xx and anything else: unknown, it may have been done.
+fn error_of(status: u16, error: Option<StripeError>) -> ProviderError {
+    let code = error
+        .as_ref()
+        .and_then(|e| e.code.clone().or_else(|| e.kind.clone()))
+        .unwrap_or_else(|| status.to_string());
+    let message = error.and_then(|e| e.message).unwrap_or_default();
+    match status {
+        401 | 403 | 409 | 429 => ProviderError::Retry { code, message },
+        400..=499
+            if matches!(
+                code.as_str(),
+                "balance_insufficient" | "lock_timeout" | "rate_limit"
+            ) =>
+        {
+            ProviderError::Retry { code, message }
+        }
+        400..=499 => ProviderError::Refused { code, message },
+        _ => ProviderError::Unknown(format!("{status} {code}: {message}")),
     }
 }
 
@@ -200,9 +236,8 @@ impl Stripe {
         })
     }
 
-    /// One call: the answer's JSON for a 2xx, `Refused` for a 4xx other
-    /// than 409 (an idempotent request still in flight) and 429, `Unknown`
-    /// for anything else.
+    /// One call: the answer's JSON for a 2xx, else the error as
+    /// [`error_of`] reads it.
     async fn call<T: serde::de::DeserializeOwned>(
         &self,
         method: reqwest::Method,
@@ -233,22 +268,10 @@ impl Stripe {
             return serde_json::from_slice(&bytes)
                 .map_err(|e| ProviderError::Unknown(format!("an answer not understood: {e}")));
         }
-        if (400..500).contains(&status) && status != 409 && status != 429 {
-            let error = serde_json::from_slice::<ErrorBody>(&bytes)
-                .map(|b| b.error)
-                .ok();
-            return Err(ProviderError::Refused {
-                code: error
-                    .as_ref()
-                    .and_then(|e| e.code.clone().or_else(|| e.kind.clone()))
-                    .unwrap_or_else(|| status.to_string()),
-                message: error.and_then(|e| e.message).unwrap_or_default(),
-            });
-        }
-        Err(ProviderError::Unknown(format!(
-            "{status}: {}",
-            String::from_utf8_lossy(&bytes)
-        )))
+        let error = serde_json::from_slice::<ErrorBody>(&bytes)
+            .map(|b| b.error)
+            .ok();
+        Err(error_of(status, error))
     }
 
     async fn create_intent(&self, p: &NewPayment) -> Result<Checkout, ProviderError> {
@@ -276,14 +299,7 @@ impl Stripe {
     async fn retrieve(&self, payment: &PaymentRef) -> Result<Charge, ProviderError> {
         let Some(id) = payment.provider_ref.as_deref() else {
             // Never created there (its answer would have named it).
-            return Ok(Charge {
-                payment_no: payment.payment_no,
-                order_no: None,
-                amount_cents: 0,
-                outcome: ChargeOutcome::NotPaid,
-                txn_id: None,
-                paid_at: None,
-            });
+            return Ok(Charge::bare(payment.payment_no, ChargeOutcome::NotPaid));
         };
         let intent: Intent = self
             .call(
@@ -306,7 +322,7 @@ impl Stripe {
                 reqwest::Method::POST,
                 &format!("/v1/payment_intents/{id}/cancel"),
                 &[],
-                None,
+                Some(format!("seckill-cancel-{}", payment.payment_no)),
             )
             .await;
         match cancelled {
@@ -425,15 +441,22 @@ impl PaymentProvider for Stripe {
                         event.kind
                     )));
                 };
-                let paid_at = intent
-                    .created
-                    .and_then(|t| Utc.timestamp_opt(t, 0).single());
+                if !intent
+                    .currency
+                    .as_deref()
+                    .is_some_and(|c| c.eq_ignore_ascii_case(&self.currency))
+                {
+                    return Err(CallbackError::Foreign(format!(
+                        "an intent in {:?}, not {}",
+                        intent.currency, self.currency
+                    )));
+                }
                 let mut charge = charge_of(intent, payment_no);
                 if event.kind == "payment_intent.payment_failed" {
                     charge.outcome = ChargeOutcome::Failed;
                 }
                 if charge.outcome == ChargeOutcome::Paid {
-                    charge.paid_at = paid_at;
+                    charge.paid_at = event.created.and_then(|t| Utc.timestamp_opt(t, 0).single());
                 }
                 Ok(Event::Charge(charge))
             }
@@ -568,8 +591,8 @@ mod tests {
     }
 
     /// localstripe ignores `Idempotency-Key`, so the keys are checked here:
-    /// the same payment (or refund) is always asked for under the same key,
-    /// another one under another key.
+    /// the same payment (refund, cancel) is always asked for under the same
+    /// key, another one under another key.
     #[tokio::test]
     async fn creates_and_refunds_go_under_keys_made_of_our_numbers() {
         let (url, heads) = canned(
@@ -593,6 +616,7 @@ mod tests {
             amount_cents: 100,
             description: "d".into(),
             expires_at: None,
+            payer_openid: None,
         };
         for no in [11, 11, 12] {
             let checkout = stripe.create(&payment(no)).await.unwrap();
@@ -611,6 +635,10 @@ mod tests {
         for _ in 0..2 {
             stripe.refund(&refund).await.unwrap();
         }
+        // A cancel repeated after a lost answer is the same cancel.
+        for _ in 0..2 {
+            stripe.close(&refund.payment).await.unwrap();
+        }
         let heads = heads.lock().unwrap().clone();
         let keys: Vec<&str> = heads
             .iter()
@@ -628,7 +656,9 @@ mod tests {
                 "seckill-payment-11",
                 "seckill-payment-12",
                 "seckill-refund-5",
-                "seckill-refund-5"
+                "seckill-refund-5",
+                "seckill-cancel-11",
+                "seckill-cancel-11"
             ]
         );
         assert!(

@@ -8,15 +8,21 @@
 //! - a PENDING payment with no callback `payment.query_after_secs` after
 //!   its creation is queried, and the answer is applied through the same
 //!   transition as a callback (whichever comes first applies);
+//! - a FAILED payment the provider has not closed is queried while its
+//!   order awaits payment (the buyer may still pay it there), and closed
+//!   once the order is no longer payable;
 //! - a refund is sent, or once the provider has it, asked about, until it
 //!   is REFUNDED or REFUND_FAILED.
 //!
-//! A call without an answer to act on is made again after a backoff
-//! (1 s, doubling, at most `payment.retry_max_secs`); it is never undone.
+//! Every call goes to the payment's own provider. A call without an
+//! answer to act on (unknown, or the provider's "try again") is made again
+//! after a backoff (1 s, doubling, at most `payment.retry_max_secs`); it is
+//! never undone. Only a provider's final word ends a refund.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::Providers;
 use super::provider::{
     Charge, ChargeOutcome, CloseOutcome, PaymentProvider, PaymentRef, ProviderError, RefundRef,
     RefundReport, RefundRequest, RefundState,
@@ -38,7 +44,8 @@ const BATCH: i64 = 50;
 #[derive(Clone)]
 pub struct Sweeper {
     pub db: PgPool,
-    pub provider: Arc<dyn PaymentProvider>,
+    /// Every configured provider: a row's calls go to its own.
+    pub providers: Arc<Providers>,
     pub settings: PaymentSettings,
     pub metrics: Metrics,
     pub events: Arc<OrderEvents>,
@@ -73,19 +80,27 @@ impl Sweeper {
             i64::try_from(self.settings.query_after_secs.as_secs()).unwrap_or(i64::MAX),
             secs(self.settings.retry_max_secs),
         );
-        let due = store::run(&self.db, move |conn| {
-            Ok(repo::lease_pending(conn, BATCH, after, max)?)
+        let names = self.providers.names();
+        let due = store::run(&self.db, {
+            let names = names.clone();
+            move |conn| Ok(repo::lease_pending(conn, BATCH, after, max, &names)?)
         })
         .await?;
         for payment in due {
-            self.follow_payment(payment).await;
+            let Some(provider) = self.providers.get(&payment.provider).cloned() else {
+                continue;
+            };
+            self.follow_payment(provider.as_ref(), payment).await;
         }
         let due = store::run(&self.db, move |conn| {
-            Ok(refunds::lease_due(conn, BATCH, max)?)
+            Ok(refunds::lease_due(conn, BATCH, max, &names)?)
         })
         .await?;
         for refund in due {
-            self.follow_refund(refund).await;
+            let Some(provider) = self.providers.get(&refund.provider).cloned() else {
+                continue;
+            };
+            self.follow_refund(provider.as_ref(), refund).await;
         }
         self.daily_statement().await;
         Ok(())
@@ -94,9 +109,12 @@ impl Sweeper {
     /// Yesterday's statement, once it is made (WeChat Pay: after 10:00
     /// China time) and until its report is kept.
     async fn daily_statement(&self) {
-        let name = self.provider.name();
+        let Some(provider) = self.providers.get("wechatpay").cloned() else {
+            return;
+        };
+        let name = provider.name();
         let now = chrono::Utc::now();
-        if name != "wechatpay" || !statement::due(now) {
+        if !statement::due(now) {
             return;
         }
         {
@@ -121,50 +139,29 @@ impl Sweeper {
                 return;
             }
         }
-        if let Err(e) = statement::run(&self.db, self.provider.as_ref(), date).await {
+        if let Err(e) = statement::run(&self.db, provider.as_ref(), date).await {
             tracing::warn!(error = format!("{e:#}"), bill_date = %date, "statement reconciliation failed; tried again in 10 minutes");
         }
     }
 
     fn count(&self, call: &str, result: Result<(), &ProviderError>) {
-        let outcome = match result {
-            Ok(()) => "ok",
-            Err(ProviderError::Unknown(_)) => "unknown",
-            Err(ProviderError::Refused { .. }) => "refused",
-        };
-        self.metrics
-            .provider_calls
-            .with_label_values(&[call, outcome])
-            .inc();
+        count_call(&self.metrics, call, result);
     }
 
-    async fn follow_payment(&self, due: DuePayment) {
+    async fn follow_payment(&self, provider: &dyn PaymentProvider, due: DuePayment) {
         let no = due.payment_no;
         let payment = PaymentRef {
             payment_no: no,
             provider_ref: due.provider_ref.clone(),
         };
         let charge = if due.to_close {
-            let closed = self.provider.close(&payment).await;
-            self.count("close", closed.as_ref().map(|_| ()));
-            match closed {
-                Ok(CloseOutcome::Closed) => Ok(Charge {
-                    payment_no: no,
-                    order_no: None,
-                    amount_cents: 0,
-                    outcome: ChargeOutcome::Closed,
-                    txn_id: None,
-                    paid_at: None,
-                }),
-                Ok(CloseOutcome::AlreadyPaid) => self.query(&payment).await,
-                Err(e) => Err(e),
-            }
+            close(provider, &self.metrics, &payment).await
         } else {
-            self.query(&payment).await
+            self.query(provider, &payment).await
         };
         match charge {
             Ok(charge) => {
-                if let Err(e) = self.apply_charge(charge).await {
+                if let Err(e) = self.apply_charge(provider.name(), charge).await {
                     tracing::warn!(
                         error = format!("{e:#}"),
                         payment_no = no,
@@ -178,30 +175,27 @@ impl Sweeper {
         }
     }
 
-    async fn query(&self, payment: &PaymentRef) -> Result<Charge, ProviderError> {
-        let answer = self.provider.query(payment).await;
+    async fn query(
+        &self,
+        provider: &dyn PaymentProvider,
+        payment: &PaymentRef,
+    ) -> Result<Charge, ProviderError> {
+        let answer = provider.query(payment).await;
         self.count("query", answer.as_ref().map(|_| ()));
         answer
     }
 
-    /// Applies a charge as a callback would be, and announces a paid order.
-    pub async fn apply_charge(&self, charge: Charge) -> anyhow::Result<CallbackOutcome> {
-        let outcome = store::run(&self.db, move |conn| {
-            Ok((repo::apply_charge(conn, &charge)?, charge.payment_no))
-        })
-        .await?;
-        let (outcome, payment_no) = outcome;
-        self.metrics
-            .callbacks
-            .with_label_values(&[outcome.label()])
-            .inc();
-        if outcome == CallbackOutcome::Applied {
-            announce_paid(&self.db, &self.events, payment_no).await;
-        }
-        Ok(outcome)
+    /// Applies `provider`'s charge as a callback would be, and announces a
+    /// paid order.
+    pub async fn apply_charge(
+        &self,
+        provider: &'static str,
+        charge: Charge,
+    ) -> anyhow::Result<CallbackOutcome> {
+        apply_charge(&self.db, &self.metrics, &self.events, provider, charge).await
     }
 
-    async fn follow_refund(&self, due: DueRefund) {
+    async fn follow_refund(&self, provider: &dyn PaymentProvider, due: DueRefund) {
         let payment = PaymentRef {
             payment_no: due.payment_no,
             provider_ref: due.payment_ref.clone(),
@@ -212,9 +206,26 @@ impl Sweeper {
                 payment,
                 provider_refund_id: due.provider_refund_id.clone(),
             };
-            let a = self.provider.query_refund(&refund).await;
+            let a = provider.query_refund(&refund).await;
             self.count("query_refund", a.as_ref().map(|_| ()));
-            a
+            match a {
+                // Only the refund's own state ends it, never a query's error.
+                Err(ProviderError::Refused { code, message }) => {
+                    // The provider has no such refund: it never took it,
+                    // so it is sent again under the same number.
+                    tracing::warn!(
+                        refund_no = due.refund_no,
+                        code,
+                        message,
+                        "refund: the provider does not know it; sent again"
+                    );
+                    let (no, why) = (due.refund_no, format!("{code}: {message}"));
+                    let _ = store::run(&self.db, move |conn| Ok(refunds::resend(conn, no, &why)?))
+                        .await;
+                    return;
+                }
+                other => other,
+            }
         } else {
             let request = RefundRequest {
                 refund_no: due.refund_no,
@@ -223,7 +234,7 @@ impl Sweeper {
                 total_cents: due.total_cents,
                 reason: due.reason.clone(),
             };
-            let a = self.provider.refund(&request).await;
+            let a = provider.refund(&request).await;
             self.count("refund", a.as_ref().map(|_| ()));
             a
         };
@@ -234,17 +245,20 @@ impl Sweeper {
                 provider_refund_id: None,
                 state: RefundState::Failed(format!("{code}: {message}")),
             },
-            Err(ProviderError::Unknown(e)) => {
-                tracing::info!(error = %e, refund_no = due.refund_no, attempts = due.attempts, "refund: no answer to act on; sent again later");
-                let no = due.refund_no;
-                let _ =
-                    store::run(&self.db, move |conn| Ok(refunds::note_error(conn, no, &e)?)).await;
+            Err(e) => {
+                tracing::info!(error = %e, refund_no = due.refund_no, attempts = due.attempts, "refund: no answer to act on; asked again later");
+                let (no, why) = (due.refund_no, e.to_string());
+                let _ = store::run(&self.db, move |conn| {
+                    Ok(refunds::note_error(conn, no, &why)?)
+                })
+                .await;
                 return;
             }
         };
         if let Err(e) = apply_refund(
             &self.db,
             &self.metrics,
+            provider.name(),
             report,
             self.settings.query_after_secs,
         )
@@ -259,18 +273,77 @@ impl Sweeper {
     }
 }
 
+/// Counts a call to a provider by how it ended.
+pub fn count_call(metrics: &Metrics, call: &str, result: Result<(), &ProviderError>) {
+    let outcome = match result {
+        Ok(()) => "ok",
+        Err(e) => e.label(),
+    };
+    metrics
+        .provider_calls
+        .with_label_values(&[call, outcome])
+        .inc();
+}
+
+/// Closes `payment` at `provider`: where it stands then. One the buyer
+/// paid first is queried, so that it takes the late-payment way.
+pub async fn close(
+    provider: &dyn PaymentProvider,
+    metrics: &Metrics,
+    payment: &PaymentRef,
+) -> Result<Charge, ProviderError> {
+    let closed = provider.close(payment).await;
+    count_call(metrics, "close", closed.as_ref().map(|_| ()));
+    match closed? {
+        CloseOutcome::Closed => Ok(Charge::bare(payment.payment_no, ChargeOutcome::Closed)),
+        CloseOutcome::AlreadyPaid => {
+            let answer = provider.query(payment).await;
+            count_call(metrics, "query", answer.as_ref().map(|_| ()));
+            answer
+        }
+    }
+}
+
+/// Applies `provider`'s report of a charge (a callback, a query's answer)
+/// once, counts it, and announces a paid order.
+pub async fn apply_charge(
+    db: &PgPool,
+    metrics: &Metrics,
+    events: &OrderEvents,
+    provider: &'static str,
+    charge: Charge,
+) -> anyhow::Result<CallbackOutcome> {
+    let payment_no = charge.payment_no;
+    let outcome = store::run(db, move |conn| {
+        Ok(repo::apply_charge(conn, &charge, provider)?)
+    })
+    .await?;
+    metrics
+        .callbacks
+        .with_label_values(&[outcome.label()])
+        .inc();
+    if outcome == CallbackOutcome::Applied {
+        announce_paid(db, events, payment_no).await;
+    }
+    Ok(outcome)
+}
+
 /// Applies a refund report (an answer, a query, a callback) once, and
 /// counts (and logs, for the alert) a settled one.
 pub async fn apply_refund(
     db: &PgPool,
     metrics: &Metrics,
+    provider: &'static str,
     report: RefundReport,
     query_after: Duration,
 ) -> anyhow::Result<RefundOutcome> {
     let state = report.state.clone();
     let refund_no = report.refund_no;
     let after = i64::try_from(query_after.as_secs()).unwrap_or(i64::MAX);
-    let outcome = store::run(db, move |conn| Ok(refunds::apply(conn, &report, after)?)).await?;
+    let outcome = store::run(db, move |conn| {
+        Ok(refunds::apply(conn, &report, provider, after)?)
+    })
+    .await?;
     if outcome == RefundOutcome::Settled {
         match &state {
             RefundState::Succeeded => {

@@ -117,6 +117,7 @@ diesel::table! {
         next_check_at -> Timestamptz,
         checks -> Int4,
         closed_at -> Nullable<Timestamptz>,
+        pays_order -> Bool,
     }
 }
 

@@ -26,6 +26,9 @@ pub struct TestApp {
     /// through a sale window.
     pub clock: Arc<ShiftedClock>,
     keys: JwtKeys,
+    /// The database and prefixes are this app's own, removed when it
+    /// drops (not a [`TestApp::sibling`]'s).
+    owns_namespace: bool,
 }
 
 /// The server with the test settings and a fresh namespace.
@@ -105,6 +108,7 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
             .build()
             .expect("HTTP client"),
         db_name,
+        owns_namespace: true,
     };
     // A server on the real services is handed over once it is ready (its
     // topics exist: on a slow broker their creation can outlast startup).
@@ -116,6 +120,39 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
 }
 
 impl TestApp {
+    /// Another instance of this test's world (its database, Redis prefix
+    /// and topics), in process, with `tweak` on top of its settings: as an
+    /// instance started with other settings during a rolling change. It
+    /// stops when dropped and leaves the namespace to this app.
+    pub async fn sibling(&self, tweak: impl FnOnce(&mut Settings)) -> TestApp {
+        let mut settings = self.settings.clone();
+        settings.app.port = 0;
+        tweak(&mut settings);
+        let clock = Arc::new(ShiftedClock::default());
+        let app = Application::build_with_clock(settings.clone(), clock.clone())
+            .await
+            .expect("the sibling builds");
+        let address = format!("http://127.0.0.1:{}", app.port());
+        let server = app.server_handle();
+        tokio::spawn(app.run_until_stopped());
+        let sibling = TestApp {
+            address,
+            server,
+            clock,
+            keys: JwtKeys::new(&settings.auth.jwt_secret).expect("jwt keys"),
+            settings,
+            client: reqwest::Client::builder()
+                .pool_idle_timeout(Duration::from_secs(2))
+                .read_timeout(Duration::from_secs(120))
+                .build()
+                .expect("HTTP client"),
+            db_name: self.db_name.clone(),
+            owns_namespace: false,
+        };
+        sibling.wait_until_ready().await;
+        sibling
+    }
+
     /// Polls `/health/ready` until it answers 200 (one minute at most).
     pub async fn wait_until_ready(&self) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -248,6 +285,11 @@ impl Drop for KillOnDrop {
 
 impl Drop for TestApp {
     fn drop(&mut self) {
+        if !self.owns_namespace {
+            // The command is sent as the call is made; nothing to await.
+            drop(self.server.stop(false));
+            return;
+        }
         if std::env::var_os("SECKILL_TEST_KEEP").is_some() {
             eprintln!(
                 "kept: database {} , Redis prefix {}",

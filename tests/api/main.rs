@@ -21,6 +21,7 @@ mod helpers;
 mod identity;
 mod instances;
 mod migrations;
+mod money;
 mod ops;
 mod orders;
 mod outbox;

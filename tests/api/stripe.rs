@@ -15,14 +15,14 @@ use seckill::config::{ProviderKind, Settings, StripeSettings};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::helpers::{TestApp, eventually, spawn_app_with};
+use crate::helpers::{TestApp, eventually, json, spawn_app_with};
 
 const SECRET_KEY: &str = "sk_test_seckill";
 
 /// The localstripe process, killed when dropped.
-struct LocalStripe {
+pub(crate) struct LocalStripe {
     child: Child,
-    url: String,
+    pub(crate) url: String,
     http: reqwest::Client,
 }
 
@@ -42,7 +42,7 @@ fn free_port() -> u16 {
 }
 
 impl LocalStripe {
-    async fn start() -> Self {
+    pub(crate) async fn start() -> Self {
         let command = std::env::var("SECKILL_LOCALSTRIPE").unwrap_or_else(|_| {
             format!(
                 "{}/.cache/seckill/localstripe-1.15.10/bin/localstripe",
@@ -88,7 +88,12 @@ impl LocalStripe {
         server
     }
 
-    async fn call(&self, method: reqwest::Method, path: &str, form: &[(&str, &str)]) -> Value {
+    pub(crate) async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        form: &[(&str, &str)],
+    ) -> Value {
         let res = self
             .http
             .request(method, format!("{}{path}", self.url))
@@ -109,7 +114,7 @@ impl LocalStripe {
     }
 
     /// Webhooks go to `url`, signed with `secret`.
-    async fn webhook(&self, url: &str, secret: &str) {
+    pub(crate) async fn webhook(&self, url: &str, secret: &str) {
         self.call(
             reqwest::Method::POST,
             "/_config/webhooks/seckill",
@@ -119,7 +124,7 @@ impl LocalStripe {
     }
 
     /// The buyer pays the intent with a card.
-    async fn pay(&self, intent: &str) {
+    pub(crate) async fn pay(&self, intent: &str) {
         let pm = self
             .call(
                 reqwest::Method::POST,
@@ -143,7 +148,7 @@ impl LocalStripe {
         assert_eq!(confirmed["status"], "succeeded", "{confirmed}");
     }
 
-    async fn intent(&self, id: &str) -> Value {
+    pub(crate) async fn intent(&self, id: &str) -> Value {
         self.call(
             reqwest::Method::GET,
             &format!("/v1/payment_intents/{id}"),
@@ -152,11 +157,22 @@ impl LocalStripe {
         .await
     }
 
-    async fn intents(&self) -> Vec<Value> {
+    pub(crate) async fn intents(&self) -> Vec<Value> {
         let list = self
             .call(reqwest::Method::GET, "/v1/payment_intents?limit=100", &[])
             .await;
         list["data"].as_array().unwrap().clone()
+    }
+}
+
+/// This account's `[payment.stripe]`, its webhook secret `secret`.
+pub(crate) fn stripe_settings(stripe: &LocalStripe, secret: &str) -> StripeSettings {
+    StripeSettings {
+        api_base: stripe.url.clone(),
+        secret_key: SECRET_KEY.to_owned().into(),
+        webhook_secret: secret.to_owned().into(),
+        previous_webhook_secret: None,
+        currency: "cny".into(),
     }
 }
 
@@ -178,7 +194,7 @@ async fn app_for(stripe: &LocalStripe, secret: &str, tweak: impl FnOnce(&mut Set
     .await
 }
 
-fn intent_of(client_secret: &str) -> &str {
+pub(crate) fn intent_of(client_secret: &str) -> &str {
     client_secret.split("_secret_").next().unwrap()
 }
 
@@ -476,4 +492,70 @@ async fn a_dropped_webhook_is_found_by_the_retrieve() {
             >= 1
     );
     assert_eq!(app.stats(activity).await["db_sold"], json!(1));
+}
+
+/// A webhook signed with the endpoint's secret, but naming another
+/// PaymentIntent than the payment's own, or another currency, changes
+/// nothing. The genuine one pays, and the order is paid when the event
+/// happened, not when the intent was made.
+#[tokio::test]
+async fn a_webhook_of_another_intent_or_currency_changes_nothing() {
+    let stripe = LocalStripe::start().await;
+    let secret = format!("whsec_{}", uuid::Uuid::new_v4().simple());
+    let app = app_for(&stripe, &secret, |_| {}).await;
+    let notify = format!("{}/api/v1/payments/notify/stripe", app.address);
+    let activity = app.live_activity(1, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 1).await;
+    let (user, order_no) = (orders[0].0, orders[0].1.as_str());
+    let payment = app.payment(user, order_no).await;
+    let intent = intent_of(payment["client_secret"].as_str().unwrap()).to_owned();
+    let now = chrono::Utc::now().timestamp();
+    let event = |id: &str, currency: &str| {
+        serde_json::to_vec(&json!({
+            "id": format!("evt_{}", uuid::Uuid::new_v4().simple()),
+            "type": "payment_intent.succeeded",
+            "created": now - 600,
+            "data": {"object": {
+                "id": id, "object": "payment_intent", "status": "succeeded",
+                "amount": payment["amount_cents"], "amount_received": payment["amount_cents"],
+                "currency": currency, "created": now - 86_400,
+                "metadata": {"payment_no": payment["payment_no"], "order_no": order_no},
+            }},
+        }))
+        .unwrap()
+    };
+    let http = reqwest::Client::new();
+    for (id, currency) in [("pi_someone_elses", "cny"), (intent.as_str(), "usd")] {
+        let body = event(id, currency);
+        let status = deliver(
+            &http,
+            &notify,
+            &seckill_sign(&secret, chrono::Utc::now().timestamp(), &body),
+            body,
+        )
+        .await;
+        assert_eq!(status, 400, "{id} {currency}");
+        assert_eq!(app.order_status(user, order_no).await, "WAITING_PAY");
+    }
+    let body = event(&intent, "cny");
+    let status = deliver(
+        &http,
+        &notify,
+        &seckill_sign(&secret, chrono::Utc::now().timestamp(), &body),
+        body,
+    )
+    .await;
+    assert_eq!(status, 204);
+    let shown = json(
+        app.get(
+            &format!("/api/v1/orders/{order_no}"),
+            Some(&app.user_token(user)),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(shown["status"], "PAID");
+    let paid_at: chrono::DateTime<chrono::Utc> =
+        shown["paid_at"].as_str().unwrap().parse().unwrap();
+    assert_eq!(paid_at.timestamp(), now - 600, "{shown}");
 }

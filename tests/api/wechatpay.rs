@@ -20,13 +20,14 @@ use crate::helpers::{TestApp, eventually, json, spawn_app_with};
 
 const MCHID: &str = "1900000001";
 const MERCHANT_SERIAL: &str = "5157F09EFDC096DE15EBE81A47057A7232F1B8E1";
+pub(crate) const APPID: &str = "wxd678efh567hg6787";
 
 /// The simulator process (killed when dropped) and the merchant's keys.
-struct Platform {
+pub(crate) struct Platform {
     child: Child,
-    url: String,
-    serials: Vec<String>,
-    dir: PathBuf,
+    pub(crate) url: String,
+    pub(crate) serials: Vec<String>,
+    pub(crate) dir: PathBuf,
     apiv3_key: String,
     http: reqwest::Client,
 }
@@ -52,7 +53,7 @@ fn simulator() -> PathBuf {
 }
 
 impl Platform {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let dir = std::env::temp_dir().join(format!("seckill-wechatpay-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(dir.join("platform")).expect("a temporary directory");
         // The merchant's key, made now (no key is committed).
@@ -111,35 +112,51 @@ impl Platform {
         }
     }
 
-    fn settings(&self, s: &mut Settings) {
-        s.payment.provider = Some(ProviderKind::Wechatpay);
-        s.payment.wechatpay = Some(WechatPaySettings {
-            base_url: self.url.clone(),
-            mchid: MCHID.into(),
-            appid: "wxd678efh567hg6787".into(),
-            merchant_serial: MERCHANT_SERIAL.into(),
-            merchant_key_file: self.dir.join("merchant.pem").display().to_string(),
-            apiv3_key: self.apiv3_key.clone().into(),
-            platform_key_dir: self.dir.join("platform").display().to_string(),
-            notify_url: "https://shop.example/api/v1/payments/notify/wechatpay".into(),
+    /// This merchant account's `[payment.wechatpay]`, with `extra` fields
+    /// (`trade_type`, `openid_claim`) on top.
+    pub(crate) fn wechatpay_settings(&self, extra: Value) -> WechatPaySettings {
+        let mut fields = json!({
+            "base_url": self.url,
+            "mchid": MCHID,
+            "appid": APPID,
+            "merchant_serial": MERCHANT_SERIAL,
+            "merchant_key_file": self.dir.join("merchant.pem").display().to_string(),
+            "apiv3_key": self.apiv3_key,
+            "platform_key_dir": self.dir.join("platform").display().to_string(),
+            "notify_url": "https://shop.example/api/v1/payments/notify/wechatpay",
         });
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            fields[k] = v.clone();
+        }
+        serde_json::from_value(fields).expect("[payment.wechatpay]")
+    }
+
+    /// Settings paying through this platform.
+    pub(crate) fn settings(&self, s: &mut Settings) {
+        s.payment.provider = Some(ProviderKind::Wechatpay);
+        s.payment.wechatpay = Some(self.wechatpay_settings(json!({})));
         s.payment.sweep_interval_ms = Duration::from_millis(200);
+    }
+
+    /// Callbacks go to `app` from now on.
+    pub(crate) async fn notify(&self, app: &TestApp) {
+        let url = format!("{}/api/v1/payments/notify/wechatpay", app.address);
+        self.sim("/sim/notify-to", json!({"url": url})).await;
     }
 
     /// A server paying through this platform; the platform's callbacks go
     /// to it.
-    async fn app(&self, tweak: impl FnOnce(&mut Settings)) -> TestApp {
+    pub(crate) async fn app(&self, tweak: impl FnOnce(&mut Settings)) -> TestApp {
         let app = spawn_app_with(|s| {
             self.settings(s);
             tweak(s);
         })
         .await;
-        let url = format!("{}/api/v1/payments/notify/wechatpay", app.address);
-        self.sim("/sim/notify-to", json!({"url": url})).await;
+        self.notify(&app).await;
         app
     }
 
-    async fn sim(&self, path: &str, body: Value) -> Value {
+    pub(crate) async fn sim(&self, path: &str, body: Value) -> Value {
         let res = self
             .http
             .post(format!("{}{path}", self.url))
@@ -151,7 +168,19 @@ impl Platform {
         res.json().await.expect("JSON")
     }
 
-    async fn state(&self) -> Value {
+    /// A `/sim` call that may be refused: its status.
+    pub(crate) async fn sim_status(&self, path: &str, body: Value) -> u16 {
+        self.http
+            .post(format!("{}{path}", self.url))
+            .json(&body)
+            .send()
+            .await
+            .expect("the simulator answers")
+            .status()
+            .as_u16()
+    }
+
+    pub(crate) async fn state(&self) -> Value {
         self.http
             .get(format!("{}/sim/state", self.url))
             .send()
@@ -162,7 +191,7 @@ impl Platform {
             .expect("JSON")
     }
 
-    async fn trade(&self, payment_no: &str) -> Value {
+    pub(crate) async fn trade(&self, payment_no: &str) -> Value {
         let state = self.state().await;
         let trades = state["trades"].as_array().unwrap();
         let found: Vec<&Value> = trades
@@ -173,7 +202,7 @@ impl Platform {
         found[0].clone()
     }
 
-    fn signal(&self, signal: &str) {
+    pub(crate) fn signal(&self, signal: &str) {
         let _ = Command::new("kill")
             .arg(format!("-{signal}"))
             .arg(self.child.id().to_string())
@@ -453,6 +482,10 @@ async fn pay_and_refund_while_the_platform_is_stopped() {
     platform.signal("STOP");
     let res = app.pay(user, order_no).await;
     assert_eq!(res.status(), 503);
+    assert!(
+        res.headers().contains_key("retry-after"),
+        "the buyer is told when to come back"
+    );
     assert_eq!(json(res).await["code"], "RETRY_LATER");
     platform.signal("CONT");
     // The platform answers again, but a host busy enough may still take
@@ -904,4 +937,191 @@ async fn paid_day(platform: &Platform, payment_no: &str) -> String {
         .and_then(|t| t["success_time"].as_str())
         .map(|s| s[..10].to_owned())
         .expect("a paid trade has a success time")
+}
+
+/// A buyer's token as an identity provider in front of a mini-program
+/// issues it: the test secret's HS256, with the buyer's WeChat `openid`.
+fn token_with_openid(app: &TestApp, user: i64, openid: &str) -> String {
+    use secrecy::ExposeSecret;
+    let claims = json!({
+        "sub": user.to_string(), "role": "user", "openid": openid,
+        "exp": chrono::Utc::now().timestamp() + 3600,
+    });
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(
+            app.settings.auth.jwt_secret.expose_secret().as_bytes(),
+        )
+        .unwrap(),
+    )
+    .unwrap()
+}
+
+/// `paySign` verifies with the merchant's public key over the four lines
+/// of WeChat Pay's JSAPI documentation.
+fn pay_sign_holds(platform: &Platform, jsapi: &Value) -> bool {
+    let mut merchant = seckill::payments::wechatpay::crypto::PlatformKeys::default();
+    let pem = std::fs::read_to_string(platform.dir.join("merchant.pub.pem")).unwrap();
+    merchant.add_pem("merchant", &pem).unwrap();
+    let message = format!(
+        "{}\n{}\n{}\n{}\n",
+        jsapi["appId"].as_str().unwrap(),
+        jsapi["timeStamp"].as_str().unwrap(),
+        jsapi["nonceStr"].as_str().unwrap(),
+        jsapi["package"].as_str().unwrap()
+    );
+    merchant
+        .verify(
+            "merchant",
+            message.as_bytes(),
+            jsapi["paySign"].as_str().unwrap(),
+        )
+        .is_ok()
+}
+
+/// WeChat Pay JSAPI, the mini-program's payment: the pay answer carries
+/// exactly `wx.requestPayment`'s parameters, signed with the merchant key,
+/// as the buyer whose openid the token carries (else the body gives it;
+/// neither is 400 `OPENID_REQUIRED`); repeated calls give the same
+/// prepay id; paid at the platform, the order is PAID.
+#[tokio::test]
+async fn a_mini_program_pays_through_jsapi() {
+    let platform = Platform::start();
+    let app = platform
+        .app(|s| {
+            s.payment.wechatpay = Some(
+                platform
+                    .wechatpay_settings(json!({"trade_type": "jsapi", "openid_claim": "openid"})),
+            );
+        })
+        .await;
+    let activity = app.live_activity(2, 1, 1).await;
+    let orders = app.waiting_orders(activity, 1, 2).await;
+    let (user, order_no) = (orders[0].0, orders[0].1.as_str());
+    let path = format!("/api/v1/orders/{order_no}/pay");
+    let token = app.user_token(user);
+
+    let res = app.post_json(&path, &json!({}), Some(&token)).await;
+    assert_eq!(res.status(), 400);
+    assert_eq!(json(res).await["code"], "OPENID_REQUIRED");
+    let res = app
+        .post_json(&path, &json!({"openid": "not an openid!"}), Some(&token))
+        .await;
+    assert_eq!(res.status(), 400);
+    assert_eq!(json(res).await["code"], "BAD_REQUEST");
+    assert_eq!(platform.state().await["trades"], json!([]), "nothing made");
+
+    let body = json!({"openid": "o-body-buyer"});
+    let res = app.post_json(&path, &body, Some(&token)).await;
+    assert_eq!(res.status(), 200);
+    let paid = json(res).await;
+    let jsapi = &paid["jsapi"];
+    let fields: Vec<&String> = jsapi.as_object().unwrap().keys().collect();
+    assert_eq!(
+        fields,
+        [
+            "appId",
+            "nonceStr",
+            "package",
+            "paySign",
+            "signType",
+            "timeStamp"
+        ],
+        "{paid}"
+    );
+    assert!(paid.get("code_url").is_none(), "{paid}");
+    assert_eq!(jsapi["appId"], APPID);
+    assert_eq!(jsapi["signType"], "RSA");
+    let payment_no = paid["payment_no"].as_str().unwrap();
+    let trade = platform.trade(payment_no).await;
+    assert_eq!(trade["trade_type"], "JSAPI");
+    assert_eq!(trade["openid"], "o-body-buyer");
+    assert_eq!(
+        jsapi["package"],
+        format!("prepay_id={}", trade["prepay_id"].as_str().unwrap())
+    );
+    assert!(pay_sign_holds(&platform, jsapi), "{jsapi}");
+    let again = json(app.post_json(&path, &body, Some(&token)).await).await;
+    assert_eq!(
+        again["jsapi"], paid["jsapi"],
+        "the same payment, the same prepay id"
+    );
+
+    // The token's openid, when it carries one; a body naming another is refused.
+    let (other, other_order) = (orders[1].0, orders[1].1.as_str());
+    let with_claim = token_with_openid(&app, other, "o-token-buyer");
+    let other_path = format!("/api/v1/orders/{other_order}/pay");
+    let res = app
+        .post_json(
+            &other_path,
+            &json!({"openid": "o-someone-else"}),
+            Some(&with_claim),
+        )
+        .await;
+    assert_eq!(res.status(), 400);
+    let res = app
+        .post_json(&other_path, &json!({}), Some(&with_claim))
+        .await;
+    assert_eq!(res.status(), 200);
+    let other_no = json(res).await["payment_no"].as_str().unwrap().to_owned();
+    assert_eq!(platform.trade(&other_no).await["openid"], "o-token-buyer");
+
+    platform
+        .sim(&format!("/sim/pay/{payment_no}"), json!({"times": 1}))
+        .await;
+    assert_eq!(app.order_status(user, order_no).await, "PAID");
+}
+
+/// The official SDK's `JsapiServiceExtension` prepays against our
+/// simulator and builds `wx.requestPayment`'s parameters with the same
+/// merchant key; our adapter, given its timeStamp, nonceStr and prepay
+/// id, makes the very same `paySign`.
+#[tokio::test]
+async fn the_official_sdk_signs_jsapi_parameters_as_we_do() {
+    let sdk = Sdk::find();
+    let platform = Platform::start();
+    let dir = platform.dir.display().to_string();
+    let serial = &platform.serials[0];
+    let params = sdk
+        .run(&[
+            "jsapi",
+            &platform.url,
+            MCHID,
+            MERCHANT_SERIAL,
+            &format!("{dir}/merchant.pem"),
+            serial,
+            &format!("{dir}/platform/{serial}.pem"),
+            &platform.apiv3_key,
+            "9000000001",
+            APPID,
+            "o-sdk-buyer",
+        ])
+        .await;
+    let ours = seckill::payments::wechatpay::WechatPay::from_settings(
+        &platform.wechatpay_settings(json!({"trade_type": "jsapi"})),
+        Duration::from_secs(10),
+        300,
+    )
+    .unwrap();
+    let prepay_id = params["package"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("prepay_id=")
+        .expect("package is prepay_id=…");
+    assert_eq!(
+        prepay_id,
+        platform.trade("9000000001").await["prepay_id"],
+        "the SDK prepaid at our simulator"
+    );
+    let signed = ours.request_payment(
+        prepay_id,
+        params["timeStamp"].as_str().unwrap().parse().unwrap(),
+        params["nonceStr"].as_str().unwrap(),
+    );
+    assert_eq!(
+        serde_json::to_value(&signed).unwrap(),
+        params,
+        "the same parameters, the same paySign"
+    );
 }

@@ -42,6 +42,7 @@ const FRIENDLY = {
   QUEUE_PASS_INVALID: "Your turn in the queue is no longer valid.",
   POW_INVALID: "The puzzle's answer was not accepted: join again.",
   NOT_IN_QUEUE: "You are not in this queue.",
+  OPENID_REQUIRED: "This shop pays with WeChat Pay inside WeChat: enter the buyer's openid below, then Pay.",
   UNAUTHORIZED: "Sign in first.",
   FORBIDDEN: "This needs an operator's (admin) token.",
   NETWORK: "The server did not answer.",
@@ -606,7 +607,10 @@ const buyer = {
     }
     $("#pay").hidden = o.status !== "WAITING_PAY";
     $("#cancel").hidden = o.status !== "WAITING_PAY";
-    if (o.status !== "WAITING_PAY") $("#pay-qr").hidden = true;
+    if (o.status !== "WAITING_PAY") {
+      $("#pay-qr").hidden = true;
+      $("#pay-jsapi").hidden = true;
+    }
     const p = o.payment;
     $("#payment").hidden = !p;
     if (p) {
@@ -643,9 +647,24 @@ const buyer = {
     const no = this.order.order_no;
     $("#pay").disabled = true;
     try {
-      const payment = await api("POST", "/api/v1/orders/" + no + "/pay", {}, session.token);
-      if (!payment.ok) return showProblem(payment);
+      const openid = $("#openid").value.trim();
+      const payment = await api("POST", "/api/v1/orders/" + no + "/pay", openid ? { openid } : {}, session.token);
+      if (!payment.ok) {
+        // A WeChat Pay JSAPI shop: the buyer's openid comes from their
+        // token, or from here where no mini-program runs.
+        if (payment.data && payment.data.code === "OPENID_REQUIRED") $("#openid-row").hidden = false;
+        return showProblem(payment);
+      }
       await this.refreshPayment();
+      if (payment.data.jsapi) {
+        $("#pay-jsapi-params").textContent = JSON.stringify(payment.data.jsapi, null, 2);
+        $("#pay-jsapi").hidden = false;
+        showMessage("Pay " + money(payment.data.amount_cents) + " in the mini-program: wx.requestPayment with the parameters below.", "PENDING", "ok");
+        await this.follow(["PAID", "CLOSED", "CANCELLED", "FAILED"]);
+        await this.refreshPayment();
+        if (this.order.status === "PAID") showMessage("Paid. Thank you!", "PAID", "ok");
+        return;
+      }
       if (payment.data.code_url) {
         await this.showQr(no);
         showMessage("Scan the code with WeChat to pay " + money(payment.data.amount_cents) + ".", "PENDING", "ok");

@@ -6,6 +6,7 @@ use secrecy::ExposeSecret;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::config::ProviderKind;
 use crate::http::auth::AdminUser;
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ErrorCode, Problem};
@@ -14,7 +15,7 @@ use crate::orders::OrderStatus;
 use crate::orders::events::StatusChange;
 use crate::payments::PaymentStatus;
 use crate::payments::provider::{
-    Callback, CallbackError, Checkout, Event, NewPayment, ProviderError,
+    Callback, CallbackError, Checkout, Event, NewPayment, PaymentRef, ProviderError,
 };
 use crate::payments::refunds::RefundOutcome;
 use crate::payments::repo::AfterSale;
@@ -24,56 +25,104 @@ use crate::payments::{statement, sweeper};
 use crate::state::AppState;
 use crate::store;
 
+/// `POST /api/v1/orders/{order_no}/pay` body (optional).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PayBody {
+    /// WeChat Pay JSAPI: the buyer's `openid`, when their token does not
+    /// carry it (1..=128 letters, digits, `_` or `-`).
+    openid: Option<String>,
+}
+
+/// How many times a pay call closes an earlier payment at its provider
+/// and looks again before it asks the buyer to come back.
+const PAY_ROUNDS: usize = 3;
+
 /// `POST /api/v1/orders/{order_no}/pay`: the pending payment of a
 /// WAITING_PAY order (created on the first call, returned on later ones).
+/// An earlier payment that failed but is still open at its provider is
+/// closed there first, so that an old QR code or client secret can no
+/// longer take the money once the new one exists.
 #[utoipa::path(post, path = "/api/v1/orders/{order_no}/pay", tag = "payments",
     params(("order_no" = String, Path, description = "order number (decimal)")),
+    request_body(content = Option<PayBody>, description = "WeChat Pay JSAPI: the buyer's openid"),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "payment_no, order_no, amount_cents, status PENDING"),
+        (status = 200, description = "payment_no, order_no, amount_cents, status PENDING, provider, and code_url, client_secret or jsapi"),
+        (status = 400, description = "BAD_REQUEST: a malformed body or openid; OPENID_REQUIRED: a WeChat Pay JSAPI payment without the buyer's openid", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "UNAUTHORIZED: no valid bearer token", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "INVALID_STATE", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "RETRY_LATER: the database or the payment provider is unavailable", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn pay(
     user: AuthUser,
     state: web::Data<AppState>,
     path: web::Path<String>,
+    req: HttpRequest,
+    body: web::Bytes,
 ) -> Result<HttpResponse, ApiError> {
     let order_no = crate::http::id_in_path(&path, OrderNo::parse, "no such order")?;
     let user_id = user.user_id;
-    // Under the leased instance id; without one (Redis down, the lease
-    // run out) the database makes the number, so an order sold through
-    // the fallback can still be paid before its deadline.
-    let leased = state.sale.ids.next_id();
-    let provider = state.payments.provider.clone();
-    let name = provider.name();
-    let intent = store::run(&state.pg.db, move |conn| {
-        let payment_no = match leased {
-            Some(n) => n,
-            None => crate::ids::database_number(conn, None)?,
-        };
-        let intent =
-            repo::create_or_get(conn, order_no, user_id, PaymentNo::new(payment_no), name)?;
-        let deadline = match &intent {
-            PayIntent::Pending(_) => crate::orders::repo::pay_deadline(conn, order_no)?,
-            _ => None,
-        };
-        Ok((intent, deadline))
-    })
-    .await
-    .map_err(ApiError::unavailable)?;
-    let (payment, deadline) = match intent {
-        (PayIntent::NotFound, _) => return Err(ApiError::not_found("no such order")),
-        (PayIntent::InvalidState, _) => {
-            return Err(ApiError::new(
-                ErrorCode::InvalidState,
-                "only a WAITING_PAY order can be paid",
-            ));
-        }
-        (PayIntent::Pending(p), deadline) => (p, deadline),
+    let body: PayBody = if body.iter().all(u8::is_ascii_whitespace) {
+        PayBody::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("invalid body: {e}")))?
     };
+    let openid = payer_openid(&state, &req, body.openid)?;
+    let payments = &state.payments;
+    let mut rounds = 0;
+    let payment = loop {
+        rounds += 1;
+        // Under the leased instance id; without one (Redis down, the lease
+        // run out) the database makes the number, so an order sold through
+        // the fallback can still be paid before its deadline.
+        let leased = state.sale.ids.next_id();
+        let name = payments.providers.current().name();
+        let intent = store::run(&state.pg.db, move |conn| {
+            let payment_no = match leased {
+                Some(n) => n,
+                None => crate::ids::database_number(conn, None)?,
+            };
+            Ok(repo::create_or_get(
+                conn,
+                order_no,
+                user_id,
+                PaymentNo::new(payment_no),
+                name,
+            )?)
+        })
+        .await
+        .map_err(ApiError::unavailable)?;
+        match intent {
+            PayIntent::NotFound => return Err(ApiError::not_found("no such order")),
+            PayIntent::InvalidState => {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidState,
+                    "only a WAITING_PAY order can be paid",
+                ));
+            }
+            PayIntent::Pending(p) => break p,
+            PayIntent::CloseFirst(_) if rounds > PAY_ROUNDS => {
+                return Err(provider_unavailable(
+                    "an earlier payment is still open at its provider; pay again",
+                ));
+            }
+            PayIntent::CloseFirst(unclosed) => {
+                for old in unclosed {
+                    close_earlier(&state, old).await?;
+                }
+            }
+        }
+    };
+    // The payment's own provider: the one it was made through, whatever
+    // is current now.
+    let provider = payments
+        .providers
+        .get(&payment.provider)
+        .cloned()
+        .ok_or_else(|| unconfigured(&payment.provider))?;
     // Created at the provider under the payment number: a repeated call
     // (this one's answer lost, or the buyer's second click) gets the same
     // payment there, never a second one.
@@ -84,36 +133,34 @@ pub async fn pay(
     {
         Some(checkout) => checkout,
         None => {
+            let (order, number) = (OrderNo::new(payment.order_no), payment.order_no);
+            let deadline = store::run(&state.pg.db, move |conn| {
+                Ok(crate::orders::repo::pay_deadline(conn, order)?)
+            })
+            .await
+            .map_err(ApiError::unavailable)?;
             let new = NewPayment {
                 payment_no: payment.payment_no,
-                order_no: payment.order_no,
+                order_no: number,
                 amount_cents: payment.amount_cents,
-                description: format!("seckill order {}", payment.order_no),
+                description: format!("seckill order {number}"),
                 expires_at: deadline,
+                payer_openid: openid,
             };
             let created = provider.create(&new).await;
-            let outcome = match &created {
-                Ok(_) => "ok",
-                Err(ProviderError::Unknown(_)) => "unknown",
-                Err(ProviderError::Refused { .. }) => "refused",
-            };
-            state
-                .metrics
-                .provider_calls
-                .with_label_values(&["create", outcome])
-                .inc();
+            sweeper::count_call(&state.metrics, "create", created.as_ref().map(|_| ()));
             let checkout = created.map_err(|e| match e {
-                ProviderError::Unknown(e) => {
-                    tracing::info!(error = %e, payment_no = payment.payment_no, "pay: the provider gave no answer");
-                    ApiError::new(
-                        ErrorCode::RetryLater,
-                        "the payment provider did not answer; pay again",
-                    )
+                ProviderError::Refused { code, message } if code == "OPENID_REQUIRED" => {
+                    ApiError::new(ErrorCode::OpenidRequired, message)
                 }
                 ProviderError::Refused { code, message } => ApiError::new(
                     ErrorCode::InvalidState,
                     format!("the payment provider refused the payment ({code}): {message}"),
                 ),
+                e => {
+                    tracing::info!(error = %e, payment_no = payment.payment_no, "pay: the provider gave no answer to act on");
+                    provider_unavailable("the payment provider did not answer; pay again")
+                }
             })?;
             let (no, kept) = (payment.payment_no, checkout.clone());
             store::run(&state.pg.db, move |conn| {
@@ -134,9 +181,104 @@ pub async fn pay(
         order_no: payment.order_no.to_string(),
         amount_cents: payment.amount_cents,
         status: payment.status,
-        provider: name,
+        provider: provider.name(),
         checkout,
     }))
+}
+
+/// The payer's `openid` for a provider that pays as a known payer
+/// (WeChat Pay JSAPI): the claim `payment.wechatpay.openid_claim` of the
+/// buyer's token when it has one, else the body's. `None` for every other
+/// provider.
+fn payer_openid(
+    state: &AppState,
+    req: &HttpRequest,
+    given: Option<String>,
+) -> Result<Option<String>, ApiError> {
+    let well_formed = |id: &str| {
+        (1..=128).contains(&id.len())
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    };
+    if given.as_deref().is_some_and(|id| !well_formed(id)) {
+        return Err(ApiError::bad_request(
+            "openid must be 1..=128 letters, digits, _ or -",
+        ));
+    }
+    if !state.payments.providers.current().needs_payer() {
+        return Ok(None);
+    }
+    let claim = state
+        .settings
+        .payment
+        .wechatpay
+        .as_ref()
+        .and_then(|w| w.openid_claim.as_deref())
+        .and_then(|name| crate::http::auth::verified_claim(req, name))
+        .filter(|id| well_formed(id));
+    match (claim, given) {
+        (Some(claim), Some(given)) if claim != given => Err(ApiError::bad_request(
+            "openid is not the one the buyer's token carries",
+        )),
+        (Some(id), _) | (None, Some(id)) => Ok(Some(id)),
+        (None, None) => Err(ApiError::new(
+            ErrorCode::OpenidRequired,
+            "a WeChat Pay JSAPI payment needs the buyer's openid: in the token or the body",
+        )),
+    }
+}
+
+/// Closes an earlier failed payment at its provider and applies what the
+/// provider then says (a capture that came first pays the order, or is
+/// refunded).
+async fn close_earlier(state: &AppState, old: repo::Unclosed) -> Result<(), ApiError> {
+    let provider = state
+        .payments
+        .providers
+        .get(&old.provider)
+        .cloned()
+        .ok_or_else(|| unconfigured(&old.provider))?;
+    let payment = PaymentRef {
+        payment_no: old.payment_no,
+        provider_ref: old.provider_ref,
+    };
+    let charge = sweeper::close(provider.as_ref(), &state.metrics, &payment)
+        .await
+        .map_err(|e| {
+            tracing::info!(error = %e, payment_no = old.payment_no, "pay: an earlier payment could not be closed yet");
+            provider_unavailable("the payment provider did not close the earlier payment; pay again")
+        })?;
+    sweeper::apply_charge(
+        &state.pg.db,
+        &state.metrics,
+        &state.redis.order_events,
+        provider.name(),
+        charge,
+    )
+    .await
+    .map_err(ApiError::unavailable)?;
+    Ok(())
+}
+
+/// 503 `RETRY_LATER` with `Retry-After`: the provider did not give an
+/// answer to act on.
+fn provider_unavailable(message: &'static str) -> ApiError {
+    ApiError::new(ErrorCode::RetryLater, message).with_retry_after(2)
+}
+
+/// 503: a payment of a provider this server is not configured for (an
+/// operator must configure every provider with open payments).
+fn unconfigured(provider: &str) -> ApiError {
+    tracing::error!(
+        provider,
+        "a payment of a provider not configured here: configure it (docs/OPERATIONS.md)"
+    );
+    ApiError::new(
+        ErrorCode::RetryLater,
+        format!("the payment's provider {provider} is not configured here"),
+    )
+    .with_retry_after(30)
 }
 
 /// The answer to a pay call.
@@ -149,10 +291,10 @@ pub struct PayAnswer {
     amount_cents: i64,
     /// PENDING
     status: String,
-    /// mock | external | wechatpay
+    /// mock | external | wechatpay | stripe: the payment's provider
     provider: &'static str,
-    /// `code_url` (WeChat Pay Native) or `client_secret` (Stripe), when the
-    /// provider gave one.
+    /// `code_url` (WeChat Pay Native), `jsapi` (WeChat Pay JSAPI) or
+    /// `client_secret` (Stripe), when the provider gave one.
     #[serde(flatten)]
     #[schema(value_type = Object)]
     checkout: Checkout,
@@ -177,6 +319,15 @@ pub async fn notify(
     body: web::Bytes,
 ) -> Result<HttpResponse, ApiError> {
     let settings = &state.settings.payment;
+    // Only the providers that sign with X-Pay-Signature take this route:
+    // under any other, whoever holds `payment.notify_secret` could mark
+    // an order paid with nothing charged.
+    let provider = state.payments.providers.current().name();
+    if !matches!(settings.kind(), ProviderKind::Mock | ProviderKind::External) {
+        return Err(ApiError::not_found(format!(
+            "no such route under the {provider} provider"
+        )));
+    }
     let header = req
         .headers()
         .get("x-pay-signature")
@@ -227,7 +378,7 @@ pub async fn notify(
         (payment_no.get(), Some(order_no.get()))
     );
     let outcome = store::run(&state.pg.db, move |conn| {
-        Ok(repo::apply_charge(conn, &charge)?)
+        Ok(repo::apply_charge(conn, &charge, provider)?)
     })
     .await
     .map_err(ApiError::unavailable)?;
@@ -251,7 +402,12 @@ pub async fn notify(
         | CallbackOutcome::Unchanged => Ok(HttpResponse::Ok().json(NotifyAnswer {
             code: PaymentStatus::Success.as_str(),
         })),
-        CallbackOutcome::UnknownPayment => Err(ApiError::not_found("no such payment")),
+        CallbackOutcome::UnknownPayment | CallbackOutcome::WrongProvider => {
+            Err(ApiError::not_found("no such payment"))
+        }
+        CallbackOutcome::RefMismatch => Err(ApiError::bad_request(
+            "the provider's payment is not this payment's",
+        )),
         CallbackOutcome::OrderMismatch => Err(ApiError::bad_request(
             "order_no is not this payment's order",
         )),
@@ -419,27 +575,29 @@ pub async fn notify_wechatpay(
     req: HttpRequest,
     body: web::Bytes,
 ) -> HttpResponse {
-    provider_notify(&state, &req, &body, crate::config::ProviderKind::Wechatpay).await
+    provider_notify(&state, &req, &body, ProviderKind::Wechatpay).await
 }
 
 /// A provider's callback to `notify/<provider>`: verified and parsed by
-/// the provider's adapter, then applied.
+/// that provider's adapter, then applied to that provider's payments only.
+/// The route is there while the provider is configured, current or not:
+/// payments made through it still finish.
 async fn provider_notify(
     state: &AppState,
     req: &HttpRequest,
     body: &[u8],
-    kind: crate::config::ProviderKind,
+    kind: ProviderKind,
 ) -> HttpResponse {
     use actix_web::http::StatusCode;
-    if state.settings.payment.kind() != kind {
-        // Not this server's provider: the route is not there (a problem,
-        // like any unknown route), not a callback to send again.
+    let Some(provider) = state.payments.providers.get(kind.as_str()).cloned() else {
+        // Not configured here: the route is not there (a problem, like
+        // any unknown route), not a callback to send again.
         return actix_web::ResponseError::error_response(&ApiError::not_found(format!(
-            "{} is not this server's provider",
+            "{} is not configured here",
             kind.as_str()
         )));
-    }
-    let event = match state.payments.provider.parse_callback(
+    };
+    let event = match provider.parse_callback(
         &RequestHeaders(req.headers()),
         body,
         state.clock.now().timestamp(),
@@ -453,26 +611,29 @@ async fn provider_notify(
                 .inc();
             tracing::warn!(error = %e, provider = kind.as_str(), "a provider callback was refused");
             let status = match e {
-                CallbackError::Undecryptable | CallbackError::Malformed(_) => {
-                    StatusCode::BAD_REQUEST
-                }
+                CallbackError::Undecryptable
+                | CallbackError::Malformed(_)
+                | CallbackError::Foreign(_) => StatusCode::BAD_REQUEST,
                 _ => StatusCode::UNAUTHORIZED,
             };
             return wechat_fail(status, e.to_string());
         }
     };
-    apply_event(state, event).await
+    apply_event(state, provider.name(), event).await
 }
 
-/// Applies a verified provider event; the answer a provider expects.
-async fn apply_event(state: &AppState, event: Event) -> HttpResponse {
+/// Applies a verified event of `provider`; the answer a provider expects.
+async fn apply_event(state: &AppState, provider: &'static str, event: Event) -> HttpResponse {
     use actix_web::http::StatusCode;
     match event {
         Event::Charge(charge) => {
-            let payment_no = charge.payment_no;
-            let outcome = match store::run(&state.pg.db, move |conn| {
-                Ok(repo::apply_charge(conn, &charge)?)
-            })
+            let outcome = match sweeper::apply_charge(
+                &state.pg.db,
+                &state.metrics,
+                &state.redis.order_events,
+                provider,
+                charge,
+            )
             .await
             {
                 Ok(outcome) => outcome,
@@ -481,23 +642,17 @@ async fn apply_event(state: &AppState, event: Event) -> HttpResponse {
                     return wechat_fail(StatusCode::SERVICE_UNAVAILABLE, "try again");
                 }
             };
-            state
-                .metrics
-                .callbacks
-                .with_label_values(&[outcome.label()])
-                .inc();
-            if outcome == CallbackOutcome::Applied {
-                sweeper::announce_paid(&state.pg.db, &state.redis.order_events, payment_no).await;
-            }
             match outcome {
-                CallbackOutcome::UnknownPayment => {
+                CallbackOutcome::UnknownPayment | CallbackOutcome::WrongProvider => {
                     wechat_fail(StatusCode::NOT_FOUND, "no such payment")
                 }
                 CallbackOutcome::AmountMismatch => wechat_fail(
                     StatusCode::BAD_REQUEST,
                     "the amount differs from the payment's",
                 ),
-                CallbackOutcome::TxnReused | CallbackOutcome::OrderMismatch => wechat_fail(
+                CallbackOutcome::TxnReused
+                | CallbackOutcome::OrderMismatch
+                | CallbackOutcome::RefMismatch => wechat_fail(
                     StatusCode::BAD_REQUEST,
                     "the transaction is recorded for another payment",
                 ),
@@ -510,7 +665,8 @@ async fn apply_event(state: &AppState, event: Event) -> HttpResponse {
         }
         Event::Refund(report) => {
             let after = state.settings.payment.query_after_secs;
-            match sweeper::apply_refund(&state.pg.db, &state.metrics, report, after).await {
+            match sweeper::apply_refund(&state.pg.db, &state.metrics, provider, report, after).await
+            {
                 Ok(RefundOutcome::Unknown) => wechat_fail(StatusCode::NOT_FOUND, "no such refund"),
                 Ok(outcome) => {
                     state
@@ -551,7 +707,7 @@ pub async fn notify_stripe(
     req: HttpRequest,
     body: web::Bytes,
 ) -> HttpResponse {
-    provider_notify(&state, &req, &body, crate::config::ProviderKind::Stripe).await
+    provider_notify(&state, &req, &body, ProviderKind::Stripe).await
 }
 
 /// `POST /api/v1/admin/orders/{order_no}/refund` body.
@@ -668,7 +824,13 @@ pub async fn statement(
     {
         return Err(ApiError::bad_request("that day has not come yet"));
     }
-    match statement::run(&state.pg.db, state.payments.provider.as_ref(), date).await {
+    let Some(provider) = state.payments.providers.get("wechatpay").cloned() else {
+        return Err(ApiError::new(
+            ErrorCode::InvalidState,
+            "no provider configured here publishes a statement",
+        ));
+    };
+    match statement::run(&state.pg.db, provider.as_ref(), date).await {
         Ok(report) => Ok(HttpResponse::Ok().json(report)),
         Err(e) => match e.downcast_ref::<ProviderError>() {
             Some(ProviderError::Refused { code, message }) => Err(ApiError::new(

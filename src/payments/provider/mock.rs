@@ -59,6 +59,7 @@ impl Callback {
             },
             txn_id: self.provider_txn_id.clone(),
             paid_at: self.paid_at,
+            provider_ref: None,
         })
     }
 }
@@ -127,14 +128,7 @@ impl SignedProvider {
 /// What a provider with nothing to ask answers about a payment: not paid
 /// (its callback will tell).
 fn not_paid(payment_no: i64) -> Charge {
-    Charge {
-        payment_no,
-        order_no: None,
-        amount_cents: 0,
-        outcome: ChargeOutcome::NotPaid,
-        txn_id: None,
-        paid_at: None,
-    }
+    Charge::bare(payment_no, ChargeOutcome::NotPaid)
 }
 
 impl PaymentProvider for SignedProvider {

@@ -26,6 +26,8 @@ pub struct NewPayment {
     /// After this the provider refuses to take the money (the order's
     /// payment deadline).
     pub expires_at: Option<DateTime<Utc>>,
+    /// The buyer's WeChat `openid` (WeChat Pay JSAPI pays as this payer).
+    pub payer_openid: Option<String>,
 }
 
 /// A payment as the provider knows it: our number, and its own id when it
@@ -54,10 +56,36 @@ pub struct Checkout {
     /// Stripe: the PaymentIntent's client secret.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_secret: Option<String>,
+    /// WeChat Pay JSAPI: exactly what the mini-program's
+    /// `wx.requestPayment` takes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub jsapi: Option<JsapiPayment>,
     /// The provider's own id of the payment (kept in
     /// `payments.provider_ref`, not shown).
     #[serde(skip)]
     pub provider_ref: Option<String>,
+}
+
+/// The parameters of `wx.requestPayment` for one WeChat Pay JSAPI
+/// payment (field names as the mini-program API spells them).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct JsapiPayment {
+    #[serde(rename = "appId")]
+    pub app_id: String,
+    /// Unix seconds, as a string.
+    #[serde(rename = "timeStamp")]
+    pub time_stamp: String,
+    #[serde(rename = "nonceStr")]
+    pub nonce_str: String,
+    /// `prepay_id=<id>`.
+    pub package: String,
+    /// `RSA`.
+    #[serde(rename = "signType")]
+    pub sign_type: String,
+    /// The merchant key's RSA-SHA256 (Base64) over
+    /// `appId\ntimeStamp\nnonceStr\npackage\n`.
+    #[serde(rename = "paySign")]
+    pub pay_sign: String,
 }
 
 /// A charge as the provider reports it (callback or query), normalised.
@@ -72,6 +100,25 @@ pub struct Charge {
     /// The provider's transaction id.
     pub txn_id: Option<String>,
     pub paid_at: Option<DateTime<Utc>>,
+    /// The provider's own id of the payment, where it has one (a Stripe
+    /// PaymentIntent): it must be the one recorded for our payment.
+    pub provider_ref: Option<String>,
+}
+
+impl Charge {
+    /// A report with nothing charged: where `payment_no` stands when the
+    /// provider has no more to say (not paid, closed).
+    pub fn bare(payment_no: i64, outcome: ChargeOutcome) -> Self {
+        Self {
+            payment_no,
+            order_no: None,
+            amount_cents: 0,
+            outcome,
+            txn_id: None,
+            paid_at: None,
+            provider_ref: None,
+        }
+    }
 }
 
 /// Where a charge stands at the provider.
@@ -137,17 +184,36 @@ pub enum CloseOutcome {
     AlreadyPaid,
 }
 
-/// Why a call to the provider did not give an answer to act on.
+/// Why a call to the provider did not give an answer to act on. Each
+/// provider maps its documented error codes onto these three
+/// (docs/PAYMENTS.md, "What each answer means"): only a provider's
+/// definite, documented "never" is final.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {
-    /// No answer, or one that cannot be trusted (a timeout, a 5xx, a bad
-    /// signature on the answer): the effect may have happened. Repeat the
+    /// No answer, or one that cannot be trusted (a timeout, a 5xx, an
+    /// unsigned or stale answer): the effect may have happened. Repeat the
     /// same call later.
     #[error("provider outcome unknown: {0}")]
     Unknown(String),
-    /// A definite no, with the provider's code.
+    /// A definite "not now" that the provider documents as worth repeating
+    /// (rate limited, the merchant's balance short, a permission not yet
+    /// granted): nothing was done. The same call later, under the same key.
+    #[error("provider asks to try again ({code}): {message}")]
+    Retry { code: String, message: String },
+    /// A definite no, for good, with the provider's code.
     #[error("provider refused ({code}): {message}")]
     Refused { code: String, message: String },
+}
+
+impl ProviderError {
+    /// The metric label of a call that ended so.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Unknown(_) => "unknown",
+            Self::Retry { .. } => "retry",
+            Self::Refused { .. } => "refused",
+        }
+    }
 }
 
 /// Why a callback was not accepted. Each one is answered so that the
@@ -165,6 +231,9 @@ pub enum CallbackError {
     BadSignature,
     #[error("callback resource could not be decrypted")]
     Undecryptable,
+    /// Signed by the provider, but for another merchant, app or currency.
+    #[error("callback not for this merchant: {0}")]
+    Foreign(String),
 }
 
 /// One charge on the provider's statement of a day.
@@ -188,6 +257,12 @@ pub trait Headers {
 pub trait PaymentProvider: Send + Sync {
     /// Stored in `payments.provider`.
     fn name(&self) -> &'static str;
+
+    /// Whether a payment is created as a known payer
+    /// ([`NewPayment::payer_openid`]: WeChat Pay JSAPI).
+    fn needs_payer(&self) -> bool {
+        false
+    }
 
     /// Creates the payment, or returns the one created before under the
     /// same payment number.

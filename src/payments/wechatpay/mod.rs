@@ -1,12 +1,14 @@
 //! WeChat Pay API v3 (`payment.provider = "wechatpay"`), written against its
-//! documented protocol: Native prepay, query and close by `out_trade_no`
-//! (our payment number), refunds under `out_refund_no` (our refund
-//! number), and payment and refund callbacks.
+//! documented protocol: Native and JSAPI prepay, query and close by
+//! `out_trade_no` (our payment number), refunds under `out_refund_no` (our
+//! refund number), and payment and refund callbacks.
 //!
 //! Every request is signed `WECHATPAY2-SHA256-RSA2048` with the merchant
-//! key; every 2xx answer and every callback must carry a valid signature of
-//! one of WeChat Pay's public keys, chosen by `Wechatpay-Serial`. An answer
-//! that does not is an unknown outcome, like no answer at all.
+//! key. Every answer, 2xx or 4xx, and every callback must carry a valid
+//! signature of one of WeChat Pay's public keys, chosen by
+//! `Wechatpay-Serial`, and a `Wechatpay-Timestamp` within the tolerance.
+//! An answer that does not is an unknown outcome, like no answer at all: a
+//! forged or replayed "no" never closes a payment or ends a refund.
 
 pub mod crypto;
 pub mod status;
@@ -22,11 +24,14 @@ use serde_json::json;
 
 use self::crypto::{ApiV3Cipher, MerchantSigner, PlatformKeys, SCHEME, VerifyError};
 use super::provider::{
-    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, Headers, NewPayment,
-    PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
+    CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, Headers, JsapiPayment,
+    NewPayment, PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
     StatementLine,
 };
-use crate::config::WechatPaySettings;
+use crate::config::{TradeType, WechatPaySettings};
+
+/// The only currency of WeChat Pay's domestic payments.
+const CNY: &str = "CNY";
 
 /// The adapter: one merchant account.
 pub struct WechatPay {
@@ -34,11 +39,13 @@ pub struct WechatPay {
     mchid: String,
     appid: String,
     notify_url: String,
+    trade_type: TradeType,
     signer: MerchantSigner,
     platform: PlatformKeys,
     cipher: ApiV3Cipher,
     http: reqwest::Client,
-    /// Largest accepted |now − Wechatpay-Timestamp| of a callback, seconds.
+    /// Largest accepted |now − Wechatpay-Timestamp| of an answer or a
+    /// callback, seconds.
     tolerance_secs: i64,
 }
 
@@ -61,6 +68,8 @@ struct Resource {
 /// A transaction, as queried or as a payment callback's resource.
 #[derive(Deserialize)]
 struct Transaction {
+    mchid: Option<String>,
+    appid: Option<String>,
     out_trade_no: String,
     transaction_id: Option<String>,
     trade_state: String,
@@ -70,18 +79,23 @@ struct Transaction {
 
 #[derive(Deserialize)]
 struct Amount {
+    #[serde(default)]
     total: i64,
+    currency: Option<String>,
 }
 
 /// A refund, as answered or as a refund callback's resource.
 #[derive(Deserialize)]
 struct Refund {
+    /// In callbacks.
+    mchid: Option<String>,
     out_refund_no: String,
     refund_id: Option<String>,
     /// In answers.
     status: Option<String>,
     /// In callbacks.
     refund_status: Option<String>,
+    amount: Option<Amount>,
 }
 
 /// An error answer: `{"code", "message"}`.
@@ -100,6 +114,14 @@ fn nonce() -> String {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).unwrap_or_else(|_| fastrand::fill(&mut bytes));
     hex::encode_upper(bytes)
+}
+
+/// Why an answer or a callback is not WeChat Pay's word.
+#[derive(Debug)]
+enum Unverified {
+    Missing,
+    Stale,
+    Key(VerifyError),
 }
 
 impl WechatPay {
@@ -121,6 +143,7 @@ impl WechatPay {
             mchid: s.mchid.clone(),
             appid: s.appid.clone(),
             notify_url: s.notify_url.clone(),
+            trade_type: s.trade_type,
             signer: MerchantSigner::from_pem(&s.mchid, &s.merchant_serial, &pem)?,
             platform: PlatformKeys::load_dir(std::path::Path::new(&s.platform_key_dir))?,
             cipher: ApiV3Cipher::new(s.apiv3_key.expose_secret().as_bytes())?,
@@ -129,19 +152,40 @@ impl WechatPay {
         })
     }
 
-    /// One signed call; `Ok((status, body))` for a 2xx whose signature
-    /// holds, `Refused` for a 4xx, `Unknown` for anything else.
-    async fn call(
+    /// Checks the `Wechatpay-*` headers over `body`, at `now` (unix
+    /// seconds): a platform key's signature, made within the tolerance.
+    fn verify_signed(
         &self,
-        method: Method,
-        path_and_query: &str,
-        body: Option<serde_json::Value>,
-    ) -> Result<(u16, Vec<u8>), ProviderError> {
-        self.send(method, path_and_query, body, true).await
+        get: impl Fn(&str) -> Option<String>,
+        body: &[u8],
+        now: i64,
+    ) -> Result<(), Unverified> {
+        let (Some(ts), Some(nonce), Some(serial), Some(signature)) = (
+            get("wechatpay-timestamp"),
+            get("wechatpay-nonce"),
+            get("wechatpay-serial"),
+            get("wechatpay-signature"),
+        ) else {
+            return Err(Unverified::Missing);
+        };
+        let t: i64 = ts.parse().map_err(|_| Unverified::Missing)?;
+        if now.abs_diff(t) > self.tolerance_secs.unsigned_abs() {
+            return Err(Unverified::Stale);
+        }
+        self.platform
+            .verify(
+                &serial,
+                &crypto::response_message(&ts, &nonce, body),
+                &signature,
+            )
+            .map_err(Unverified::Key)
     }
 
-    /// [`Self::call`], the answer's signature checked when `signed` (a
-    /// bill's download is not signed: its hash is).
+    /// One signed call: `Ok((status, body))` for a 2xx. A 4xx is read by
+    /// its code ([`status::error_of`]); a 5xx, no answer, and any answer
+    /// whose signature or timestamp does not hold are `Unknown`. `signed`
+    /// is false only for a bill's download, whose 2xx carries no
+    /// signature (its hash, given by a signed answer, is checked instead).
     async fn send(
         &self,
         method: Method,
@@ -176,39 +220,36 @@ impl WechatPay {
             .bytes()
             .await
             .map_err(|e| ProviderError::Unknown(format!("answer cut short: {e}")))?;
-        if (400..500).contains(&status) {
-            let error: ErrorAnswer = serde_json::from_slice(&bytes)
-                .map_err(|_| ProviderError::Unknown(format!("{status} without an error code")))?;
-            return Err(ProviderError::Refused {
-                code: error.code,
-                message: error.message,
-            });
-        }
-        if !(200..300).contains(&status) {
+        let error = (400..500).contains(&status);
+        if !error && !(200..300).contains(&status) {
             return Err(ProviderError::Unknown(format!(
                 "{status}: {}",
                 String::from_utf8_lossy(&bytes)
             )));
         }
-        if !signed {
-            return Ok((status, bytes.to_vec()));
+        if signed || error {
+            let get = |name: &str| header(&headers, name).map(str::to_owned);
+            self.verify_signed(get, &bytes, Utc::now().timestamp())
+                .map_err(|e| {
+                    ProviderError::Unknown(format!("{status}, not WeChat Pay's word: {e:?}"))
+                })?;
         }
-        let (Some(ts), Some(nonce), Some(serial), Some(signature)) = (
-            header(&headers, "wechatpay-timestamp"),
-            header(&headers, "wechatpay-nonce"),
-            header(&headers, "wechatpay-serial"),
-            header(&headers, "wechatpay-signature"),
-        ) else {
-            return Err(ProviderError::Unknown("an unsigned answer".into()));
-        };
-        self.platform
-            .verify(
-                serial,
-                &crypto::response_message(ts, nonce, &bytes),
-                signature,
-            )
-            .map_err(|e| ProviderError::Unknown(format!("an answer's signature: {e:?}")))?;
+        if error {
+            let answer: ErrorAnswer = serde_json::from_slice(&bytes)
+                .map_err(|_| ProviderError::Unknown(format!("{status} without an error code")))?;
+            return Err(status::error_of(status, &answer.code, &answer.message));
+        }
         Ok((status, bytes.to_vec()))
+    }
+
+    /// [`Self::send`] with the answer's signature checked.
+    async fn call(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<(u16, Vec<u8>), ProviderError> {
+        self.send(method, path_and_query, body, true).await
     }
 
     fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ProviderError> {
@@ -216,11 +257,9 @@ impl WechatPay {
             .map_err(|e| ProviderError::Unknown(format!("an answer not understood: {e}")))
     }
 
-    async fn create_native(&self, p: &NewPayment) -> Result<Checkout, ProviderError> {
-        #[derive(Deserialize)]
-        struct Prepay {
-            code_url: String,
-        }
+    /// Native (a `code_url` to show as a QR code) or JSAPI (the parameters
+    /// of the mini-program's `wx.requestPayment`), as configured.
+    async fn prepay(&self, p: &NewPayment) -> Result<Checkout, ProviderError> {
         let mut body = json!({
             "appid": self.appid,
             "mchid": self.mchid,
@@ -228,21 +267,72 @@ impl WechatPay {
             "out_trade_no": p.payment_no.to_string(),
             "attach": p.order_no.to_string(),
             "notify_url": self.notify_url,
-            "amount": {"total": p.amount_cents, "currency": "CNY"},
+            "amount": {"total": p.amount_cents, "currency": CNY},
         });
         if let Some(at) = p.expires_at {
             body["time_expire"] = json!(at.to_rfc3339_opts(chrono::SecondsFormat::Secs, false));
         }
-        let (_, answer) = self
-            .call(Method::POST, "/v3/pay/transactions/native", Some(body))
-            .await?;
-        let prepay: Prepay = Self::parse(&answer)?;
-        Ok(Checkout {
-            code_url: Some(prepay.code_url),
-            ..Checkout::default()
-        })
+        match self.trade_type {
+            TradeType::Native => {
+                #[derive(Deserialize)]
+                struct Prepay {
+                    code_url: String,
+                }
+                let (_, answer) = self
+                    .call(Method::POST, "/v3/pay/transactions/native", Some(body))
+                    .await?;
+                let prepay: Prepay = Self::parse(&answer)?;
+                Ok(Checkout {
+                    code_url: Some(prepay.code_url),
+                    ..Checkout::default()
+                })
+            }
+            TradeType::Jsapi => {
+                #[derive(Deserialize)]
+                struct Prepay {
+                    prepay_id: String,
+                }
+                let Some(openid) = p.payer_openid.as_deref() else {
+                    return Err(ProviderError::Refused {
+                        code: "OPENID_REQUIRED".into(),
+                        message: "a JSAPI payment needs the payer's openid".into(),
+                    });
+                };
+                body["payer"] = json!({"openid": openid});
+                let (_, answer) = self
+                    .call(Method::POST, "/v3/pay/transactions/jsapi", Some(body))
+                    .await?;
+                let prepay: Prepay = Self::parse(&answer)?;
+                let params =
+                    self.request_payment(&prepay.prepay_id, Utc::now().timestamp(), &nonce());
+                Ok(Checkout {
+                    jsapi: Some(params),
+                    ..Checkout::default()
+                })
+            }
+        }
     }
 
+    /// What `wx.requestPayment` takes to pay `prepay_id`: `paySign` is the
+    /// merchant key's RSA-SHA256 over `appId`, `timeStamp`, `nonceStr` and
+    /// `package`, each followed by a newline (WeChat Pay's JSAPI
+    /// documentation, and the official SDK's `JsapiServiceExtension`).
+    pub fn request_payment(&self, prepay_id: &str, timestamp: i64, nonce: &str) -> JsapiPayment {
+        let package = format!("prepay_id={prepay_id}");
+        let message = format!("{}\n{timestamp}\n{nonce}\n{package}\n", self.appid);
+        JsapiPayment {
+            app_id: self.appid.clone(),
+            time_stamp: timestamp.to_string(),
+            nonce_str: nonce.to_owned(),
+            package,
+            sign_type: "RSA".into(),
+            pay_sign: self.signer.sign(message.as_bytes()),
+        }
+    }
+
+    /// Closes the trade. Only a signed answer counts: `ORDERPAID` means the
+    /// buyer paid first; `ORDER_CLOSED` and `ORDER_NOT_EXIST` (never made
+    /// there) mean it can no longer be paid.
     async fn close_trade(&self, payment_no: i64) -> Result<CloseOutcome, ProviderError> {
         let path = format!("/v3/pay/transactions/out-trade-no/{payment_no}/close");
         match self
@@ -268,15 +358,12 @@ impl WechatPay {
             self.mchid
         );
         match self.call(Method::GET, &path, None).await {
-            Ok((_, body)) => charge_of(Self::parse(&body)?),
-            Err(ProviderError::Refused { code, .. }) if code == "ORDER_NOT_EXIST" => Ok(Charge {
-                payment_no,
-                order_no: None,
-                amount_cents: 0,
-                outcome: ChargeOutcome::NotPaid,
-                txn_id: None,
-                paid_at: None,
-            }),
+            Ok((_, body)) => self
+                .charge_of(Self::parse(&body)?)
+                .map_err(ProviderError::Unknown),
+            Err(ProviderError::Refused { code, .. }) if code == "ORDER_NOT_EXIST" => {
+                Ok(Charge::bare(payment_no, ChargeOutcome::NotPaid))
+            }
             Err(e) => Err(e),
         }
     }
@@ -287,12 +374,12 @@ impl WechatPay {
             "out_refund_no": r.refund_no.to_string(),
             "reason": r.reason,
             "notify_url": self.notify_url,
-            "amount": {"refund": r.amount_cents, "total": r.total_cents, "currency": "CNY"},
+            "amount": {"refund": r.amount_cents, "total": r.total_cents, "currency": CNY},
         });
         let (_, answer) = self
             .call(Method::POST, "/v3/refund/domestic/refunds", Some(body))
             .await?;
-        report_of(Self::parse(&answer)?)
+        report_of(Self::parse(&answer)?).map_err(ProviderError::Unknown)
     }
 
     /// The trade bill of `date` (China time): its download address, then
@@ -345,7 +432,35 @@ impl WechatPay {
     async fn find_refund(&self, refund_no: i64) -> Result<RefundReport, ProviderError> {
         let path = format!("/v3/refund/domestic/refunds/{refund_no}");
         let (_, answer) = self.call(Method::GET, &path, None).await?;
-        report_of(Self::parse(&answer)?)
+        report_of(Self::parse(&answer)?).map_err(ProviderError::Unknown)
+    }
+
+    /// A transaction read as ours, once it is shown to be of this merchant
+    /// and app, in yuan.
+    fn charge_of(&self, t: Transaction) -> Result<Charge, String> {
+        if t.mchid.as_deref() != Some(self.mchid.as_str()) {
+            return Err(format!("a transaction of mchid {:?}", t.mchid));
+        }
+        if t.appid.as_deref() != Some(self.appid.as_str()) {
+            return Err(format!("a transaction of appid {:?}", t.appid));
+        }
+        let currency = t.amount.as_ref().and_then(|a| a.currency.as_deref());
+        if currency.is_some_and(|c| c != CNY) {
+            return Err(format!("a transaction in {currency:?}"));
+        }
+        let payment_no = t
+            .out_trade_no
+            .parse()
+            .map_err(|_| format!("out_trade_no {:?}", t.out_trade_no))?;
+        Ok(Charge {
+            payment_no,
+            order_no: None,
+            amount_cents: t.amount.map_or(0, |a| a.total),
+            outcome: status::trade_outcome(&t.trade_state),
+            txn_id: t.transaction_id,
+            paid_at: t.success_time.map(|t| t.with_timezone(&Utc)),
+            provider_ref: None,
+        })
     }
 }
 
@@ -410,27 +525,15 @@ pub fn parse_trade_bill(text: &str) -> Result<Vec<StatementLine>, ProviderError>
     Ok(out)
 }
 
-fn charge_of(t: Transaction) -> Result<Charge, ProviderError> {
-    let payment_no = t
-        .out_trade_no
-        .parse()
-        .map_err(|_| ProviderError::Unknown(format!("out_trade_no {:?}", t.out_trade_no)))?;
-    let outcome = status::trade_outcome(&t.trade_state);
-    Ok(Charge {
-        payment_no,
-        order_no: None,
-        amount_cents: t.amount.map_or(0, |a| a.total),
-        outcome,
-        txn_id: t.transaction_id,
-        paid_at: t.success_time.map(|t| t.with_timezone(&Utc)),
-    })
-}
-
-fn report_of(r: Refund) -> Result<RefundReport, ProviderError> {
+fn report_of(r: Refund) -> Result<RefundReport, String> {
+    let currency = r.amount.as_ref().and_then(|a| a.currency.as_deref());
+    if currency.is_some_and(|c| c != CNY) {
+        return Err(format!("a refund in {currency:?}"));
+    }
     let refund_no = r
         .out_refund_no
         .parse()
-        .map_err(|_| ProviderError::Unknown(format!("out_refund_no {:?}", r.out_refund_no)))?;
+        .map_err(|_| format!("out_refund_no {:?}", r.out_refund_no))?;
     let status = r.status.or(r.refund_status).unwrap_or_default();
     let state = status::refund_state(&status);
     Ok(RefundReport {
@@ -445,11 +548,15 @@ impl PaymentProvider for WechatPay {
         "wechatpay"
     }
 
+    fn needs_payer(&self) -> bool {
+        self.trade_type == TradeType::Jsapi
+    }
+
     fn create<'a>(
         &'a self,
         payment: &'a NewPayment,
     ) -> BoxFuture<'a, Result<Checkout, ProviderError>> {
-        self.create_native(payment).boxed()
+        self.prepay(payment).boxed()
     }
 
     fn parse_callback(
@@ -458,36 +565,23 @@ impl PaymentProvider for WechatPay {
         body: &[u8],
         now: i64,
     ) -> Result<Event, CallbackError> {
-        let get = |name: &str| headers.header(name);
-        let (Some(ts), Some(nonce), Some(serial), Some(signature)) = (
-            get("wechatpay-timestamp"),
-            get("wechatpay-nonce"),
-            get("wechatpay-serial"),
-            get("wechatpay-signature"),
-        ) else {
-            return Err(CallbackError::Malformed(
-                "Wechatpay-* headers missing".into(),
-            ));
-        };
-        if get("wechatpay-signature-type").is_some_and(|t| t != SCHEME) {
+        if headers
+            .header("wechatpay-signature-type")
+            .is_some_and(|t| t != SCHEME)
+        {
             return Err(CallbackError::Malformed("an unknown signature type".into()));
         }
-        let t: i64 = ts
-            .parse()
-            .map_err(|_| CallbackError::Malformed("Wechatpay-Timestamp".into()))?;
-        if now.abs_diff(t) > self.tolerance_secs.unsigned_abs() {
-            return Err(CallbackError::Stale);
-        }
-        self.platform
-            .verify(
-                serial,
-                &crypto::response_message(ts, nonce, body),
-                signature,
-            )
+        self.verify_signed(|name| headers.header(name).map(str::to_owned), body, now)
             .map_err(|e| match e {
-                VerifyError::UnknownSerial(s) => CallbackError::UnknownKey(s),
-                VerifyError::Malformed => CallbackError::Malformed("Wechatpay-Signature".into()),
-                VerifyError::Mismatch => CallbackError::BadSignature,
+                Unverified::Missing => {
+                    CallbackError::Malformed("Wechatpay-* headers missing or malformed".into())
+                }
+                Unverified::Stale => CallbackError::Stale,
+                Unverified::Key(VerifyError::UnknownSerial(s)) => CallbackError::UnknownKey(s),
+                Unverified::Key(VerifyError::Malformed) => {
+                    CallbackError::Malformed("Wechatpay-Signature".into())
+                }
+                Unverified::Key(VerifyError::Mismatch) => CallbackError::BadSignature,
             })?;
         let n: Notification =
             serde_json::from_slice(body).map_err(|e| CallbackError::Malformed(e.to_string()))?;
@@ -506,13 +600,20 @@ impl PaymentProvider for WechatPay {
             )
             .ok_or(CallbackError::Undecryptable)?;
         let malformed = |e: serde_json::Error| CallbackError::Malformed(e.to_string());
-        let unknown = |e: ProviderError| CallbackError::Malformed(e.to_string());
         if n.event_type.starts_with("TRANSACTION.") {
             let t: Transaction = serde_json::from_slice(&plain).map_err(malformed)?;
-            Ok(Event::Charge(charge_of(t).map_err(unknown)?))
+            Ok(Event::Charge(
+                self.charge_of(t).map_err(CallbackError::Foreign)?,
+            ))
         } else if n.event_type.starts_with("REFUND.") {
             let r: Refund = serde_json::from_slice(&plain).map_err(malformed)?;
-            Ok(Event::Refund(report_of(r).map_err(unknown)?))
+            if r.mchid.as_deref() != Some(self.mchid.as_str()) {
+                return Err(CallbackError::Foreign(format!(
+                    "a refund of mchid {:?}",
+                    r.mchid
+                )));
+            }
+            Ok(Event::Refund(report_of(r).map_err(CallbackError::Foreign)?))
         } else {
             Err(CallbackError::Malformed(format!(
                 "event_type {}",
@@ -592,5 +693,176 @@ mod tests {
         assert_eq!(fen("7"), Some(700));
         assert_eq!(fen("1.234"), None);
         assert_eq!(fen("x.00"), None);
+    }
+
+    /// A platform that answers every request with the answer `reply`
+    /// makes of the time: `(status, body, signed at)`, signed with
+    /// `platform` unless the time is `None`.
+    fn canned(
+        platform: MerchantSigner,
+        reply: impl Fn(i64) -> (u16, String, Option<i64>) + Send + 'static,
+    ) -> String {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut buf = [0u8; 16384];
+                let _ = stream.read(&mut buf);
+                let (status, body, signed_at) = reply(Utc::now().timestamp());
+                let mut head = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+                    body.len()
+                );
+                if let Some(ts) = signed_at {
+                    let nonce = "n0nce";
+                    let signature = platform.sign(&crypto::response_message(
+                        &ts.to_string(),
+                        nonce,
+                        body.as_bytes(),
+                    ));
+                    head.push_str(&format!(
+                        "wechatpay-timestamp: {ts}\r\nwechatpay-nonce: {nonce}\r\nwechatpay-serial: PLATFORM-1\r\nwechatpay-signature: {signature}\r\n"
+                    ));
+                }
+                let _ = write!(stream, "{head}\r\n{body}");
+            }
+        });
+        url
+    }
+
+    /// The adapter of merchant `1900000001`, app `wx1`, against `url`,
+    /// trusting the platform key `PLATFORM-1`: (adapter, that key's signer).
+    fn adapter_and_platform() -> (impl FnOnce(String) -> WechatPay, MerchantSigner) {
+        use rsa::Generate;
+        use rsa::pkcs8::{EncodePrivateKey, EncodePublicKey, LineEnding};
+        let dir = std::env::temp_dir().join(format!("seckill-wx-unit-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(dir.join("platform")).unwrap();
+        let merchant = rsa::PrivateKey::generate();
+        std::fs::write(
+            dir.join("merchant.pem"),
+            merchant.to_pkcs8_pem(LineEnding::LF).unwrap().as_bytes(),
+        )
+        .unwrap();
+        let platform = rsa::PrivateKey::generate();
+        std::fs::write(
+            dir.join("platform/PLATFORM-1.pem"),
+            platform
+                .to_public_key()
+                .to_public_key_pem(LineEnding::LF)
+                .unwrap(),
+        )
+        .unwrap();
+        let signer = MerchantSigner::from_pem(
+            "platform",
+            "PLATFORM-1",
+            &platform.to_pkcs8_pem(LineEnding::LF).unwrap(),
+        )
+        .unwrap();
+        let build = move |url: String| {
+            let settings = WechatPaySettings {
+                base_url: url,
+                mchid: "1900000001".into(),
+                appid: "wx1".into(),
+                merchant_serial: "M1".into(),
+                merchant_key_file: dir.join("merchant.pem").display().to_string(),
+                apiv3_key: secrecy::SecretString::from("k".repeat(32)),
+                platform_key_dir: dir.join("platform").display().to_string(),
+                notify_url: "https://shop.example/n".into(),
+                trade_type: TradeType::Native,
+                openid_claim: None,
+            };
+            let adapter = WechatPay::from_settings(&settings, Duration::from_secs(5), 300).unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+            adapter
+        };
+        (build, signer)
+    }
+
+    fn paid_trade(mchid: &str) -> String {
+        json!({
+            "mchid": mchid, "appid": "wx1", "out_trade_no": "101",
+            "transaction_id": "4200001", "trade_state": "SUCCESS",
+            "amount": {"total": 9900, "currency": "CNY"},
+        })
+        .to_string()
+    }
+
+    /// Only WeChat Pay's signed, fresh word counts: an unsigned "no such
+    /// trade" (which would close a payment), an answer signed an hour ago
+    /// (a replay), or a trade of another merchant are no answer at all.
+    #[tokio::test]
+    async fn an_unsigned_stale_or_foreign_answer_is_no_answer() {
+        let (build, platform) = adapter_and_platform();
+        let not_exist = json!({"code": "ORDER_NOT_EXIST", "message": "no"}).to_string();
+        let script: std::sync::Arc<std::sync::Mutex<Vec<(u16, String, i64)>>> =
+            std::sync::Arc::default();
+        let next = script.clone();
+        let url = canned(platform, move |now| {
+            let (status, body, age) = next.lock().unwrap().remove(0);
+            let signed = (age >= 0).then_some(now - age);
+            (status, body, signed)
+        });
+        let wechat = build(url);
+        let payment = PaymentRef {
+            payment_no: 101,
+            provider_ref: None,
+        };
+        let mut answers = Vec::new();
+        for (status, body, age) in [
+            (404, not_exist.clone(), -1),
+            (404, not_exist.clone(), 3600),
+            (404, not_exist.clone(), 0),
+        ] {
+            script.lock().unwrap().push((status, body, age));
+            answers.push(wechat.close(&payment).await.map_err(|e| e.label()));
+        }
+        assert_eq!(
+            answers,
+            [Err("unknown"), Err("unknown"), Ok(CloseOutcome::Closed)],
+            "unsigned, stale, then genuine"
+        );
+        let mut queried = Vec::new();
+        for (body, age) in [
+            (paid_trade("1900000001"), 3600),
+            (paid_trade("1900009999"), 0),
+            (paid_trade("1900000001"), 0),
+        ] {
+            script.lock().unwrap().push((200, body, age));
+            queried.push(
+                wechat
+                    .query(&payment)
+                    .await
+                    .map(|c| c.outcome)
+                    .map_err(|e| e.label()),
+            );
+        }
+        assert_eq!(
+            queried,
+            [Err("unknown"), Err("unknown"), Ok(ChargeOutcome::Paid)],
+            "stale, another merchant's, then genuine"
+        );
+        for (status, code, class) in [
+            (429, "FREQUENCY_LIMITED", "retry"),
+            (403, "NOT_ENOUGH", "retry"),
+            (500, "SYSTEM_ERROR", "unknown"),
+            (403, "USER_ACCOUNT_ABNORMAL", "refused"),
+        ] {
+            let body = json!({"code": code, "message": "m"}).to_string();
+            script.lock().unwrap().push((status, body, 0));
+            let refund = RefundRequest {
+                refund_no: 7,
+                payment: payment.clone(),
+                amount_cents: 9900,
+                total_cents: 9900,
+                reason: "r".into(),
+            };
+            assert_eq!(
+                wechat.refund(&refund).await.map_err(|e| e.label()).err(),
+                Some(class),
+                "{status} {code}"
+            );
+        }
     }
 }

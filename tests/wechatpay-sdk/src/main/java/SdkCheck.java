@@ -14,6 +14,13 @@
 //       a callback receiver: each callback the simulator sends is parsed
 //       by the SDK's NotificationParser (204, one JSON line on stdout) or
 //       refused (401).
+//   jsapi <sim url> <mchid> <merchant serial> <merchant.pem>
+//         <platform serial> <platform.pub.pem> <apiv3 key> <out_trade_no>
+//         <appid> <openid>
+//       the SDK's JsapiServiceExtension prepays a JSAPI trade against the
+//       simulator and builds wx.requestPayment's parameters (its own
+//       timeStamp and nonceStr, its paySign with the merchant key); prints
+//       them as one JSON line, for our adapter to sign the same.
 //   sign-callback <notify url> <serial> <platform.pem> <apiv3 key>
 //          <out_trade_no> <amount>
 //       a TRANSACTION.SUCCESS callback sealed with the SDK's AeadAesCipher
@@ -36,6 +43,9 @@ import com.wechat.pay.java.core.http.HttpClient;
 import com.wechat.pay.java.core.notification.NotificationParser;
 import com.wechat.pay.java.core.notification.RequestParam;
 import com.wechat.pay.java.core.util.PemUtil;
+import com.wechat.pay.java.service.payments.jsapi.JsapiServiceExtension;
+import com.wechat.pay.java.service.payments.jsapi.model.Payer;
+import com.wechat.pay.java.service.payments.jsapi.model.PrepayWithRequestPaymentResponse;
 import com.wechat.pay.java.service.payments.model.Transaction;
 import com.wechat.pay.java.service.payments.nativepay.NativePayService;
 import com.wechat.pay.java.service.payments.nativepay.model.Amount;
@@ -69,6 +79,7 @@ public final class SdkCheck {
     switch (args[0]) {
       case "verify-requests" -> verifyRequests(args);
       case "client" -> client(args);
+      case "jsapi" -> jsapi(args);
       case "listen" -> listen(args);
       case "sign-callback" -> signCallback(args);
       default -> throw new IllegalArgumentException("unknown mode " + args[0]);
@@ -229,6 +240,43 @@ public final class SdkCheck {
     }
     System.out.println(
         "{\"prepaid\":true,\"paid\":\"" + after.getTransactionId() + "\",\"refund\":\"" + found.getStatus() + "\",\"closed\":true}");
+  }
+
+  private static void jsapi(String[] args) throws Exception {
+    RSAPublicKeyConfig config =
+        new RSAPublicKeyConfig.Builder()
+            .merchantId(args[2])
+            .privateKeyFromPath(args[4])
+            .merchantSerialNumber(args[3])
+            .publicKeyFromPath(args[6])
+            .publicKeyId(args[5])
+            .apiV3Key(args[7])
+            .build();
+    JsapiServiceExtension service =
+        new JsapiServiceExtension.Builder().config(config).httpClient(sdkClient(args, config)).build();
+    com.wechat.pay.java.service.payments.jsapi.model.PrepayRequest prepay =
+        new com.wechat.pay.java.service.payments.jsapi.model.PrepayRequest();
+    com.wechat.pay.java.service.payments.jsapi.model.Amount amount =
+        new com.wechat.pay.java.service.payments.jsapi.model.Amount();
+    amount.setTotal(100);
+    prepay.setAmount(amount);
+    prepay.setAppid(args[9]);
+    prepay.setMchid(args[2]);
+    prepay.setDescription("SDK check");
+    prepay.setNotifyUrl("https://shop.example/notify");
+    prepay.setOutTradeNo(args[8]);
+    Payer payer = new Payer();
+    payer.setOpenid(args[10]);
+    prepay.setPayer(payer);
+    PrepayWithRequestPaymentResponse params = service.prepayWithRequestPayment(prepay);
+    JsonObject out = new JsonObject();
+    out.addProperty("appId", params.getAppId());
+    out.addProperty("timeStamp", params.getTimeStamp());
+    out.addProperty("nonceStr", params.getNonceStr());
+    out.addProperty("package", params.getPackageVal());
+    out.addProperty("signType", params.getSignType());
+    out.addProperty("paySign", params.getPaySign());
+    System.out.println(GSON.toJson(out));
   }
 
   private static void listen(String[] args) throws Exception {

@@ -16,11 +16,26 @@
 //! line, `{"url", "serials"}`, once it listens.
 //!
 //! What a test drives, under `/sim`:
-//! - `POST /sim/pay/{out_trade_no}` `{"times", "deliver"}`: the buyer pays;
-//!   the payment callback is sent `times` times (none when `deliver` is
-//!   false: a dropped callback);
+//! - `POST /sim/pay/{out_trade_no}` `{"times", "deliver", "outcome"}`: the
+//!   buyer pays (`outcome` `PAYERROR`: the charge fails, and the trade can
+//!   still be paid later, as WeChat Pay's can); the payment callback is
+//!   sent `times` times (none when `deliver` is false: a dropped callback),
+//!   or as the delivery plan says when neither is given. A closed trade,
+//!   or one past its `time_expire`, is refused (409);
 //! - `POST /sim/deliver/{out_trade_no}` `{"tamper": "body" | "serial" |
-//!   "timestamp" | null}`: one more callback, spoiled as asked;
+//!   "timestamp" | "mchid" | "appid" | "currency" | null}`: one more
+//!   callback, spoiled as asked (the last three: a genuine signature over
+//!   a resource of another merchant, app or currency);
+//! - `POST /sim/script` `{"path", "status", "code", "signed", "stale",
+//!   "after_work", "times"}`: the next calls whose path contains `path`
+//!   get that answer (`faults.rs`);
+//! - `POST /sim/faults` `{"error_rate", "hang_rate", "hang_ms", "seed"}`:
+//!   faults drawn at a rate from a seed, on every merchant call;
+//! - `POST /sim/callbacks`: the delivery plan (`deliver.rs`): callbacks
+//!   dropped, repeated, late, refunds settled before their answer;
+//! - `POST /sim/refund-settle/{out_refund_no}` `{"status", "force"}`: a
+//!   refund still PROCESSING (`force`: or one that failed) settles now,
+//!   and its callback goes out;
 //! - `POST /sim/sign-with` `{"serial"}`: sign with the other key from now;
 //! - `POST /sim/refund-callbacks` `{"deliver"}`: send refund callbacks, or not;
 //! - `POST /sim/notify-to` `{"url"}`: send callbacks there, whatever
@@ -28,8 +43,12 @@
 //! - `POST /sim/plant` `{"out_trade_no", "amount"}`, `POST
 //!   /sim/forget/{out_trade_no}`: a trade paid behind the merchant's back,
 //!   an amount changed, a trade gone (for the statement reconciliation);
-//! - `GET /sim/state`: trades, refunds, and every request with whether its
-//!   signature held.
+//! - `GET /sim/state` (`?requests=false` without the requests): trades,
+//!   refunds, faults given, and every request with whether its signature
+//!   held.
+
+mod deliver;
+mod faults;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -40,6 +59,8 @@ use rsa::Generate;
 use rsa::pkcs8::{EncodePrivateKey, EncodePublicKey, LineEnding};
 use seckill::payments::wechatpay::crypto::{self, ApiV3Cipher, MerchantSigner, PlatformKeys};
 use serde_json::{Value, json};
+
+use faults::{Faults, Op, Verdict};
 
 struct Trade {
     out_trade_no: String,
@@ -52,6 +73,13 @@ struct Trade {
     success_time: Option<String>,
     /// Prepay calls made for it (one trade, however many calls).
     creates: u32,
+    /// `NATIVE` or `JSAPI`.
+    trade_type: &'static str,
+    /// JSAPI: the payer's openid, and the prepay id given.
+    openid: Option<String>,
+    prepay_id: String,
+    /// After this the trade cannot be paid.
+    expires: Option<chrono::DateTime<chrono::FixedOffset>>,
 }
 
 struct Refund {
@@ -79,6 +107,8 @@ struct Sim {
     /// test's server listens on a port chosen when it starts).
     notify_to: Mutex<Option<String>>,
     http: reqwest::Client,
+    faults: Faults,
+    plan: Mutex<deliver::Plan>,
 }
 
 fn arg(args: &[String], name: &str) -> String {
@@ -121,9 +151,22 @@ impl Sim {
     }
 
     fn answer(&self, status: u16, body: Option<Value>) -> HttpResponse {
+        self.answer_signed(status, body, Some(Utc::now().timestamp()))
+    }
+
+    /// An answer signed at `signed_at` (unix seconds), or not at all.
+    fn answer_signed(
+        &self,
+        status: u16,
+        body: Option<Value>,
+        signed_at: Option<i64>,
+    ) -> HttpResponse {
         let bytes = body.map(|b| b.to_string()).unwrap_or_default();
         let mut res = HttpResponse::build(actix_web::http::StatusCode::from_u16(status).unwrap());
-        for (k, v) in self.sign(Utc::now().timestamp(), bytes.as_bytes()) {
+        for (k, v) in signed_at
+            .map(|ts| self.sign(ts, bytes.as_bytes()))
+            .unwrap_or_default()
+        {
             res.insert_header((k, v));
         }
         res.insert_header(("Request-ID", random(16)));
@@ -141,6 +184,17 @@ impl Sim {
 
     fn error(&self, status: u16, code: &str, message: &str) -> HttpResponse {
         self.answer(status, Some(json!({"code": code, "message": message})))
+    }
+
+    /// A fault's error answer, signed or not, fresh or stale.
+    fn fault(&self, a: &faults::Answer) -> HttpResponse {
+        let now = Utc::now().timestamp();
+        let signed_at = a.signed.then_some(if a.stale { now - 3600 } else { now });
+        self.answer_signed(
+            a.status,
+            Some(json!({"code": a.code, "message": a.message})),
+            signed_at,
+        )
     }
 
     /// Checks the merchant's `Authorization` over the request.
@@ -202,13 +256,13 @@ impl Sim {
             "mchid": self.mchid,
             "out_trade_no": t.out_trade_no,
             "transaction_id": t.transaction_id,
-            "trade_type": "NATIVE",
+            "trade_type": t.trade_type,
             "trade_state": t.state,
             "trade_state_desc": t.state,
             "bank_type": "OTHERS",
             "attach": t.body["attach"],
             "success_time": t.success_time,
-            "payer": {"openid": "o-simulated-payer"},
+            "payer": {"openid": t.openid.clone().unwrap_or_else(|| "o-simulated-payer".into())},
             "amount": {"total": t.amount, "payer_total": t.amount, "currency": "CNY", "payer_currency": "CNY"},
         })
     }
@@ -336,11 +390,23 @@ impl Sim {
 
     /// Sends the trade's payment callback, spoiled as `tamper` says.
     async fn deliver(&self, no: &str, tamper: Option<&str>) -> Option<(u16, String)> {
-        let (resource, url) = {
+        let notice = self.payment_callback(no, tamper)?;
+        Some(self.post(&notice.url, notice.headers, notice.body).await)
+    }
+
+    /// The trade's payment callback, spoiled as `tamper` says.
+    fn payment_callback(&self, no: &str, tamper: Option<&str>) -> Option<deliver::Notice> {
+        let (mut resource, url) = {
             let trades = self.trades.lock().unwrap();
             let t = trades.get(no)?;
             (self.transaction(t), self.notify_url(t.notify_url.clone()))
         };
+        match tamper {
+            Some("mchid") => resource["mchid"] = json!("1900009999"),
+            Some("appid") => resource["appid"] = json!("wx-another-app"),
+            Some("currency") => resource["amount"]["currency"] = json!("USD"),
+            _ => {}
+        }
         let ts = match tamper {
             Some("timestamp") => Utc::now().timestamp() - 3600,
             _ => Utc::now().timestamp(),
@@ -365,16 +431,14 @@ impl Sim {
             }
             _ => {}
         }
-        Some(self.post(&url, headers, body).await)
+        Some(deliver::Notice { headers, body, url })
     }
 
-    async fn refund_callback(&self, no: &str) {
-        if !*self.refund_callbacks.lock().unwrap() {
-            return;
-        }
+    /// The refund's callback as it stands now.
+    fn refund_notice(&self, no: &str) -> Option<deliver::Notice> {
         let (resource, url) = {
             let refunds = self.refunds.lock().unwrap();
-            let Some(r) = refunds.get(no) else { return };
+            let r = refunds.get(no)?;
             let mut resource = self.refund_json(r);
             // A refund callback names it `refund_status`, an answer `status`.
             let status = resource
@@ -390,13 +454,74 @@ impl Sim {
             resource["refund_status"].as_str().unwrap_or("SUCCESS")
         );
         let (headers, body) = self.callback(&event, "refund", &resource, Utc::now().timestamp());
-        self.post(&url, headers, body).await;
+        Some(deliver::Notice { headers, body, url })
+    }
+
+    /// The refund's callback, sent as the delivery plan says.
+    async fn refund_callback(self: &std::sync::Arc<Self>, no: &str) {
+        if !*self.refund_callbacks.lock().unwrap() {
+            return;
+        }
+        if let Some(notice) = self.refund_notice(no) {
+            deliver::send(self.clone(), notice).await;
+        }
+    }
+
+    /// Settles a refund still PROCESSING as `status` (`force`: one that
+    /// failed, too, as a merchant who mends an abnormal refund does), and
+    /// sends its callback.
+    async fn settle_refund(
+        self: &std::sync::Arc<Self>,
+        no: &str,
+        status: &'static str,
+        force: bool,
+    ) -> bool {
+        let settled = match self.refunds.lock().unwrap().get_mut(no) {
+            Some(r) if r.status == "PROCESSING" || (force && r.status != "SUCCESS") => {
+                r.status = status;
+                true
+            }
+            _ => false,
+        };
+        if settled {
+            self.refund_callback(no).await;
+        }
+        settled
+    }
+
+    /// The verdict of the faults in force on a call of `op` to `req`'s path.
+    fn verdict(&self, op: Op, req: &HttpRequest) -> Verdict {
+        let path = req.uri().path_and_query().map_or("", |p| p.as_str());
+        self.faults.verdict(op, path)
+    }
+
+    /// The answer to a call whose work is done, as the verdict says: as
+    /// is, replaced by an error, or held past the client's patience.
+    async fn after_work(&self, verdict: Verdict, answer: HttpResponse) -> HttpResponse {
+        match verdict {
+            Verdict::After(a) => self.fault(&a),
+            Verdict::Hang(ms) => {
+                actix_web::rt::time::sleep(std::time::Duration::from_millis(ms)).await;
+                answer
+            }
+            _ => answer,
+        }
     }
 }
 
-async fn native(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> HttpResponse {
+/// Prepay, Native or JSAPI.
+async fn prepay(
+    sim: web::Data<Sim>,
+    req: HttpRequest,
+    body: web::Bytes,
+    trade_type: &'static str,
+) -> HttpResponse {
     if let Some(refused) = sim.check(&req, &body) {
         return refused;
+    }
+    let verdict = sim.verdict(Op::Prepay, &req);
+    if let Verdict::Before(a) = &verdict {
+        return sim.fault(a);
     }
     let Ok(b) = serde_json::from_slice::<Value>(&body) else {
         return sim.error(400, "PARAM_ERROR", "a body not JSON");
@@ -412,55 +537,80 @@ async fn native(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> Http
             "out_trade_no, amount.total and notify_url are required",
         );
     };
+    let openid = b["payer"]["openid"].as_str().map(str::to_owned);
+    if trade_type == "JSAPI" && openid.as_deref().is_none_or(str::is_empty) {
+        return sim.error(400, "PARAM_ERROR", "payer.openid is required");
+    }
     if b["mchid"] != json!(sim.mchid) {
         return sim.error(400, "MCH_NOT_EXISTS", "another mchid");
     }
-    let mut trades = sim.trades.lock().unwrap();
-    let trade = trades.entry(no.to_owned()).or_insert_with(|| Trade {
-        out_trade_no: no.to_owned(),
-        amount,
-        body: b.clone(),
-        notify_url: notify.to_owned(),
-        code_url: format!("weixin://wxpay/bizpayurl?pr={}", random(10)),
-        state: "NOTPAY",
-        transaction_id: None,
-        success_time: None,
-        creates: 0,
-    });
-    trade.creates += 1;
-    if trade.amount != amount || trade.body != b {
-        return sim.error(
-            400,
-            "INVALID_REQUEST",
-            "out_trade_no used with other parameters",
-        );
-    }
-    match trade.state {
-        "CLOSED" => return sim.error(400, "ORDER_CLOSED", "the trade is closed"),
-        "SUCCESS" | "REFUND" => return sim.error(400, "ORDERPAID", "the trade is paid"),
-        _ => {}
-    }
-    let code_url = trade.code_url.clone();
-    drop(trades);
-    sim.answer(200, Some(json!({"code_url": code_url})))
+    let expires = b["time_expire"]
+        .as_str()
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok());
+    let answer = {
+        let mut trades = sim.trades.lock().unwrap();
+        let trade = trades.entry(no.to_owned()).or_insert_with(|| Trade {
+            out_trade_no: no.to_owned(),
+            amount,
+            body: b.clone(),
+            notify_url: notify.to_owned(),
+            code_url: format!("weixin://wxpay/bizpayurl?pr={}", random(10)),
+            state: "NOTPAY",
+            transaction_id: None,
+            success_time: None,
+            creates: 0,
+            trade_type,
+            openid: openid.clone(),
+            prepay_id: format!("wx{}", random(30)),
+            expires,
+        });
+        trade.creates += 1;
+        if trade.amount != amount || trade.body != b {
+            Err((400, "INVALID_REQUEST", "out_trade_no used with other parameters"))
+        } else {
+            match (trade.state, trade_type) {
+                ("CLOSED", _) => Err((400, "ORDER_CLOSED", "the trade is closed")),
+                ("SUCCESS" | "REFUND", _) => Err((400, "ORDERPAID", "the trade is paid")),
+                (_, "JSAPI") => Ok(json!({"prepay_id": trade.prepay_id})),
+                _ => Ok(json!({"code_url": trade.code_url})),
+            }
+        }
+    };
+    let answer = match answer {
+        Ok(answer) => answer,
+        Err((status, code, message)) => return sim.error(status, code, message),
+    };
+    let answer = sim.answer(200, Some(answer));
+    sim.after_work(verdict, answer).await
+}
+
+async fn native(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> HttpResponse {
+    prepay(sim, req, body, "NATIVE").await
+}
+
+async fn jsapi(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> HttpResponse {
+    prepay(sim, req, body, "JSAPI").await
 }
 
 async fn query(sim: web::Data<Sim>, req: HttpRequest, path: web::Path<String>) -> HttpResponse {
     if let Some(refused) = sim.check(&req, b"") {
         return refused;
     }
-    let trades = sim.trades.lock().unwrap();
-    match trades.get(path.as_str()) {
-        Some(t) => {
-            let body = sim.transaction(t);
-            drop(trades);
-            sim.answer(200, Some(body))
-        }
-        None => {
-            drop(trades);
-            sim.error(404, "ORDER_NOT_EXIST", "no such trade")
-        }
+    let verdict = sim.verdict(Op::Query, &req);
+    if let Verdict::Before(a) = &verdict {
+        return sim.fault(a);
     }
+    let body = sim
+        .trades
+        .lock()
+        .unwrap()
+        .get(path.as_str())
+        .map(|t| sim.transaction(t));
+    let answer = match body {
+        Some(body) => sim.answer(200, Some(body)),
+        None => sim.error(404, "ORDER_NOT_EXIST", "no such trade"),
+    };
+    sim.after_work(verdict, answer).await
 }
 
 async fn close(
@@ -472,26 +622,34 @@ async fn close(
     if let Some(refused) = sim.check(&req, &body) {
         return refused;
     }
-    let mut trades = sim.trades.lock().unwrap();
-    let state = match trades.get_mut(path.as_str()) {
+    let verdict = sim.verdict(Op::Close, &req);
+    if let Verdict::Before(a) = &verdict {
+        return sim.fault(a);
+    }
+    let state = match sim.trades.lock().unwrap().get_mut(path.as_str()) {
         None => None,
-        Some(t) if t.state == "NOTPAY" => {
+        // A failed charge can still be paid until the trade is closed.
+        Some(t) if t.state == "NOTPAY" || t.state == "PAYERROR" => {
             t.state = "CLOSED";
             Some("CLOSED")
         }
         Some(t) => Some(t.state),
     };
-    drop(trades);
-    match state {
+    let answer = match state {
         None => sim.error(404, "ORDER_NOT_EXIST", "no such trade"),
         Some("SUCCESS" | "REFUND") => sim.error(400, "ORDERPAID", "the trade is paid"),
         Some(_) => sim.answer(204, None),
-    }
+    };
+    sim.after_work(verdict, answer).await
 }
 
 async fn refund(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> HttpResponse {
     if let Some(refused) = sim.check(&req, &body) {
         return refused;
+    }
+    let verdict = sim.verdict(Op::Refund, &req);
+    if let Verdict::Before(a) = &verdict {
+        return sim.fault(a);
     }
     let Ok(b) = serde_json::from_slice::<Value>(&body) else {
         return sim.error(400, "PARAM_ERROR", "a body not JSON");
@@ -508,7 +666,8 @@ async fn refund(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> Http
             "out_refund_no, out_trade_no and amount are required",
         );
     };
-    {
+    let known = sim.refunds.lock().unwrap().contains_key(no);
+    if !known {
         let mut trades = sim.trades.lock().unwrap();
         let Some(t) = trades.get_mut(trade_no) else {
             drop(trades);
@@ -528,33 +687,46 @@ async fn refund(sim: web::Data<Sim>, req: HttpRequest, body: web::Bytes) -> Http
         }
         t.state = "REFUND";
     }
-    let body = {
+    let (body, created) = {
         let mut refunds = sim.refunds.lock().unwrap();
-        let r = refunds.entry(no.to_owned()).or_insert_with(|| Refund {
-            out_refund_no: no.to_owned(),
-            out_trade_no: trade_no.to_owned(),
-            refund_id: format!("50{}", random(26)),
-            amount,
-            total,
-            status: "PROCESSING",
-            notify_url: b["notify_url"].as_str().unwrap_or_default().to_owned(),
-            creates: 0,
+        let mut created = false;
+        let r = refunds.entry(no.to_owned()).or_insert_with(|| {
+            created = true;
+            Refund {
+                out_refund_no: no.to_owned(),
+                out_trade_no: trade_no.to_owned(),
+                refund_id: format!("50{}", random(26)),
+                amount,
+                total,
+                status: "PROCESSING",
+                notify_url: b["notify_url"].as_str().unwrap_or_default().to_owned(),
+                creates: 0,
+            }
         });
         r.creates += 1;
         let r = &*r;
-        sim.refund_json(r)
+        (sim.refund_json(r), created)
     };
-    // The money arrives a moment later, and the refund callback says so.
-    let sim2 = sim.clone();
-    let no = no.to_owned();
-    actix_web::rt::spawn(async move {
-        actix_web::rt::time::sleep(std::time::Duration::from_millis(200)).await;
-        if let Some(r) = sim2.refunds.lock().unwrap().get_mut(&no) {
-            r.status = "SUCCESS";
+    if created {
+        let sim = sim.clone().into_inner();
+        let no = no.to_owned();
+        let (early, wait) = sim.plan.lock().unwrap().refund_timing();
+        if early {
+            // Settled at once, and its callback sent before this answer:
+            // the answer's PROCESSING arrives after the callback's SUCCESS.
+            sim.settle_refund(&no, "SUCCESS", false).await;
+        } else {
+            // The money arrives later, and the refund callback says so.
+            actix_web::rt::spawn(async move {
+                if let Some(ms) = wait {
+                    actix_web::rt::time::sleep(std::time::Duration::from_millis(ms)).await;
+                    sim.settle_refund(&no, "SUCCESS", false).await;
+                }
+            });
         }
-        sim2.refund_callback(&no).await;
-    });
-    sim.answer(200, Some(body))
+    }
+    let answer = sim.answer(200, Some(body));
+    sim.after_work(verdict, answer).await
 }
 
 async fn query_refund(
@@ -565,16 +737,21 @@ async fn query_refund(
     if let Some(refused) = sim.check(&req, b"") {
         return refused;
     }
+    let verdict = sim.verdict(Op::QueryRefund, &req);
+    if let Verdict::Before(a) = &verdict {
+        return sim.fault(a);
+    }
     let body = sim
         .refunds
         .lock()
         .unwrap()
         .get(path.as_str())
         .map(|r| sim.refund_json(r));
-    match body {
+    let answer = match body {
         Some(body) => sim.answer(200, Some(body)),
         None => sim.error(404, "RESOURCE_NOT_EXISTS", "no such refund"),
-    }
+    };
+    sim.after_work(verdict, answer).await
 }
 
 async fn sim_pay(
@@ -582,21 +759,42 @@ async fn sim_pay(
     path: web::Path<String>,
     body: web::Json<Value>,
 ) -> HttpResponse {
-    let times = body["times"].as_u64().unwrap_or(1);
-    let deliver = body["deliver"].as_bool().unwrap_or(true);
+    let outcome = match body["outcome"].as_str() {
+        Some("PAYERROR") => "PAYERROR",
+        _ => "SUCCESS",
+    };
     {
         let mut trades = sim.trades.lock().unwrap();
         let Some(t) = trades.get_mut(path.as_str()) else {
             return HttpResponse::NotFound().json(json!({"error": "no such trade"}));
         };
-        if t.state != "NOTPAY" {
+        if t.state != "NOTPAY" && t.state != "PAYERROR" {
             return HttpResponse::Conflict()
                 .json(json!({"error": format!("the trade is {}", t.state)}));
         }
-        t.state = "SUCCESS";
-        t.transaction_id = Some(format!("42{}", random(26)));
-        t.success_time = Some(china_now());
+        if t.expires.is_some_and(|at| at < Utc::now()) {
+            return HttpResponse::Conflict()
+                .json(json!({"error": "the trade is past its time_expire"}));
+        }
+        t.state = outcome;
+        if outcome == "SUCCESS" {
+            t.transaction_id = Some(format!("42{}", random(26)));
+            t.success_time = Some(china_now());
+        }
     }
+    if outcome != "SUCCESS" {
+        // WeChat Pay notifies successful payments only.
+        return HttpResponse::Ok().json(json!({"statuses": []}));
+    }
+    if body.get("times").is_none() && body.get("deliver").is_none() {
+        // As the delivery plan says, in the background.
+        if let Some(notice) = sim.payment_callback(path.as_str(), None) {
+            actix_web::rt::spawn(deliver::send(sim.clone().into_inner(), notice));
+        }
+        return HttpResponse::Ok().json(json!({"statuses": []}));
+    }
+    let times = body["times"].as_u64().unwrap_or(1);
+    let deliver = body["deliver"].as_bool().unwrap_or(true);
     let mut statuses = Vec::new();
     if deliver {
         for _ in 0..times {
@@ -606,6 +804,40 @@ async fn sim_pay(
         }
     }
     HttpResponse::Ok().json(json!({"statuses": statuses}))
+}
+
+async fn sim_refund_settle(
+    sim: web::Data<Sim>,
+    path: web::Path<String>,
+    body: web::Json<Value>,
+) -> HttpResponse {
+    let status = match body["status"].as_str() {
+        Some("ABNORMAL") => "ABNORMAL",
+        Some("CLOSED") => "CLOSED",
+        _ => "SUCCESS",
+    };
+    let force = body["force"].as_bool().unwrap_or(false);
+    let sim = sim.into_inner();
+    if sim.settle_refund(path.as_str(), status, force).await {
+        HttpResponse::Ok().json(json!({"status": status}))
+    } else {
+        HttpResponse::Conflict().json(json!({"error": "no such refund PROCESSING"}))
+    }
+}
+
+async fn sim_script(sim: web::Data<Sim>, body: web::Json<faults::Scripted>) -> HttpResponse {
+    sim.faults.script(body.into_inner());
+    HttpResponse::Ok().json(json!({}))
+}
+
+async fn sim_faults(sim: web::Data<Sim>, body: web::Json<faults::Rates>) -> HttpResponse {
+    sim.faults.set_rates(body.into_inner());
+    HttpResponse::Ok().json(json!({}))
+}
+
+async fn sim_callbacks(sim: web::Data<Sim>, body: web::Json<deliver::Plan>) -> HttpResponse {
+    *sim.plan.lock().unwrap() = body.into_inner();
+    HttpResponse::Ok().json(json!({}))
 }
 
 async fn sim_deliver(
@@ -678,8 +910,8 @@ async fn bill_file(sim: web::Data<Sim>, req: HttpRequest) -> HttpResponse {
         .body(sim.bill(&date))
 }
 
-/// `POST /sim/plant` `{"out_trade_no", "amount"}`: a paid trade the
-/// merchant never asked for, or a paid trade's amount changed.
+/// `POST /sim/plant` `{"out_trade_no", "amount", "appid"}`: a paid trade
+/// the merchant never asked for, or a paid trade's amount changed.
 async fn sim_plant(sim: web::Data<Sim>, body: web::Json<Value>) -> HttpResponse {
     let (Some(no), Some(amount)) = (body["out_trade_no"].as_str(), body["amount"].as_i64()) else {
         return HttpResponse::BadRequest().finish();
@@ -688,13 +920,17 @@ async fn sim_plant(sim: web::Data<Sim>, body: web::Json<Value>) -> HttpResponse 
     let t = trades.entry(no.to_owned()).or_insert_with(|| Trade {
         out_trade_no: no.to_owned(),
         amount,
-        body: json!({}),
+        body: json!({"appid": body["appid"]}),
         notify_url: String::new(),
         code_url: String::new(),
         state: "SUCCESS",
         transaction_id: Some(format!("42{}", random(26))),
         success_time: Some(china_now()),
         creates: 0,
+        trade_type: "NATIVE",
+        openid: None,
+        prepay_id: String::new(),
+        expires: None,
     });
     t.amount = amount;
     HttpResponse::Ok().json(json!({}))
@@ -711,13 +947,13 @@ async fn sim_notify_to(sim: web::Data<Sim>, body: web::Json<Value>) -> HttpRespo
     HttpResponse::Ok().json(json!({}))
 }
 
-async fn sim_state(sim: web::Data<Sim>) -> HttpResponse {
+async fn sim_state(sim: web::Data<Sim>, req: HttpRequest) -> HttpResponse {
     let trades: Vec<Value> = sim
         .trades
         .lock()
         .unwrap()
         .values()
-        .map(|t| json!({"out_trade_no": t.out_trade_no, "state": t.state, "amount": t.amount, "creates": t.creates, "code_url": t.code_url, "notify_url": t.notify_url, "success_time": t.success_time}))
+        .map(|t| json!({"out_trade_no": t.out_trade_no, "state": t.state, "amount": t.amount, "creates": t.creates, "code_url": t.code_url, "notify_url": t.notify_url, "success_time": t.success_time, "trade_type": t.trade_type, "openid": t.openid, "prepay_id": t.prepay_id}))
         .collect();
     let refunds: Vec<Value> = sim
         .refunds
@@ -726,8 +962,14 @@ async fn sim_state(sim: web::Data<Sim>) -> HttpResponse {
         .values()
         .map(|r| json!({"out_refund_no": r.out_refund_no, "out_trade_no": r.out_trade_no, "status": r.status, "amount": r.amount, "creates": r.creates}))
         .collect();
-    let requests = sim.requests.lock().unwrap().clone();
-    HttpResponse::Ok().json(json!({"trades": trades, "refunds": refunds, "requests": requests}))
+    let requests = if req.query_string().contains("requests=false") {
+        Vec::new()
+    } else {
+        sim.requests.lock().unwrap().clone()
+    };
+    let faults = sim.faults.given.lock().unwrap().clone();
+    let deliveries = sim.plan.lock().unwrap().given();
+    HttpResponse::Ok().json(json!({"trades": trades, "refunds": refunds, "requests": requests, "faults": faults, "deliveries": deliveries}))
 }
 
 fn platform_key(dir: &str, serial: &str) -> MerchantSigner {
@@ -771,6 +1013,8 @@ async fn main() -> std::io::Result<()> {
         requests: Mutex::default(),
         refund_callbacks: Mutex::new(true),
         notify_to: Mutex::default(),
+        faults: Faults::default(),
+        plan: Mutex::default(),
         http: reqwest::Client::builder()
             .timeout(std::time::Duration::from_secs(10))
             .build()
@@ -782,6 +1026,7 @@ async fn main() -> std::io::Result<()> {
             App::new()
                 .app_data(sim.clone())
                 .route("/v3/pay/transactions/native", web::post().to(native))
+                .route("/v3/pay/transactions/jsapi", web::post().to(jsapi))
                 .route(
                     "/v3/pay/transactions/out-trade-no/{no}",
                     web::get().to(query),
@@ -808,6 +1053,10 @@ async fn main() -> std::io::Result<()> {
                 .route("/sim/forget/{no}", web::post().to(sim_forget))
                 .route("/sim/notify-to", web::post().to(sim_notify_to))
                 .route("/sim/state", web::get().to(sim_state))
+                .route("/sim/script", web::post().to(sim_script))
+                .route("/sim/faults", web::post().to(sim_faults))
+                .route("/sim/callbacks", web::post().to(sim_callbacks))
+                .route("/sim/refund-settle/{no}", web::post().to(sim_refund_settle))
         }
     })
     .workers(2)
