@@ -339,6 +339,10 @@ impl Stripe {
         }
     }
 
+    /// The refund under our number: the one made before, when the
+    /// provider has it, else made now. A provider that has forgotten an
+    /// `Idempotency-Key` (Stripe keeps them 24 hours) must not refund twice
+    /// when an attempt whose answer was lost is made again.
     async fn create_refund(&self, r: &RefundRequest) -> Result<RefundReport, ProviderError> {
         let Some(intent) = r.payment.provider_ref.clone() else {
             return Err(ProviderError::Refused {
@@ -346,6 +350,9 @@ impl Stripe {
                 message: "the payment has no PaymentIntent to refund".into(),
             });
         };
+        if let Some(made) = self.refund_of(&intent, r.refund_no).await? {
+            return Ok(made);
+        }
         let form = [
             ("payment_intent", intent),
             ("amount", r.amount_cents.to_string()),
@@ -361,6 +368,27 @@ impl Stripe {
             )
             .await?;
         Ok(report_of(refund, r.refund_no))
+    }
+
+    /// The refund of `intent` made under `refund_no`, if there is one.
+    async fn refund_of(
+        &self,
+        intent: &str,
+        refund_no: i64,
+    ) -> Result<Option<RefundReport>, ProviderError> {
+        let list: List<Refund> = self
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/refunds?payment_intent={intent}"),
+                &[],
+                None,
+            )
+            .await?;
+        Ok(list
+            .data
+            .into_iter()
+            .find(|refund| number(&refund.metadata, "refund_no") == Some(refund_no))
+            .map(|refund| report_of(refund, refund_no)))
     }
 
     async fn find_refund(&self, r: &RefundRef) -> Result<RefundReport, ProviderError> {
@@ -381,18 +409,8 @@ impl Stripe {
                 message: "the payment has no PaymentIntent".into(),
             });
         };
-        let list: List<Refund> = self
-            .call(
-                reqwest::Method::GET,
-                &format!("/v1/refunds?payment_intent={intent}"),
-                &[],
-                None,
-            )
-            .await?;
-        list.data
-            .into_iter()
-            .find(|refund| number(&refund.metadata, "refund_no") == Some(r.refund_no))
-            .map(|refund| report_of(refund, r.refund_no))
+        self.refund_of(intent, r.refund_no)
+            .await?
             .ok_or_else(|| ProviderError::Refused {
                 code: "resource_missing".into(),
                 message: format!("no refund {} at the provider", r.refund_no),
@@ -577,9 +595,14 @@ mod tests {
                 let Ok(mut stream) = stream else { return };
                 let mut buf = [0u8; 16384];
                 let n = stream.read(&mut buf).unwrap_or(0);
-                kept.lock()
-                    .unwrap()
-                    .push(String::from_utf8_lossy(&buf[..n]).to_lowercase());
+                let head = String::from_utf8_lossy(&buf[..n]).to_lowercase();
+                // A list of refunds (looked up before one is made): none.
+                let answer = if head.starts_with("get /v1/refunds?") {
+                    r#"{"data":[]}"#
+                } else {
+                    answer
+                };
+                kept.lock().unwrap().push(head);
                 let _ = write!(
                     stream,
                     "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
@@ -642,6 +665,7 @@ mod tests {
         let heads = heads.lock().unwrap().clone();
         let keys: Vec<&str> = heads
             .iter()
+            .filter(|h| h.starts_with("post "))
             .map(|h| {
                 h.lines()
                     .find_map(|l| l.strip_prefix("idempotency-key: "))
