@@ -460,6 +460,28 @@ pub fn lease_pending(
     .load(conn)
 }
 
+/// The open payments of providers other than `providers`, counted by
+/// provider: payments nothing here can close, query or refund.
+pub fn unrouted(conn: &mut PgConn, providers: &[String]) -> QueryResult<Vec<(String, i64)>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        provider: String,
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let rows: Vec<Row> = diesel::sql_query(
+        "SELECT provider, count(*) AS n FROM payments \
+         WHERE provider <> ALL($1) \
+           AND (status IN ('PENDING', 'REFUND_REQUIRED', 'REFUNDING') \
+                OR (status = 'FAILED' AND closed_at IS NULL)) \
+         GROUP BY provider",
+    )
+    .bind::<diesel::sql_types::Array<Text>, _>(providers)
+    .load(conn)?;
+    Ok(rows.into_iter().map(|r| (r.provider, r.n)).collect())
+}
+
 /// The refund of a PAID order an admin asked for (an after-sale refund):
 /// its payment goes REFUNDING, and the refund is sent by the sweeper. The
 /// order stays PAID and its stock sold (docs/SPEC.md).

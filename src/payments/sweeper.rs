@@ -57,6 +57,7 @@ pub struct Sweeper {
 /// Starts the sweeper loop.
 pub fn spawn(sweeper: Sweeper) -> WorkerHandle {
     WorkerHandle::spawn(|stop| async move {
+        sweeper.warn_of_unrouted().await;
         while !stop.is_cancelled() {
             if let Err(e) = sweeper.round().await {
                 tracing::warn!(error = format!("{e:#}"), "payment sweeper round failed");
@@ -74,6 +75,28 @@ fn secs(d: Duration) -> i64 {
 }
 
 impl Sweeper {
+    /// Logs, once at start, the open payments of providers not configured
+    /// here: nothing can close, query or refund them until they are.
+    async fn warn_of_unrouted(&self) {
+        let names = self.providers.names();
+        match store::run(&self.db, move |conn| Ok(repo::unrouted(conn, &names)?)).await {
+            Ok(rows) => {
+                for (provider, open) in rows {
+                    tracing::error!(
+                        provider,
+                        open,
+                        "open payments of a provider not configured here: configure it again \
+                         until they are settled (docs/OPERATIONS.md, \"Switching payment providers\")"
+                    );
+                }
+            }
+            Err(e) => tracing::info!(
+                error = format!("{e:#}"),
+                "the payments of unconfigured providers were not counted"
+            ),
+        }
+    }
+
     /// One round: the pending payments due, then the refunds due.
     pub async fn round(&self) -> anyhow::Result<()> {
         let (after, max) = (
