@@ -66,14 +66,20 @@ fi
 # directory's lock while its tests run: scripts/test.sh runs other tests
 # beside these (it builds first, with --build-only, then sets
 # SECKILL_CHAOS_BUILT).
+# The nemesis pays through the WeChat Pay platform simulator (copied the
+# same way) and localstripe.
 if [ -z "${SECKILL_CHAOS_BUILT:-}" ]; then
   exe=$(cargo test --test chaos --no-run --message-format=json | scripts/test-exe.py chaos)
+  cargo build --example wechatpay_sim
   mkdir -p target/chaos
   cp target/debug/seckill target/chaos/seckill-under-test
+  cp target/debug/examples/wechatpay_sim target/chaos/wechatpay-sim
   cp "$exe" target/chaos/chaos-tests
 fi
 [ -z "$build_only" ] || exit 0
 export SECKILL_CHAOS_BIN=$ROOT/target/chaos/seckill-under-test
+export SECKILL_CHAOS_SIM=$ROOT/target/chaos/wechatpay-sim
+scripts/localstripe.sh >/dev/null
 
 scripts/services.sh stop kafka
 rm -rf "$SECKILL_SERVICES_DIR/kafka/data" "$SECKILL_SERVICES_DIR"/kafka-cluster/*/data

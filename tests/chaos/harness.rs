@@ -70,6 +70,17 @@ fn seckill_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_seckill")))
 }
 
+/// The value a server start numbered `generation` (from 1) takes: a
+/// `SECKILL__PAYMENT__PROVIDER` with commas names the providers starts
+/// take in turn (a restart switches provider); any other value as it is.
+fn rotated<'a>(key: &str, value: &'a str, generation: usize) -> &'a str {
+    if key != "SECKILL__PAYMENT__PROVIDER" {
+        return value;
+    }
+    let turns: Vec<&str> = value.split(',').collect();
+    turns[(generation.max(1) - 1) % turns.len()]
+}
+
 /// Sends `sig` to every process of group `pgid` (a node's keeper and
 /// its PostgreSQL).
 pub fn signal_group(pgid: u32, sig: &str) {
@@ -608,15 +619,40 @@ impl Chaos {
             dir.join(format!("{}.{}.log", self.name, *generation))
         };
         let file = std::fs::File::create(&log).unwrap();
+        let generation = *self.generation.lock().unwrap() as usize;
         let child = Command::new(seckill_bin())
             .arg("serve")
-            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
+            .envs(
+                self.env
+                    .iter()
+                    .map(|(k, v)| (*k, rotated(k, v, generation))),
+            )
             .stdout(file.try_clone().unwrap())
             .stderr(file)
             .spawn()
             .expect("seckill serve starts");
         *self.server.lock().unwrap() = Some(child);
         log
+    }
+
+    /// `POST /api/v1/admin/payments/statement` for `date` (YYYY-MM-DD),
+    /// asked until answered: the report.
+    pub async fn statement(&self, date: &str) -> Value {
+        loop {
+            let res = self
+                .client
+                .post(self.url("/api/v1/admin/payments/statement"))
+                .bearer_auth(self.admin())
+                .json(&json!({"date": date}))
+                .send()
+                .await;
+            if let Ok(res) = res
+                && res.status() == 200
+            {
+                return res.json().await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 
     /// How many lines of the server's logs (every start of it) contain
@@ -1047,6 +1083,11 @@ impl Chaos {
 
     pub(crate) async fn strings(&self, sql: &str) -> HashSet<String> {
         crate::db::strings(&self.settings.postgres.url, sql).await
+    }
+
+    /// [`Chaos::strings`], or nothing while the database does not answer.
+    pub(crate) async fn try_strings(&self, sql: &str) -> HashSet<String> {
+        crate::db::try_strings(&self.settings.postgres.url, sql).await
     }
 }
 

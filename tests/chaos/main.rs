@@ -11,6 +11,7 @@ mod db;
 #[path = "../common/gdb.rs"]
 mod gdb;
 mod harness;
+mod money;
 mod nemesis;
 mod replicated;
 mod room;
@@ -466,8 +467,9 @@ async fn a_coupon_claim_unconfirmed_when_its_server_died_is_written_in_the_end()
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn nemesis_overlapping_faults_over_buying_paying_cancelling_and_claiming() {
-    let chaos = Chaos::start("nemesis").await;
-    nemesis::run(&chaos).await;
+    let (seed, providers) = nemesis::providers().await;
+    let chaos = Chaos::start_with("nemesis", |env| env.extend(providers.env())).await;
+    nemesis::run(&chaos, seed, &providers).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -110,6 +110,27 @@ pub async fn count(url: &SecretString, sql: &str) -> i64 {
     .await
 }
 
+/// [`strings`], or nothing while the database does not answer (a client
+/// that carries on through a fault).
+#[allow(dead_code)] // the fault tests' only; this file is in both test binaries
+pub async fn try_strings(url: &SecretString, sql: &str) -> std::collections::HashSet<String> {
+    #[derive(QueryableByName)]
+    struct S {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        s: String,
+    }
+    let (url, sql) = (url.expose_secret().to_owned(), sql.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let mut conn = PgConnection::establish(&url).ok()?;
+        diesel::sql_query(sql).load::<S>(&mut conn).ok()
+    })
+    .await
+    .ok()
+    .flatten()
+    .map(|rows| rows.into_iter().map(|r| r.s).collect())
+    .unwrap_or_default()
+}
+
 /// The first column (TEXT, named `s`) of every row of `sql` on the
 /// database at `url`.
 #[allow(dead_code)] // the fault tests' only; this file is in both test binaries
