@@ -566,7 +566,11 @@ async fn prepay(
         });
         trade.creates += 1;
         if trade.amount != amount || trade.body != b {
-            Err((400, "INVALID_REQUEST", "out_trade_no used with other parameters"))
+            Err((
+                400,
+                "INVALID_REQUEST",
+                "out_trade_no used with other parameters",
+            ))
         } else {
             match (trade.state, trade_type) {
                 ("CLOSED", _) => Err((400, "ORDER_CLOSED", "the trade is closed")),
