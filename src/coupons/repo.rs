@@ -2,7 +2,7 @@
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
-use diesel::sql_types::{Array, BigInt, Text};
+use diesel::sql_types::{Array, BigInt, Text, Timestamptz};
 use serde::Serialize;
 
 use crate::bus::events::CouponClaimed;
@@ -174,31 +174,100 @@ pub fn apply_claims(
     })
 }
 
-/// Locks the user's UNUSED coupon of batch `coupon_id` for `order_no`, if
-/// the batch is still valid and the order reaches its minimum; returns the
-/// discount. The conditional update makes one coupon back one order (I8).
+/// Locks the buyer's coupon of batch `coupon_id` for `order_no`, as
+/// admission decided at `purchased_at_ms` (unix ms): the batch valid then,
+/// the order reaching its minimum. Returns the discount, or `None` when
+/// the database holds the coupon for something else (drift: admission had
+/// it free). The conditional update makes one coupon back one order (I8).
+///
+/// A claim answered before its consumer wrote its row leaves no row yet:
+/// the row is written here, LOCKED, and counted against the batch's total
+/// as the claim's own write would be; that write later finds it and adds
+/// nothing. So a purchase admitted with a coupon is never FAILED for the
+/// claim consumer's lag, nor for the batch expiring while the order waits
+/// on the broker.
 pub fn lock_for_order(
     conn: &mut PgConn,
     coupon_id: CouponId,
     user_id: i64,
     order_no: i64,
     gross_cents: i64,
+    purchased_at_ms: i64,
 ) -> QueryResult<Option<i64>> {
     #[derive(QueryableByName)]
     struct Discount {
         #[diesel(sql_type = BigInt)]
         discount_cents: i64,
     }
-    let locked: Option<Discount> = diesel::sql_query(
-        "UPDATE user_coupons uc SET status = 'LOCKED', order_no = $3, updated_at = now()          FROM coupons c          WHERE uc.coupon_id = $1 AND uc.user_id = $2 AND uc.status = 'UNUSED'            AND c.id = uc.coupon_id AND c.valid_until > now() AND c.min_amount_cents <= $4          RETURNING c.discount_cents",
+    // An event with no time (a reservation read back without one) is
+    // judged now, as before.
+    let purchased_at = Some(purchased_at_ms)
+        .filter(|ms| *ms > 0)
+        .and_then(DateTime::<Utc>::from_timestamp_millis)
+        .unwrap_or_else(Utc::now);
+    let lock = |conn: &mut PgConn| -> QueryResult<Option<i64>> {
+        let locked: Option<Discount> = diesel::sql_query(
+            "UPDATE user_coupons uc SET status = 'LOCKED', order_no = $3, updated_at = now() \
+             FROM coupons c \
+             WHERE uc.coupon_id = $1 AND uc.user_id = $2 AND uc.status = 'UNUSED' \
+               AND c.id = uc.coupon_id AND c.valid_until > $5 AND c.min_amount_cents <= $4 \
+             RETURNING c.discount_cents",
+        )
+        .bind::<BigInt, _>(coupon_id)
+        .bind::<BigInt, _>(user_id)
+        .bind::<BigInt, _>(order_no)
+        .bind::<BigInt, _>(gross_cents)
+        .bind::<Timestamptz, _>(purchased_at)
+        .get_result(conn)
+        .optional()?;
+        Ok(locked.map(|d| d.discount_cents))
+    };
+    if let Some(discount) = lock(conn)? {
+        return Ok(Some(discount));
+    }
+    let written: i64 = user_coupons::table
+        .filter(user_coupons::coupon_id.eq(coupon_id))
+        .filter(user_coupons::user_id.eq(user_id))
+        .count()
+        .get_result(conn)?;
+    if written > 0 {
+        return Ok(None);
+    }
+    // The claim's row is not written yet: written here, for this order.
+    let inserted: Option<Discount> = diesel::sql_query(
+        "INSERT INTO user_coupons (coupon_id, user_id, request_id, status, order_no) \
+         SELECT c.id, $2, 'order:' || $3::text, 'LOCKED', $3 FROM coupons c \
+         WHERE c.id = $1 AND c.valid_until > $5 AND c.min_amount_cents <= $4 \
+         ON CONFLICT DO NOTHING \
+         RETURNING (SELECT discount_cents FROM coupons WHERE id = $1) AS discount_cents",
     )
     .bind::<BigInt, _>(coupon_id)
     .bind::<BigInt, _>(user_id)
     .bind::<BigInt, _>(order_no)
     .bind::<BigInt, _>(gross_cents)
+    .bind::<Timestamptz, _>(purchased_at)
     .get_result(conn)
     .optional()?;
-    Ok(locked.map(|d| d.discount_cents))
+    let Some(inserted) = inserted else {
+        // The claim consumer wrote it meanwhile: lock that one.
+        return lock(conn);
+    };
+    let counted = diesel::sql_query(
+        "UPDATE coupons SET claimed = claimed + 1 WHERE id = $1 AND claimed < total",
+    )
+    .bind::<BigInt, _>(coupon_id)
+    .execute(conn)?;
+    if counted == 0 {
+        // The batch is full in the database: Redis issued one too many.
+        diesel::delete(
+            user_coupons::table
+                .filter(user_coupons::coupon_id.eq(coupon_id))
+                .filter(user_coupons::user_id.eq(user_id)),
+        )
+        .execute(conn)?;
+        return Ok(None);
+    }
+    Ok(Some(inserted.discount_cents))
 }
 
 /// Returns the coupons locked by `order_nos` to UNUSED (their orders

@@ -258,7 +258,14 @@ pub fn apply_batch(
             let (status, reason, deadline, amount) = if released.contains(&order_no) {
                 (Failed, Some(RESERVATION_RELEASED), None, gross)
             } else if let Some(coupon_id) = e.coupon_id {
-                match coupons::lock_for_order(conn, coupon_id, e.user_id, order_no, gross)? {
+                match coupons::lock_for_order(
+                    conn,
+                    coupon_id,
+                    e.user_id,
+                    order_no,
+                    gross,
+                    e.reserved_at_ms,
+                )? {
                     Some(discount) => {
                         coupon_locked.push(order_no);
                         (

@@ -3,10 +3,13 @@
 //! a claim Redis acknowledged just before the loss may still be on its way
 //! to the broker, or waiting in Kafka, and restoring before it is written
 //! would hand its coupon out a second time (the database's `claimed <
-//! total` would then refuse the acknowledged one). So a batch is restored
-//! only once `Settings::restore_wait_ms` has passed since it was first
-//! seen lost AND the coupon claimer has committed every partition to its
-//! end, read after that. Then, from one snapshot: every claim's user and
+//! total` would then refuse the acknowledged one). An order admitted with
+//! a coupon may likewise still be on its way: its hold was lost with the
+//! batch, and a second order holding the coupon would be FAILED after its
+//! 202. So a batch is restored only once `Settings::restore_wait_ms` has
+//! passed since it was first seen lost AND the coupon claimer and the
+//! order consumers have committed every partition to its end, read after
+//! that. Then, from one snapshot: every claim's user and
 //! request id, and what is left.
 //!
 //! A claim whose event's delivery was never confirmed (the process that
@@ -45,9 +48,12 @@ impl Reconciler {
         if lost.is_empty() {
             return Ok(lost);
         }
-        // The moment first, the consumers' progress after it.
+        // The moment first, the consumers' progress after it: the claims
+        // written, and the orders too, whose coupon holds Redis lost with
+        // the batch (the database's LOCKED rows bring them back).
         let at_ms = self.clock.now_ms();
-        let proven = self.coupon_progress.caught_up().await.unwrap_or(false);
+        let proven = self.coupon_progress.caught_up().await.unwrap_or(false)
+            && self.progress.caught_up().await.unwrap_or(false);
         let bound = crate::clock::millis(self.settings.restore_wait());
         let mut waiting = Vec::new();
         for id in lost {

@@ -613,3 +613,142 @@ async fn reconciliation_frees_a_hold_whose_order_failed_and_holds_what_the_datab
         "{body}"
     );
 }
+
+/// The claims consumer's writes, counted from its consume log.
+async fn claims_consumed(app: &TestApp) -> i64 {
+    app.count("SELECT count(*) AS n FROM consume_log WHERE consumer LIKE '%claim%'")
+        .await
+}
+
+/// A claim answered 202, and a purchase with the coupon at once, before
+/// the claims consumer has written the claim's row: the order's own
+/// transaction writes it (counted once against the batch), so the 202 is
+/// never followed by FAILED. The claim's write, later, adds nothing.
+#[tokio::test]
+async fn a_coupon_used_before_its_claim_is_written_backs_the_order() {
+    let app = spawn_app_with(|s| s.workers.claimer_enabled = false).await;
+    let coupon = create_coupon(&app, 5, 1500, 5000, 3600).await;
+    assert_eq!(claim(&app, 1, coupon, "c").await.0, 202);
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, order) = buy_with_coupon(&app, 1, activity, coupon, "o1").await;
+    assert_eq!(status, 202, "{order}");
+    let stats = app
+        .wait_for_stats(activity, 30, |s| {
+            s["reservations_open"] == 0 && s["orders"]["PROCESSING"] == 0
+        })
+        .await;
+    assert_eq!(
+        (&stats["orders"]["WAITING_PAY"], &stats["orders"]["FAILED"]),
+        (&json!(1), &json!(0)),
+        "{stats}"
+    );
+    let held = json!([{"coupon_id": coupon, "status": "LOCKED", "order_no": order["order_no"]}]);
+    assert_eq!(json!(mine(&app, 1).await), held);
+    assert_eq!(coupon_stats(&app, coupon).await["db_claimed"], 1);
+
+    let before = claims_consumed(&app).await;
+    let _writer = app.sibling(|s| s.workers.claimer_enabled = true).await;
+    eventually("the claim's own write", Duration::from_secs(60), || async {
+        (claims_consumed(&app).await > before).then_some(())
+    })
+    .await;
+    assert_eq!(
+        coupon_stats(&app, coupon).await["db_claimed"],
+        1,
+        "counted once"
+    );
+    assert_eq!(json!(mine(&app, 1).await), held);
+}
+
+/// A purchase admitted while its coupon was valid, whose order is written
+/// after the batch expired (the order consumer behind): the coupon is
+/// judged at the purchase's time, as admission judged it.
+#[tokio::test]
+async fn a_coupon_valid_at_the_purchase_backs_an_order_written_after_it_expired() {
+    let app = spawn_app_with(|s| s.orders.consumer_enabled = false).await;
+    let coupon = create_coupon(&app, 5, 1500, 5000, 4).await;
+    assert_eq!(claim(&app, 1, coupon, "c").await.0, 202);
+    claims_written(&app, coupon, 1).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, order) = buy_with_coupon(&app, 1, activity, coupon, "o1").await;
+    assert_eq!(status, 202, "{order}");
+    // Until the batch has expired, by the database's clock.
+    eventually("the batch expired", Duration::from_secs(60), || async {
+        let expired = app
+            .count(&format!(
+                "SELECT count(*) AS n FROM coupons WHERE id = {coupon} AND valid_until < now()"
+            ))
+            .await;
+        (expired == 1).then_some(())
+    })
+    .await;
+    let _consumer = app.sibling(|s| s.orders.consumer_enabled = true).await;
+    let stats = app
+        .wait_for_stats(activity, 60, |s| {
+            s["reservations_open"] == 0 && s["orders"]["PROCESSING"] == 0
+        })
+        .await;
+    assert_eq!(
+        (&stats["orders"]["WAITING_PAY"], &stats["orders"]["FAILED"]),
+        (&json!(1), &json!(0)),
+        "{stats}"
+    );
+    assert_eq!(mine(&app, 1).await[0]["status"], "LOCKED");
+}
+
+/// A coupon batch Redis lost while an order admitted with one of its
+/// coupons is still on its way to the database (the order consumers
+/// behind): its hold went with the batch. The batch is restored only once
+/// that order is written, with its hold, so the coupon never backs a
+/// second order that would be FAILED after its 202.
+#[tokio::test]
+async fn a_lost_batch_waits_for_the_orders_that_hold_its_coupons() {
+    let app = spawn_app_with(|s| {
+        crate::helpers::restores_quickly(s);
+        s.orders.consumer_enabled = false;
+    })
+    .await;
+    let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
+    assert_eq!(claim(&app, 1, coupon, "c1").await.0, 202);
+    claims_written(&app, coupon, 1).await;
+    let first = app.live_activity(10, 1, 1).await;
+    let (status, body) = buy_with_coupon(&app, 1, first, coupon, "o1").await;
+    assert_eq!(status, 202, "{body}");
+    let pattern = format!("{}{{c:{coupon}}}:*", app.settings.redis.key_prefix);
+    assert!(app.forget_keys(&pattern).await > 0);
+
+    // Past the moment a restore may come: the coupon backs no second
+    // order meanwhile.
+    let second = app.live_activity(10, 1, 1).await;
+    let until = std::time::Instant::now() + app.settings.restore_wait() + Duration::from_secs(5);
+    while std::time::Instant::now() < until {
+        let token = app.purchase_token(1, second).await;
+        let body = json!({"request_id": "o2", "token": token, "coupon_id": coupon});
+        let res = app.order(1, second, &body).await;
+        let (status, answer) = (res.status().as_u16(), json(res).await);
+        assert!(
+            status == 503 || status == 400,
+            "a second order with the coupon: {status} {answer}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // The order written, the batch comes back with its hold.
+    let _consumer = app.sibling(|s| s.orders.consumer_enabled = true).await;
+    let (status, answer) = eventually("the batch restored", Duration::from_secs(60), || async {
+        let token = app.purchase_token(1, second).await;
+        let body = json!({"request_id": "o2", "token": token, "coupon_id": coupon});
+        let res = app.order(1, second, &body).await;
+        let (status, answer) = (res.status().as_u16(), json(res).await);
+        (status != 503).then_some((status, answer))
+    })
+    .await;
+    assert_eq!(
+        (status, answer["code"].as_str()),
+        (400, Some("COUPON_INVALID")),
+        "{answer}"
+    );
+    let stats = app
+        .wait_for_stats(first, 30, |s| s["orders"]["WAITING_PAY"] == 1)
+        .await;
+    assert_eq!(stats["orders"]["FAILED"], 0, "{stats}");
+}

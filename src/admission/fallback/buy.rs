@@ -219,8 +219,16 @@ impl Buy {
         let Some(coupon_id) = self.coupon_id else {
             return Ok(Some(gross));
         };
-        let discount =
-            crate::coupons::repo::lock_for_order(conn, coupon_id, self.user_id, order_no, gross)?;
+        // Decided now, in the purchase's own transaction.
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        let discount = crate::coupons::repo::lock_for_order(
+            conn,
+            coupon_id,
+            self.user_id,
+            order_no,
+            gross,
+            now_ms,
+        )?;
         Ok(discount.map(|discount| gross.saturating_sub(discount).max(0)))
     }
 
