@@ -121,12 +121,17 @@ enum OutboxAction {
     },
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Direction {
     /// Apply every pending migration.
     Up,
     /// Revert every applied migration (drops all seckill tables).
     Down,
+    /// Wait until every migration this binary carries is applied (by the
+    /// migration Job): the Deployments' init container, so that no new pod
+    /// starts on the old schema. Fails at once on a schema newer than the
+    /// binary.
+    Wait,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -270,15 +275,19 @@ fn outbox(settings: &Settings, action: OutboxAction) -> anyhow::Result<()> {
 }
 
 fn migrate(settings: &Settings, direction: Direction) -> anyhow::Result<()> {
-    let mut conn = PgConnection::establish(settings.postgres.url.expose_secret())
-        .context("connecting to PostgreSQL")?;
+    let url = settings.postgres.url.expose_secret();
+    if direction == Direction::Wait {
+        return wait_for_schema(url);
+    }
+    let mut conn = PgConnection::establish(url).context("connecting to PostgreSQL")?;
     let versions = match direction {
         Direction::Up => seckill::store::migrate_up(&mut conn)?,
         Direction::Down => seckill::store::migrate_down_all(&mut conn)?,
+        Direction::Wait => unreachable!("answered above"),
     };
     let verb = match direction {
         Direction::Up => "applied",
-        Direction::Down => "reverted",
+        _ => "reverted",
     };
     if versions.is_empty() {
         println!("migrations: nothing to do");
@@ -287,4 +296,27 @@ fn migrate(settings: &Settings, direction: Direction) -> anyhow::Result<()> {
         println!("migration {verb}: {v}");
     }
     Ok(())
+}
+
+/// `seckill migrate wait`: until the schema is this binary's.
+fn wait_for_schema(url: &str) -> anyhow::Result<()> {
+    use seckill::store::Schema;
+    loop {
+        let state = PgConnection::establish(url)
+            .context("connecting to PostgreSQL")
+            .and_then(|mut conn| seckill::store::schema(&mut conn));
+        match state {
+            Ok(Schema::Current) => {
+                println!("migrations: the schema is this binary's");
+                return Ok(());
+            }
+            Ok(Schema::Ahead(unknown)) => anyhow::bail!(
+                "the schema has migrations this binary does not know ({}): run a newer binary",
+                unknown.join(", ")
+            ),
+            Ok(Schema::Behind) => println!("migrations: waiting for the migration to run"),
+            Err(e) => println!("migrations: waiting for PostgreSQL: {e:#}"),
+        }
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
 }

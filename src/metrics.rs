@@ -129,6 +129,13 @@ metrics! {
         "Consumed order events by result",
         &["result"],
     );
+    /// Order batches held because the database's schema has migrations
+    /// this binary does not know (a newer binary migrated): an older
+    /// binary does not write on a schema it was not built for.
+    schema_holds: IntCounter = IntCounter::new(
+        "consumer_schema_holds_total",
+        "Order batches held: the schema is newer than this binary",
+    );
     /// Messages sent to a dead-letter topic.
     dead_letters: IntCounter = IntCounter::new("dead_letters_total", "Messages dead-lettered");
     /// Outbox rows by status (NEW, RETRY, DEAD), refreshed by the relay.
@@ -140,8 +147,9 @@ metrics! {
         &["outcome"],
     );
     /// Calls to the payment provider by the sweeper and the pay route, by
-    /// call (create, close, query, refund, query_refund) and outcome (ok,
-    /// unknown: no answer to act on, refused).
+    /// call (create, close, query, refund, query_refund) and outcome (ok;
+    /// unknown: it may have been done; retry: the provider's "not now";
+    /// refused: its final no).
     provider_calls: IntCounterVec = counters(
         "payment_provider_calls_total",
         "Calls to the payment provider by call and outcome",

@@ -129,6 +129,7 @@ pub fn spawn(deps: ConsumerDeps) -> anyhow::Result<ConsumerHandle> {
         OrderCreator {
             deps: deps.clone(),
             pacer,
+            schema: SchemaGuard::default(),
         },
     )
 }
@@ -137,10 +138,58 @@ struct OrderCreator {
     deps: ConsumerDeps,
     /// `orders.max_write_rate`, when set.
     pacer: Option<Arc<Pacer>>,
+    schema: SchemaGuard,
+}
+
+/// Whether the database's schema is one this binary knows, asked at most
+/// every [`SCHEMA_RECHECK`]. During a rolling upgrade a newer binary
+/// migrates while older ones still run; an older one must not write
+/// orders on a schema it was not built for, so it holds its batches (its
+/// offsets stay where they are) until it is replaced.
+#[derive(Default)]
+struct SchemaGuard {
+    /// When it was last asked, and whether it was known then.
+    last: std::sync::Mutex<Option<(std::time::Instant, bool)>>,
+}
+
+const SCHEMA_RECHECK: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl SchemaGuard {
+    async fn known(&self, db: &crate::store::PgPool) -> bool {
+        if let Some((at, known)) = *self.last.lock().unwrap_or_else(|e| e.into_inner())
+            && at.elapsed() < SCHEMA_RECHECK
+        {
+            return known;
+        }
+        let schema = crate::store::run(db, |conn| crate::store::schema(conn)).await;
+        let known = match schema {
+            Ok(crate::store::Schema::Ahead(unknown)) => {
+                tracing::error!(
+                    unknown = unknown.join(","),
+                    "the schema has migrations this binary does not know: order batches held \
+                     until a newer binary replaces this one"
+                );
+                false
+            }
+            // Behind, current, or not answering (the batch's own write
+            // will tell).
+            _ => true,
+        };
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((std::time::Instant::now(), known));
+        known
+    }
 }
 
 impl Handler for OrderCreator {
     async fn handle(&self, batch: &[OwnedMessage], shutdown: &CancellationToken) -> bool {
+        while !self.schema.known(&self.deps.db).await {
+            self.deps.metrics.schema_holds.inc();
+            tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                _ = tokio::time::sleep(SCHEMA_RECHECK) => {}
+            }
+        }
         if let Some(pacer) = &self.pacer
             && !pacer.admit(batch.len(), shutdown).await
         {

@@ -222,6 +222,49 @@ pub fn migrate_up(conn: &mut PgConnection) -> anyhow::Result<Vec<String>> {
     Ok(applied.iter().map(|v| v.to_string()).collect())
 }
 
+/// Where the database's schema stands against the migrations this binary
+/// carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Schema {
+    /// Every migration it knows is applied, and no other.
+    Current,
+    /// Some it knows are not applied yet: `seckill migrate` has not run.
+    Behind,
+    /// Applied migrations it does not know: a newer binary migrated, and
+    /// this one must not write on a schema it was not built for.
+    Ahead(Vec<String>),
+}
+
+/// The schema of the database `conn` is on, against this binary's
+/// migrations.
+pub fn schema(conn: &mut PgConnection) -> anyhow::Result<Schema> {
+    use diesel::migration::MigrationSource;
+    let known: std::collections::HashSet<String> =
+        MigrationSource::<diesel::pg::Pg>::migrations(&MIGRATIONS)
+            .map_err(|e| anyhow::anyhow!("listing this binary's migrations: {e}"))?
+            .iter()
+            .map(|m| m.name().version().to_string())
+            .collect();
+    let applied: Vec<String> = conn
+        .applied_migrations()
+        .map_err(|e| anyhow::anyhow!("reading the applied migrations: {e}"))?
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let unknown: Vec<String> = applied
+        .iter()
+        .filter(|v| !known.contains(*v))
+        .cloned()
+        .collect();
+    Ok(if !unknown.is_empty() {
+        Schema::Ahead(unknown)
+    } else if applied.len() < known.len() {
+        Schema::Behind
+    } else {
+        Schema::Current
+    })
+}
+
 /// Reverts the newest applied migration; returns its version.
 pub fn migrate_down_last(conn: &mut PgConnection) -> anyhow::Result<String> {
     let reverted = conn

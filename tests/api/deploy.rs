@@ -73,6 +73,29 @@ async fn problems(app: &TestApp, build: &str) -> Vec<String> {
     for w in workloads {
         let name = w["metadata"]["name"].as_str().unwrap_or("?").to_owned();
         let pod = &w["spec"]["template"]["spec"];
+        // A rolling upgrade across a migration: no new pod starts before
+        // the migration Job has applied what its image carries.
+        if w["kind"].as_str() == Some("Deployment") {
+            let waits = pod["initContainers"]
+                .as_vec()
+                .into_iter()
+                .flatten()
+                .any(|c| {
+                    let args: Vec<&str> = c["args"]
+                        .as_vec()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(Yaml::as_str)
+                        .collect();
+                    args == ["migrate", "wait"]
+                        && app.seckill(&["migrate", "wait", "--help"]).status.success()
+                });
+            if !waits {
+                problems.push(format!(
+                    "{name}: no init container waits for the schema (`seckill migrate wait`)"
+                ));
+            }
+        }
         for c in pod["containers"].as_vec().into_iter().flatten() {
             let args: Vec<&str> = c["args"]
                 .as_vec()

@@ -143,6 +143,21 @@ async fn my_orders_and_an_order_by_number_each_read_one_partition() {
     }
 }
 
+/// Reverts the migrations down to the one that split the order table,
+/// that one included.
+fn before_the_split(conn: &mut PgConnection) {
+    loop {
+        let reverted = seckill::store::migrate_down_last(conn).unwrap();
+        if reverted == "20261205000008" {
+            return;
+        }
+        assert!(
+            reverted.as_str() > "20261205000008",
+            "past the split: {reverted}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn orders_made_before_the_split_are_converted_in_place_and_found_by_their_old_numbers() {
     let app = spawn_app().await;
@@ -154,11 +169,7 @@ async fn orders_made_before_the_split_are_converted_in_place_and_found_by_their_
     let pay_no = legacy[4].1;
     tokio::task::spawn_blocking(move || {
         let mut conn = PgConnection::establish(&url).unwrap();
-        let reverted = seckill::store::migrate_down_last(&mut conn).unwrap();
-        assert_eq!(
-            reverted, "20261205000008",
-            "the split is the newest migration"
-        );
+        before_the_split(&mut conn);
         for (user, no) in &rows {
             diesel::sql_query(format!(
                 "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, \
@@ -176,7 +187,7 @@ async fn orders_made_before_the_split_are_converted_in_place_and_found_by_their_
         .execute(&mut conn)
         .unwrap();
         let applied = seckill::store::migrate_up(&mut conn).unwrap();
-        assert_eq!(applied.len(), 1, "{applied:?}");
+        assert_eq!(applied[0], "20261205000008", "{applied:?}");
     })
     .await
     .unwrap();
@@ -228,4 +239,123 @@ async fn orders_made_before_the_split_are_converted_in_place_and_found_by_their_
     assert_eq!(app.cancel(user, &old.to_string()).await.status(), 200);
     let list = json(app.get("/api/v1/orders", Some(&app.user_token(3))).await).await;
     assert_eq!(list["orders"].as_array().unwrap().len(), 2, "{list}");
+}
+
+/// A rolling upgrade across the split: an older binary's order events
+/// (numbers without genes, above every number written) are still on the
+/// broker when the new binary migrates (`seckill migrate`) and its
+/// worker starts (`seckill consume`), both real processes. Every one ends
+/// WAITING_PAY in its buyer's partition, found by its number, and can be
+/// paid.
+#[tokio::test]
+async fn orders_an_older_binary_left_on_the_broker_are_written_after_the_split() {
+    let app = crate::helpers::spawn_app_with(|s| s.orders.consumer_enabled = false).await;
+    let activity = app.live_activity(100, 1, 1).await;
+    let url = app.settings.postgres.url.expose_secret().to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = PgConnection::establish(&url).unwrap();
+        before_the_split(&mut conn);
+        // Orders the older binary wrote: the largest number written.
+        for user in 101..=103_i64 {
+            diesel::sql_query(format!(
+                "INSERT INTO orders (order_no, request_id, activity_id, user_id, quantity, \
+                 amount_cents, status, pay_deadline) \
+                 VALUES ({}, 'written-{user}', {activity}, {user}, 1, 9900, 'WAITING_PAY', \
+                 now() + interval '1 hour')",
+                1_000_000 + user
+            ))
+            .execute(&mut conn)
+            .unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    // The ones it left on the broker: larger, and no gene.
+    let users: Vec<i64> = (1..=32).collect();
+    let number = |user: i64| 5_000_000_000 + user * 16 + (i64::from(user_slot(user)) + 1) % 16;
+    for &user in &users {
+        let mut event = crate::delivery::event(activity, user, number(user));
+        event.request_id = format!("old-{user}");
+        crate::delivery::produce(&app, None, &event.event_id, &event.encode()).await;
+    }
+    let migrated = app.seckill(&["migrate"]);
+    assert!(
+        migrated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&migrated.stderr)
+    );
+    let _worker = crate::helpers::KillOnDrop(
+        app.seckill_command(&["consume"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("seckill consume starts"),
+    );
+    crate::helpers::eventually(
+        "every order written",
+        std::time::Duration::from_secs(120),
+        || async {
+            let written = app
+                .count(&format!(
+                    "SELECT count(*) AS n FROM orders WHERE activity_id = {activity} \
+                 AND request_id LIKE 'old-%'"
+                ))
+                .await;
+            (written == users.len() as i64).then_some(())
+        },
+    )
+    .await;
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["orders"]["FAILED"], 0, "{stats}");
+    assert_eq!(stats["orders"]["WAITING_PAY"], 35, "{stats}");
+    for &user in &users {
+        let no = number(user);
+        let partition = app
+            .count(&format!(
+                "SELECT (regexp_replace(tableoid::regclass::text, '\\D', '', 'g'))::bigint AS n \
+                 FROM orders WHERE order_no = {no}"
+            ))
+            .await;
+        assert_eq!(partition, i64::from(user_slot(user)), "order {no}");
+        assert_eq!(app.order_status(user, &no.to_string()).await, "WAITING_PAY");
+    }
+    // Paid by its number: the payment keeps the row's slot.
+    let payment = app.payment(1, &number(1).to_string()).await;
+    let (body, signature) = app.signed_callback(&payment, "SUCCESS", 9900, None, 0);
+    assert_eq!(app.notify(body, Some(&signature)).await.status(), 200);
+    assert_eq!(app.order_status(1, &number(1).to_string()).await, "PAID");
+}
+
+/// A newer binary migrated (a version this binary does not know is
+/// applied): this one's order consumer holds its batches, writing
+/// nothing, until the schema is one it knows.
+#[tokio::test]
+async fn an_older_binary_writes_no_order_on_a_schema_it_does_not_know() {
+    let app = spawn_app().await;
+    let activity = app.live_activity(10, 1, 1).await;
+    app.execute("INSERT INTO __diesel_schema_migrations (version) VALUES ('29991231000000')")
+        .await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202, "{body}");
+    let order_no = body["order_no"].as_str().unwrap().to_owned();
+    crate::helpers::eventually(
+        "the batch held",
+        std::time::Duration::from_secs(60),
+        || async {
+            (app.metric("seckill_consumer_schema_holds_total")
+                .await
+                .unwrap_or(0)
+                > 0)
+            .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(app.order_status(1, &order_no).await, "PROCESSING");
+    app.execute("DELETE FROM __diesel_schema_migrations WHERE version = '29991231000000'")
+        .await;
+    crate::helpers::eventually(
+        "written once the schema is known",
+        std::time::Duration::from_secs(60),
+        || async { (app.order_status(1, &order_no).await == "WAITING_PAY").then_some(()) },
+    )
+    .await;
 }
