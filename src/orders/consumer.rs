@@ -161,7 +161,7 @@ impl SchemaGuard {
         {
             return known;
         }
-        let schema = crate::store::run(db, |conn| crate::store::schema(conn)).await;
+        let schema = crate::store::run(db, crate::store::schema).await;
         let known = match schema {
             Ok(crate::store::Schema::Ahead(unknown)) => {
                 tracing::error!(
