@@ -38,18 +38,19 @@ fn connect() -> Option<seckill::store::PgPool> {
     let mut pg = settings.postgres.clone();
     pg.url = format!("{server}/{DB}").into();
     let pool = seckill::store::pool(&pg);
-    let mut conn = pool.get().ok()?;
-    seckill::store::migrate_up(&mut conn).ok()?;
+    let mut pooled = pool.get().ok()?;
+    let conn: &mut diesel::PgConnection = &mut pooled;
+    seckill::store::migrate_up(conn).ok()?;
     diesel::sql_query(
         "INSERT INTO activities (id, sku_id, name, price_cents, start_at, end_at, per_user_limit, pay_timeout_secs, buckets) \
          VALUES (1, 1, 'bench', 100, now(), now() + interval '1 day', 1, 900, 1)",
     )
-    .execute(&mut conn)
+    .execute(conn)
     .ok()?;
     diesel::sql_query(
         "INSERT INTO stock (activity_id, total, available) VALUES (1, 2000000000, 2000000000)",
     )
-    .execute(&mut conn)
+    .execute(conn)
     .ok()?;
     Some(pool)
 }

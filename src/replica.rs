@@ -139,6 +139,7 @@ impl Replica {
         // takes it.
         let pool = store::read_pool(
             &url,
+            settings,
             settings.pool_size,
             settings.timeout_ms.min(Duration::from_secs(1)),
         );

@@ -529,6 +529,55 @@ pub struct PostgresSettings {
     /// to the primary, and readiness says so), in milliseconds.
     #[serde(default = "replica_max_lag", deserialize_with = "duration::millis")]
     pub replica_max_lag_ms: Duration,
+    /// Longest wait for a new connection, per host tried.
+    #[serde(default = "pg_connect_timeout", deserialize_with = "duration::millis")]
+    pub connect_timeout_ms: Duration,
+    /// The server cancels a statement running longer (statement_timeout
+    /// of every pooled connection). `seckill migrate` runs without it.
+    #[serde(
+        default = "pg_statement_timeout",
+        deserialize_with = "duration::millis"
+    )]
+    pub statement_timeout_ms: Duration,
+    /// The server ends a session left idle inside a transaction this long:
+    /// a client that vanished mid-transaction releases its row locks.
+    #[serde(
+        default = "pg_idle_in_transaction",
+        deserialize_with = "duration::millis"
+    )]
+    pub idle_in_transaction_timeout_ms: Duration,
+    /// A host that stops answering (it vanished, the network cut it off
+    /// without a reset) is given up after this long without an answer to
+    /// the kernel's keepalives or to sent data (TCP keepalives and
+    /// tcp_user_timeout), instead of the ~15 minutes of TCP's own.
+    #[serde(default = "pg_dead_host", deserialize_with = "duration::millis")]
+    pub dead_host_ms: Duration,
+    /// The longest one database call may take, by this process's own
+    /// clock: past it the caller is told the database did not answer and
+    /// retries on another connection, whatever the network does with the
+    /// first. Longer than `statement_timeout_ms`.
+    #[serde(default = "pg_call_timeout", deserialize_with = "duration::millis")]
+    pub call_timeout_ms: Duration,
+}
+
+fn pg_connect_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn pg_statement_timeout() -> Duration {
+    Duration::from_secs(15)
+}
+
+fn pg_idle_in_transaction() -> Duration {
+    Duration::from_secs(10)
+}
+
+fn pg_dead_host() -> Duration {
+    Duration::from_secs(15)
+}
+
+fn pg_call_timeout() -> Duration {
+    Duration::from_secs(20)
 }
 
 fn no_replica() -> SecretString {
@@ -875,6 +924,22 @@ impl Settings {
                 self.postgres.replica_max_lag_ms,
                 ms(1),
             ),
+            (
+                "postgres.connect_timeout_ms",
+                self.postgres.connect_timeout_ms,
+                s(1),
+            ),
+            (
+                "postgres.statement_timeout_ms",
+                self.postgres.statement_timeout_ms,
+                s(1),
+            ),
+            (
+                "postgres.idle_in_transaction_timeout_ms",
+                self.postgres.idle_in_transaction_timeout_ms,
+                s(1),
+            ),
+            ("postgres.dead_host_ms", self.postgres.dead_host_ms, s(3)),
             ("kafka.timeout_ms", self.kafka.timeout_ms, ms(1)),
             (
                 "kafka.message_timeout_ms",
@@ -893,6 +958,13 @@ impl Settings {
             bail!(
                 "kafka.min_insync_replicas must be within 1..=kafka.replication_factor (it is {})",
                 self.kafka.min_insync_replicas
+            );
+        }
+        if self.postgres.call_timeout_ms <= self.postgres.statement_timeout_ms {
+            bail!(
+                "postgres.call_timeout_ms must be longer than postgres.statement_timeout_ms: a \
+                 slow statement is cancelled by the server first, and the call's own deadline \
+                 is for a connection that no longer answers"
             );
         }
         if self.reconcile.lease_secs.is_some_and(|l| l < s(1)) {

@@ -34,15 +34,60 @@ pub struct Connections {
     writes: bool,
 }
 
+/// Bumped when a call got no answer within `postgres.call_timeout_ms`
+/// ([`CallTimeout`]): the network may have silently dropped every
+/// connection open then (a primary that vanished, a partition), and an
+/// idle one checked out would hold its caller the same way. So each
+/// connection made before is discarded at its next checkout, and new
+/// ones are made.
+static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A pooled connection, and the [`GENERATION`] it was made in.
+pub struct Tracked {
+    conn: PgConnection,
+    generation: u64,
+}
+
+impl std::ops::Deref for Tracked {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for Tracked {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+}
+
+impl Tracked {
+    fn stale(&self) -> bool {
+        self.generation != GENERATION.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 impl diesel::r2d2::ManageConnection for Connections {
-    type Connection = PgConnection;
+    type Connection = Tracked;
     type Error = diesel::r2d2::Error;
 
-    fn connect(&self) -> Result<PgConnection, Self::Error> {
-        self.inner.connect()
+    fn connect(&self) -> Result<Tracked, Self::Error> {
+        let generation = GENERATION.load(std::sync::atomic::Ordering::Relaxed);
+        Ok(Tracked {
+            conn: self.inner.connect()?,
+            generation,
+        })
     }
 
-    fn is_valid(&self, conn: &mut PgConnection) -> Result<(), Self::Error> {
+    fn is_valid(&self, tracked: &mut Tracked) -> Result<(), Self::Error> {
+        if tracked.stale() {
+            return Err(diesel::r2d2::Error::ConnectionError(
+                diesel::ConnectionError::BadConnection(
+                    "made before a call went unanswered: perhaps silently dropped".into(),
+                ),
+            ));
+        }
+        let conn = &mut tracked.conn;
         if !self.writes {
             return self.inner.is_valid(conn);
         }
@@ -66,18 +111,60 @@ impl diesel::r2d2::ManageConnection for Connections {
         Ok(())
     }
 
-    fn has_broken(&self, conn: &mut PgConnection) -> bool {
-        self.inner.has_broken(conn)
+    fn has_broken(&self, tracked: &mut Tracked) -> bool {
+        tracked.stale() || self.inner.has_broken(&mut tracked.conn)
     }
 }
 /// What repositories take: any PostgreSQL connection (a pooled one derefs to it).
 pub type PgConn = PgConnection;
 
+/// `url` with the timeouts of `settings` as libpq parameters, each unless
+/// the URL sets it already: `connect_timeout` (per host), TCP keepalives
+/// and `tcp_user_timeout` (a host that vanished is given up after
+/// `dead_host_ms`, not TCP's ~15 minutes), and the server's
+/// `statement_timeout` and `idle_in_transaction_session_timeout`.
+pub fn with_timeouts(url: &str, settings: &PostgresSettings) -> String {
+    let secs = |d: std::time::Duration| d.as_secs().max(1);
+    let dead = settings.dead_host_ms;
+    let params = [
+        (
+            "connect_timeout",
+            secs(settings.connect_timeout_ms).to_string(),
+        ),
+        ("keepalives", "1".to_owned()),
+        ("keepalives_idle", secs(dead / 2).to_string()),
+        ("keepalives_interval", secs(dead / 6).to_string()),
+        ("keepalives_count", "3".to_owned()),
+        ("tcp_user_timeout", dead.as_millis().max(1).to_string()),
+        (
+            "options",
+            format!(
+                "-c%20statement_timeout%3D{}%20-c%20idle_in_transaction_session_timeout%3D{}",
+                settings.statement_timeout_ms.as_millis(),
+                settings.idle_in_transaction_timeout_ms.as_millis()
+            ),
+        ),
+    ];
+    let mut out = url.to_owned();
+    for (key, value) in params {
+        let set = out
+            .split(['?', '&'])
+            .skip(1)
+            .any(|p| p.split('=').next() == Some(key));
+        if !set {
+            out.push(if out.contains('?') { '&' } else { '?' });
+            out.push_str(&format!("{key}={value}"));
+        }
+    }
+    out
+}
+
 /// Builds the pool without connecting: the server starts (and reports "not
 /// ready") while PostgreSQL is down, and connects when it comes back.
 pub fn pool(settings: &PostgresSettings) -> PgPool {
+    set_call_timeout(settings.call_timeout_ms);
     let manager = Connections {
-        inner: ConnectionManager::new(settings.url.expose_secret()),
+        inner: ConnectionManager::new(with_timeouts(settings.url.expose_secret(), settings)),
         writes: true,
     };
     Pool::builder()
@@ -92,7 +179,7 @@ pub fn pool(settings: &PostgresSettings) -> PgPool {
 /// anonymous reads cannot take the connections that create orders. Its
 /// connections say `application_name=seckill-public-reads`.
 pub fn public_pool(settings: &PostgresSettings) -> PgPool {
-    let url = settings.url.expose_secret();
+    let url = with_timeouts(settings.url.expose_secret(), settings);
     let sep = if url.contains('?') { '&' } else { '?' };
     let manager = Connections {
         inner: ConnectionManager::new(format!("{url}{sep}application_name={PUBLIC_READS}")),
@@ -106,10 +193,16 @@ pub fn public_pool(settings: &PostgresSettings) -> PgPool {
 }
 
 /// A pool of reads only (a standby's answers taken), of at most `size`
-/// connections to `url`; nothing connects yet.
-pub fn read_pool(url: &str, size: u32, timeout: std::time::Duration) -> PgPool {
+/// connections to `url` with the timeouts of `settings`; nothing connects
+/// yet.
+pub fn read_pool(
+    url: &str,
+    settings: &PostgresSettings,
+    size: u32,
+    timeout: std::time::Duration,
+) -> PgPool {
     let manager = Connections {
-        inner: ConnectionManager::new(url),
+        inner: ConnectionManager::new(with_timeouts(url, settings)),
         writes: false,
     };
     Pool::builder()
@@ -121,6 +214,22 @@ pub fn read_pool(url: &str, size: u32, timeout: std::time::Duration) -> PgPool {
 
 /// `application_name` of the public-reads pool's connections.
 pub const PUBLIC_READS: &str = "seckill-public-reads";
+
+/// The longest one call of [`run`] may take ([`PostgresSettings::call_timeout_ms`]),
+/// in milliseconds; 0 before a pool is built (no deadline).
+static CALL_TIMEOUT_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn set_call_timeout(d: std::time::Duration) {
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    CALL_TIMEOUT_MS.store(ms, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// A database call gave no answer within `postgres.call_timeout_ms`: the
+/// connection is left to the network (it may still complete), and the
+/// caller retries on another.
+#[derive(Debug, thiserror::Error)]
+#[error("PostgreSQL did not answer within {0:?}")]
+pub struct CallTimeout(std::time::Duration);
 
 /// No connection could be had from the pool: PostgreSQL is down or saturated.
 #[derive(Debug, thiserror::Error)]
@@ -151,7 +260,9 @@ pub fn is_transient(error: &anyhow::Error) -> bool {
         "the database system is in recovery mode",
     ];
     error.chain().any(|cause| {
-        if cause.downcast_ref::<Unavailable>().is_some() {
+        if cause.downcast_ref::<Unavailable>().is_some()
+            || cause.downcast_ref::<CallTimeout>().is_some()
+        {
             return true;
         }
         match cause.downcast_ref::<DieselError>() {
@@ -179,12 +290,27 @@ where
     F: FnOnce(&mut PgConn) -> anyhow::Result<T> + Send + 'static,
 {
     let pool = pool.clone();
-    tokio::task::spawn_blocking(move || {
+    let task = tokio::task::spawn_blocking(move || {
         let mut conn: PooledConn = pool.get().map_err(Unavailable)?;
         f(&mut conn)
-    })
-    .await
-    .context("database task panicked or was cancelled")?
+    });
+    // Diesel has no deadline of its own: a statement on a connection the
+    // network silently dropped waits for TCP. The caller goes on without
+    // it (the blocking task is left to finish or fail).
+    let limit = CALL_TIMEOUT_MS.load(std::sync::atomic::Ordering::Relaxed);
+    if limit == 0 {
+        return task
+            .await
+            .context("database task panicked or was cancelled")?;
+    }
+    let limit = std::time::Duration::from_millis(limit);
+    match tokio::time::timeout(limit, task).await {
+        Ok(done) => done.context("database task panicked or was cancelled")?,
+        Err(_) => {
+            GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Err(anyhow::Error::new(CallTimeout(limit)))
+        }
+    }
 }
 
 /// Runs `f` as [`run`] does, inside one read-only REPEATABLE READ
@@ -290,4 +416,33 @@ pub struct StatusCount {
     /// Rows in it.
     #[diesel(sql_type = diesel::sql_types::BigInt)]
     pub n: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_pool_connection_carries_the_timeouts_unless_the_url_sets_them() {
+        let settings = crate::config::Settings::load_env("test").unwrap().postgres;
+        let url = with_timeouts("postgres://u:p@a:5436,b:5437/db", &settings);
+        for part in [
+            "?connect_timeout=5",
+            "&keepalives=1",
+            "&keepalives_idle=7",
+            "&keepalives_interval=2",
+            "&keepalives_count=3",
+            "&tcp_user_timeout=15000",
+            "&options=-c%20statement_timeout%3D15000%20-c%20idle_in_transaction_session_timeout%3D10000",
+        ] {
+            assert!(url.contains(part), "{part} in {url}");
+        }
+        let own = with_timeouts(
+            "postgres://u:p@a/db?target_session_attrs=read-write&connect_timeout=3",
+            &settings,
+        );
+        assert!(own.contains("connect_timeout=3"), "{own}");
+        assert!(!own.contains("connect_timeout=5"), "{own}");
+        assert!(own.starts_with("postgres://u:p@a/db?target_session_attrs=read-write&"));
+    }
 }

@@ -2,11 +2,12 @@
 //! process killed with SIGKILL (SPEC "Reconciliation and degradation", I4).
 
 use std::process::Stdio;
+use std::time::Duration;
 
 use futures_util::{StreamExt, stream};
 use serde_json::json;
 
-use crate::helpers::{KillOnDrop, TestApp, json, spawn_app, spawn_app_with};
+use crate::helpers::{KillOnDrop, TestApp, eventually, json, spawn_app, spawn_app_with};
 
 #[tokio::test]
 async fn with_redis_down_and_no_fallback_a_purchase_is_503_retry_later() {
@@ -462,4 +463,98 @@ async fn metrics_count_admission_outcomes() {
         );
     }
     assert!(text.contains("seckill_admission_script_seconds_count"));
+}
+
+/// Writers of the server waiting on a lock of `orders`.
+async fn writers_waiting(app: &TestApp) -> i64 {
+    app.count(
+        "SELECT count(*) AS n FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+         WHERE NOT l.granted AND c.relname LIKE 'orders%'",
+    )
+    .await
+}
+
+/// The network drops the server's connections to PostgreSQL without a
+/// reset while an order batch is in flight on one (every connection open
+/// then goes silent for good, as with a primary that vanished; new ones
+/// reach the database, as the promoted primary). The batch gives up the
+/// silent connection and is written on a new one, instead of waiting for
+/// TCP's ~15 minutes.
+#[tokio::test]
+async fn a_batch_on_a_connection_the_network_silenced_is_written_on_a_new_one() {
+    use diesel::{Connection, RunQueryDsl};
+    use secrecy::ExposeSecret;
+    let base = seckill::config::Settings::load_env("test").unwrap();
+    let proxy = crate::blackhole::Blackhole::start(&crate::blackhole::Blackhole::target_of(
+        base.postgres.url.expose_secret(),
+    ))
+    .await;
+    let mut app = spawn_app_with(|s| {
+        s.postgres.url = proxy.url(s.postgres.url.expose_secret()).into();
+        s.postgres.call_timeout_ms = Duration::from_secs(8);
+        s.postgres.statement_timeout_ms = Duration::from_secs(6);
+        s.postgres.idle_in_transaction_timeout_ms = Duration::from_secs(5);
+        s.postgres.dead_host_ms = Duration::from_secs(6);
+    })
+    .await;
+    app.wait_until_ready().await;
+    let activity = app.live_activity(10, 1, 1).await;
+
+    // Mid-batch: the order consumer waits on a lock of `orders` held by a
+    // connection of the test's own, straight to PostgreSQL.
+    let direct = app.settings.postgres.url.expose_secret().replace(
+        &proxy.addr,
+        &crate::blackhole::Blackhole::target_of(base.postgres.url.expose_secret()),
+    );
+    let holder_url = direct.clone();
+    let (held, release) = std::sync::mpsc::channel::<()>();
+    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel();
+    let holder = std::thread::spawn(move || {
+        let mut conn = diesel::PgConnection::establish(&holder_url).unwrap();
+        conn.transaction::<_, diesel::result::Error, _>(|conn| {
+            diesel::sql_query("LOCK TABLE orders IN EXCLUSIVE MODE").execute(conn)?;
+            let _ = locked_tx.send(());
+            let _ = release.recv();
+            Ok(())
+        })
+        .unwrap();
+    });
+    locked_rx.await.unwrap();
+    let mut bought = Vec::new();
+    for user in 1..=5 {
+        let (status, body) = app.buy(user, activity).await;
+        assert_eq!(status, 202, "{body}");
+        bought.push((user, body["order_no"].as_str().unwrap().to_owned()));
+    }
+    eventually(
+        "the batch waits on the lock",
+        Duration::from_secs(60),
+        || async { (writers_waiting(&app).await > 0).then_some(()) },
+    )
+    .await;
+    proxy.cut();
+    let cut_at = std::time::Instant::now();
+    held.send(()).unwrap();
+    holder.join().unwrap();
+
+    eventually("every order written", Duration::from_secs(120), || async {
+        for (user, order_no) in &bought {
+            if app.order_status(*user, order_no).await != "WAITING_PAY" {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    println!(
+        "written {:.1}s after the cut",
+        cut_at.elapsed().as_secs_f64()
+    );
+    let stats = app.stats(activity).await;
+    assert_eq!(stats["orders"]["WAITING_PAY"], 5, "{stats}");
+    assert_eq!(stats["db_locked"], 5, "{stats}");
+    // The test's database is dropped straight, not through the proxy
+    // (which runs on this test's runtime).
+    proxy.close_silenced();
+    app.settings.postgres.url = direct.into();
 }

@@ -2,6 +2,7 @@
 //! `scripts/services.sh up`. Every test gets its own database, Redis key
 //! prefix and Kafka topic prefix, so they run in parallel.
 
+mod blackhole;
 mod cleanup;
 mod console;
 mod coupons;
