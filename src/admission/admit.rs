@@ -363,7 +363,28 @@ impl Admitter {
             ));
         };
         let layout = meta.layout;
-        let order_no = self.number(p.user_id)?;
+        let order_no = match self.number(p.user_id) {
+            Ok(n) => n,
+            // No number to mint now (the lease is being taken or was
+            // lost): a retry of a purchase already admitted needs none.
+            Err(refusal) => {
+                let replayed = self
+                    .gate
+                    .requested_order(
+                        p.activity_id,
+                        layout,
+                        p.user_id.get(),
+                        p.request_id.as_str(),
+                    )
+                    .await
+                    .ok()
+                    .flatten();
+                return match replayed {
+                    Some(order_no) => self.replay(p.activity_id, layout, order_no).await,
+                    None => Err(refusal),
+                };
+            }
+        };
         let token = p
             .token
             .as_deref()

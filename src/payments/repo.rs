@@ -442,16 +442,18 @@ pub fn lease_pending(
         "WITH due AS ( \
            SELECT p.payment_no, o.status <> {waiting} AS to_close FROM payments p \
            JOIN orders o ON o.order_no = p.order_no AND o.user_slot = p.order_slot \
-           WHERE (p.status = 'PENDING' OR (p.status = 'FAILED' AND p.closed_at IS NULL)) \
+           WHERE (p.status = '{pending}' OR (p.status = '{failed}' AND p.closed_at IS NULL)) \
              AND p.next_check_at <= now() AND p.provider = ANY($4) \
-             AND (o.status <> {waiting} OR p.status = 'FAILED' \
+             AND (o.status <> {waiting} OR p.status = '{failed}' \
                   OR p.created_at <= now() - make_interval(secs => $2)) \
            ORDER BY p.next_check_at LIMIT $1 FOR UPDATE OF p SKIP LOCKED) \
          UPDATE payments p SET checks = p.checks + 1, \
            next_check_at = now() + make_interval(secs => least($3, power(2, least(p.checks, 20)))) \
          FROM due WHERE p.payment_no = due.payment_no \
          RETURNING p.payment_no, p.provider, p.provider_ref, due.to_close",
-        waiting = OrderStatus::WaitingPay.sql()
+        waiting = OrderStatus::WaitingPay.sql(),
+        pending = PaymentStatus::Pending.as_str(),
+        failed = PaymentStatus::Failed.as_str(),
     ))
     .bind::<BigInt, _>(limit)
     .bind::<BigInt, _>(query_after_secs)
@@ -470,13 +472,16 @@ pub fn unrouted(conn: &mut PgConn, providers: &[String]) -> QueryResult<Vec<(Str
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
-    let rows: Vec<Row> = diesel::sql_query(
+    let rows: Vec<Row> = diesel::sql_query(format!(
         "SELECT provider, count(*) AS n FROM payments \
          WHERE provider <> ALL($1) \
-           AND (status IN ('PENDING', 'REFUND_REQUIRED', 'REFUNDING') \
-                OR (status = 'FAILED' AND closed_at IS NULL)) \
+           AND (status IN ('{}', '{}', '{}') OR (status = '{}' AND closed_at IS NULL)) \
          GROUP BY provider",
-    )
+        PaymentStatus::Pending.as_str(),
+        PaymentStatus::RefundRequired.as_str(),
+        PaymentStatus::Refunding.as_str(),
+        PaymentStatus::Failed.as_str(),
+    ))
     .bind::<diesel::sql_types::Array<Text>, _>(providers)
     .load(conn)?;
     Ok(rows.into_iter().map(|r| (r.provider, r.n)).collect())

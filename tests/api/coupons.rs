@@ -666,7 +666,9 @@ async fn a_coupon_used_before_its_claim_is_written_backs_the_order() {
 #[tokio::test]
 async fn a_coupon_valid_at_the_purchase_backs_an_order_written_after_it_expired() {
     let app = spawn_app_with(|s| s.orders.consumer_enabled = false).await;
-    let coupon = create_coupon(&app, 5, 1500, 5000, 4).await;
+    // Valid long enough for the claim and the purchase on a slow host;
+    // the batch then expires while the order waits.
+    let coupon = create_coupon(&app, 5, 1500, 5000, 20).await;
     assert_eq!(claim(&app, 1, coupon, "c").await.0, 202);
     claims_written(&app, coupon, 1).await;
     let activity = app.live_activity(10, 1, 1).await;

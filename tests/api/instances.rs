@@ -395,3 +395,37 @@ async fn an_id_redis_forgot_is_not_leased_again_while_its_holder_may_still_mint(
     .await;
     assert_eq!(instance_of(order_no(&body)), 7, "{status} {body}");
 }
+
+/// An instance holding no order-number lease (every id taken by others)
+/// mints nothing: a new purchase is 503. A retry of a purchase it already
+/// admitted needs no number, and gets its order (200, the same number),
+/// not the 503.
+#[tokio::test]
+async fn a_retry_of_an_admitted_purchase_is_answered_without_an_order_number() {
+    let a = spawn_app_with(|s| s.app.instance_lease_secs = std::time::Duration::from_secs(2)).await;
+    let activity = a.live_activity(5, 1, 1).await;
+    let (status, first) = a.buy_as(1, activity, "kept").await;
+    assert_eq!(status, 202, "{first}");
+    // Every id is someone else's: the lease is lost and none is free.
+    let mut redis = a.redis();
+    let mut pipe = redis::pipe();
+    for id in 0..=seckill::ids::MAX_LEASED_INSTANCE {
+        let key = format!("{}{{instance:{id}}}", a.settings.redis.key_prefix);
+        pipe.cmd("SET")
+            .arg(key)
+            .arg("someone-else")
+            .arg("PX")
+            .arg(120_000)
+            .ignore();
+    }
+    let _: () = pipe.query_async(&mut redis).await.unwrap();
+    eventually("the lease lost", Duration::from_secs(30), || async {
+        (a.metric("seckill_instance_id").await == Some(-1)).then_some(())
+    })
+    .await;
+    let (status, body) = a.attempt(2, activity, "new").await;
+    assert_eq!(status, 503, "no number for a new purchase: {body}");
+    let (status, replay) = a.attempt(1, activity, "kept").await;
+    assert_eq!(status, 200, "{replay}");
+    assert_eq!(replay["order_no"], first["order_no"]);
+}

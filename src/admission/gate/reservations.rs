@@ -103,6 +103,24 @@ impl RedisGate {
             .await
     }
 
+    /// The order number `request_id` of `user_id` is bound to, if a
+    /// purchase under it was admitted (the same record `reserve.lua`
+    /// answers a replay from).
+    pub async fn requested_order(
+        &self,
+        activity_id: ActivityId,
+        layout: Layout,
+        user_id: i64,
+        request_id: &str,
+    ) -> RedisResult<Option<i64>> {
+        let k = self.shard_keys(activity_id, layout, layout.shard_of_user(user_id));
+        redis::cmd("HGET")
+            .arg(k.requests())
+            .arg(format!("{user_id}:{request_id}"))
+            .query_async(&mut self.conn())
+            .await
+    }
+
     async fn release_code(
         &self,
         activity_id: ActivityId,
