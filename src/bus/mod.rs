@@ -123,12 +123,76 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &Topics) -> anyhow:
         .operation_timeout(Some(timeout))
         .request_timeout(Some(timeout));
     let results = admin.create_topics(&new, &options).await;
+    let created: anyhow::Result<()> = (|| {
+        for result in results.context("creating topics")? {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code)) => anyhow::bail!("creating topic {name}: {code}"),
+            }
+        }
+        Ok(())
+    })();
+    let grown = match created {
+        Ok(()) => grow_partitions(&admin, settings, topics, &options).await,
+        Err(e) => Err(e),
+    };
     // The admin client's destructor joins librdkafka threads: off the runtime.
     tokio::task::spawn_blocking(move || drop(admin));
-    for result in results.context("creating topics")? {
+    grown
+}
+
+/// Gives every topic that exists with fewer partitions than
+/// `kafka.partitions` (made by an earlier configuration) the missing ones:
+/// more order consumers can work at once. A topic is never shrunk; more
+/// partitions than configured are left as they are.
+async fn grow_partitions(
+    admin: &AdminClient<DefaultClientContext>,
+    settings: &KafkaSettings,
+    topics: &Topics,
+    options: &AdminOptions,
+) -> anyhow::Result<()> {
+    let wanted = usize::try_from(settings.partitions).unwrap_or(1);
+    let config = client_config(settings);
+    let timeout = settings.timeout_ms;
+    let listed: Vec<String> = topics.all().iter().map(|n| n.to_string()).collect();
+    // A metadata request is a blocking call: off the runtime.
+    let counts: Vec<(String, usize)> = tokio::task::spawn_blocking(move || {
+        use rdkafka::consumer::Consumer;
+        let client: rdkafka::consumer::BaseConsumer = config.create()?;
+        let metadata = client.fetch_metadata(None, timeout)?;
+        anyhow::Ok(
+            metadata
+                .topics()
+                .iter()
+                .filter(|t| listed.iter().any(|n| n.as_str() == t.name()))
+                .map(|t| (t.name().to_owned(), t.partitions().len()))
+                .collect(),
+        )
+    })
+    .await
+    .context("reading the topics' partitions")??;
+    let short: Vec<rdkafka::admin::NewPartitions<'_>> = counts
+        .iter()
+        .filter(|(_, n)| *n > 0 && *n < wanted)
+        .map(|(name, _)| rdkafka::admin::NewPartitions::new(name, wanted))
+        .collect();
+    if short.is_empty() {
+        return Ok(());
+    }
+    for result in admin
+        .create_partitions(&short, options)
+        .await
+        .context("adding partitions")?
+    {
         match result {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((name, code)) => anyhow::bail!("creating topic {name}: {code}"),
+            Ok(name) => {
+                tracing::warn!(
+                    topic = name,
+                    partitions = wanted,
+                    "topic grown to kafka.partitions"
+                )
+            }
+            Err((name, code)) => anyhow::bail!("adding partitions to {name}: {code}"),
         }
     }
     Ok(())

@@ -1042,3 +1042,33 @@ async fn batches_applied_at_once_store_offsets_in_order_so_a_batch_behind_a_stuc
     second.stop().await;
     let _ = tokio::task::spawn_blocking(move || drop(progress)).await;
 }
+
+/// The order topic's partitions, as the broker has them.
+async fn order_partitions(app: &crate::helpers::TestApp) -> usize {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let topic = seckill::bus::Topics::new(&app.settings.kafka.topic_prefix).order_requested;
+    let config = seckill::bus::client_config(&app.settings.kafka);
+    tokio::task::spawn_blocking(move || {
+        let client: BaseConsumer = config.create().unwrap();
+        let metadata = client
+            .fetch_metadata(Some(&topic), std::time::Duration::from_secs(10))
+            .unwrap();
+        metadata.topics()[0].partitions().len()
+    })
+    .await
+    .unwrap()
+}
+
+/// Topics made by an earlier configuration with fewer partitions than
+/// `kafka.partitions` get the missing ones when an instance starts with
+/// more (as the production overlay's 12): more order consumers can work
+/// at once.
+#[tokio::test]
+async fn a_topic_grows_to_the_partitions_configured() {
+    let app = crate::helpers::spawn_app().await;
+    let before = order_partitions(&app).await;
+    assert_eq!(before, app.settings.kafka.partitions as usize);
+    let more = app.settings.kafka.partitions + 2;
+    let _grown = app.sibling(|s| s.kafka.partitions = more).await;
+    assert_eq!(order_partitions(&app).await, more as usize);
+}
