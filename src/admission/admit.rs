@@ -626,7 +626,16 @@ impl Admitter {
                 None => return Ok(()),
                 Some(why) => Refusal::CouponInvalid(why),
             },
-            Err(e) => Refusal::ReserveFailed(e.into()),
+            Err(e) => {
+                // Its reply lost, the hold may have been made: undone
+                // (only this order's hold goes), or left to
+                // reconciliation if Redis does not answer now either.
+                let _ = self
+                    .coupons
+                    .unhold(coupon_id, p.user_id.get(), order_no)
+                    .await;
+                Refusal::ReserveFailed(e.into())
+            }
         };
         // Not published, so no one else can have sent it: it goes, and its
         // request id with it, and the buyer's purchase token comes back as

@@ -250,6 +250,12 @@ pub fn database_number(
     Ok(database_id(ms, u64::try_from(m.seq).unwrap_or(0), gene))
 }
 
+/// When a snowflake was minted, unix ms (by its minter's clock).
+pub fn minted_at_unix_ms(id: i64) -> i64 {
+    let ms = (id as u64) >> MS_SHIFT;
+    i64::try_from(ms.saturating_add(EPOCH_UNIX_MS)).unwrap_or(i64::MAX)
+}
+
 /// The instance id inside a snowflake.
 pub fn instance_of(id: i64) -> u16 {
     ((id as u64 >> SEQUENCE_BITS) & u64::from(MAX_INSTANCE)) as u16

@@ -33,14 +33,18 @@ const RESEND_PER_RUN: usize = 500;
 impl Reconciler {
     /// Restores every valid batch Redis lost once that is safe; the ids
     /// of those still waiting.
-    pub(super) async fn restore_coupons(&self, fence: i64) -> anyhow::Result<Vec<CouponId>> {
+    pub(super) async fn restore_coupons(
+        &self,
+        fence: i64,
+        cutoff: &super::void::Cutoff,
+    ) -> anyhow::Result<Vec<CouponId>> {
         let now = self.clock.now();
         let ids = store::run(&self.db, move |conn| Ok(repo::valid_ids(conn, now)?)).await?;
         let mut lost = Vec::new();
         for id in ids {
             if self.coupons.is_warm(id).await? {
                 self.resend_unconfirmed_claims(id).await?;
-                self.sync_holds(id).await?;
+                self.sync_holds(id, cutoff).await?;
             } else {
                 lost.push(id);
             }
@@ -96,8 +100,15 @@ impl Reconciler {
     /// hold lost with a Redis call) is held for its order; a hold whose
     /// order is FAILED, CANCELLED or CLOSED (its release lost, a crash
     /// between the hold and the publish) is freed. A hold whose order the
-    /// database does not know yet is left: its event may still come.
-    async fn sync_holds(&self, coupon_id: CouponId) -> anyhow::Result<()> {
+    /// database does not know is left while its event may still come, and
+    /// freed once the order consumers have provably applied every event
+    /// published after its number was minted (the void's proof): a hold
+    /// whose reply was lost, for a purchase refused and never published.
+    async fn sync_holds(
+        &self,
+        coupon_id: CouponId,
+        cutoff: &super::void::Cutoff,
+    ) -> anyhow::Result<()> {
         let in_redis = self.coupons.holds_of(coupon_id).await?;
         let order_nos: Vec<i64> = in_redis.iter().map(|&(_, o)| o).collect();
         let (in_db, statuses) = store::snapshot(&self.db, move |conn| {
@@ -116,10 +127,14 @@ impl Reconciler {
             }
         }
         for (user, order_no) in in_redis {
-            let settled = matches!(
-                statuses.get(&order_no),
-                Some(OrderStatus::Failed | OrderStatus::Cancelled | OrderStatus::Closed)
-            );
+            let never_written = cutoff.proven
+                && !statuses.contains_key(&order_no)
+                && crate::ids::minted_at_unix_ms(order_no) < cutoff.before_ms;
+            let settled = never_written
+                || matches!(
+                    statuses.get(&order_no),
+                    Some(OrderStatus::Failed | OrderStatus::Cancelled | OrderStatus::Closed)
+                );
             if settled
                 && !in_db.contains(&(user, order_no))
                 && self.coupons.unhold(coupon_id, user, order_no).await?

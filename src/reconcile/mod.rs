@@ -331,7 +331,7 @@ impl Reconciler {
             lease.holds(),
             "the reconcile lease was lost mid-run; stopping before the coupons"
         );
-        let waiting = self.restore_coupons(lease.token()).await?;
+        let waiting = self.restore_coupons(lease.token(), &cutoff).await?;
         if !waiting.is_empty() {
             tracing::debug!(coupons = ?waiting, "lost coupon batches wait for their restore");
         }

@@ -754,3 +754,44 @@ async fn a_lost_batch_waits_for_the_orders_that_hold_its_coupons() {
         .await;
     assert_eq!(stats["orders"]["FAILED"], 0, "{stats}");
 }
+
+/// A coupon hold whose reply was lost: the hold was made, but the
+/// purchase was refused and never published, so no order will ever back
+/// it. Reconciliation frees it once the order consumers have provably gone
+/// past its number's time (two minutes ago here), and the coupon backs
+/// the buyer's next order.
+#[tokio::test]
+async fn a_hold_for_an_order_that_never_was_is_freed() {
+    let app = spawn_app_with(crate::helpers::restores_quickly).await;
+    let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
+    assert_eq!(claim(&app, 1, coupon, "c1").await.0, 202);
+    claims_written(&app, coupon, 1).await;
+    let minted = chrono::Utc::now().timestamp_millis() - 120_000;
+    let ms = u64::try_from(minted).unwrap() - seckill::ids::EPOCH_UNIX_MS;
+    let never = seckill::ids::database_id(ms, 1, Some(seckill::ids::user_gene(1)));
+    let uses = format!("{}{{c:{coupon}}}:uses", app.settings.redis.key_prefix);
+    let _: () = redis::cmd("HSET")
+        .arg(&uses)
+        .arg("1")
+        .arg(never)
+        .query_async(&mut app.redis())
+        .await
+        .unwrap();
+    let activity = app.live_activity(10, 1, 1).await;
+    let mut attempt = 0;
+    let order = eventually("the hold freed", Duration::from_secs(90), || {
+        attempt += 1;
+        let request_id = format!("o{attempt}");
+        let app = &app;
+        async move {
+            let (status, body) = buy_with_coupon(app, 1, activity, coupon, &request_id).await;
+            (status == 202).then_some(body)
+        }
+    })
+    .await;
+    app.wait_for_stats(activity, 30, |s| s["orders"]["WAITING_PAY"] == 1)
+        .await;
+    let held: Vec<serde_json::Value> = mine(&app, 1).await;
+    assert_eq!(held[0]["order_no"], order["order_no"], "{held:?}");
+    assert_eq!(held[0]["status"], "LOCKED");
+}
