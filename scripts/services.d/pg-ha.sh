@@ -26,7 +26,8 @@
 # Each keeper runs in a session of its own (setsid), its pid (= its
 # process group) in $PGHA_DIR/nodeN/keeper.pid: killing that group is the
 # node dying, keeper and PostgreSQL with it. `start pg-node N` starts it
-# again, and it rejoins as the standby (pg_rewind).
+# again, and it rejoins as the standby (pg_rewind, after crash recovery
+# here: pg_ha_recover).
 
 # Failover timings on the monitor: a node is unhealthy after 6 s without a
 # report and failed health checks (1 s apart), and an unreachable primary
@@ -155,6 +156,36 @@ pg_ha_monitor_up() {
     -c "select pg_reload_conf()" >/dev/null
 }
 
+# pg_ha_recover DIR: a node whose PostgreSQL died as a primary (SIGKILL,
+# a lost machine) is left "in production", not shut down cleanly. The
+# keeper rejoins it as the new primary's standby with pg_rewind, which
+# needs a clean shutdown: pg_rewind then runs crash recovery itself, in
+# single-user mode, which refuses the standby.signal the keeper has
+# already written ("standby mode is not supported by single-user
+# servers"); pg_auto_failover then falls back to a full base backup (47 s
+# here, and no standby meanwhile). So crash recovery runs here first, in
+# single-user mode (it listens on no port: nothing can write to the old
+# primary), with any signal file set aside; the keeper then finds a clean
+# cluster and rewinds it.
+pg_ha_recover() {
+  local dir=$1 data=$1/data state f
+  [ -f "$data/PG_VERSION" ] || return 0
+  [ -f "$data/postmaster.pid" ] && kill -0 "$(head -n 1 "$data/postmaster.pid")" 2>/dev/null && return 0
+  state=$(as_pg "$PGBIN/pg_controldata" -D "$data" 2>/dev/null | sed -n 's/^Database cluster state: *//p')
+  [ "$state" = "in production" ] || return 0
+  log "$dir: PostgreSQL died as a primary ($state): crash recovery in single-user mode before it rejoins"
+  for f in standby.signal recovery.signal; do
+    [ -f "$data/$f" ] && as_pg mv "$data/$f" "$data/$f.aside"
+  done
+  as_pg rm -f "$data/postmaster.pid"
+  as_pg "$PGBIN/postgres" --single -D "$data" postgres </dev/null >>"$dir/recovery.log" 2>&1 \
+    || log "$dir: single-user recovery failed (see $dir/recovery.log); the keeper takes over"
+  for f in standby.signal recovery.signal; do
+    [ -f "$data/$f.aside" ] && as_pg mv "$data/$f.aside" "$data/$f"
+  done
+  return 0
+}
+
 # pg_ha_node_up N: creates node N (the first becomes the primary, the
 # second its standby, from a base backup) unless it exists, and runs it.
 pg_ha_node_up() {
@@ -171,6 +202,7 @@ pg_ha_node_up() {
     printf '\n# scripts/services.d/pg-ha.sh\nmax_connections = 300\nshared_buffers = 128MB\n' \
       | as_pg tee -a "$dir/data/postgresql.conf" >/dev/null
   fi
+  keeper_alive "$dir" || pg_ha_recover "$dir"
   pg_ha_keeper "$dir"
   wait_for 120 pg_ha_answers "$port" || { pg_ha_explain; die "node $n does not answer; see $dir/keeper.log"; }
 }

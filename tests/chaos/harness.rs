@@ -228,6 +228,16 @@ impl Services {
         self.script(&["start", "pg-node", &n.to_string()]).await;
     }
 
+    /// Node `n`'s port.
+    pub fn pg_port(&self, n: usize) -> u16 {
+        self.pg_ports[n - 1]
+    }
+
+    /// Node `n`'s keeper log (pg_auto_failover's `pg_autoctl run`).
+    pub fn pg_keeper_log(&self, n: usize) -> PathBuf {
+        self.state.join(format!("pg-ha/node{n}/keeper.log"))
+    }
+
     /// The node (1 or 2) that takes writes now, if one does.
     pub async fn pg_primary(&self) -> Option<usize> {
         for (i, port) in self.pg_ports.iter().enumerate() {

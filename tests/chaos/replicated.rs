@@ -396,3 +396,87 @@ async fn the_postgres_standby_killed_the_primary_goes_on() {
     chaos.settle_and_check(&sale, &outcome).await;
     assert_never_restarted(&chaos);
 }
+
+/// Runs `sql` as the superuser on PostgreSQL node `n` (no answer: false).
+async fn on_node(chaos: &Chaos, n: usize, sql: &'static str) -> bool {
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres?connect_timeout=3",
+        chaos.services.pg_port(n)
+    );
+    tokio::task::spawn_blocking(move || {
+        use diesel::{Connection, RunQueryDsl};
+        let mut conn = diesel::PgConnection::establish(&url).ok()?;
+        diesel::sql_query(sql).execute(&mut conn).ok()
+    })
+    .await
+    .ok()
+    .flatten()
+    .is_some()
+}
+
+/// The primary killed with WAL its standby never had (commits made with
+/// `synchronous_commit = local` just before): once the standby took over,
+/// the old primary must be rewound to rejoin. It rejoins by pg_rewind, in
+/// seconds, not by a full base backup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn a_killed_primary_rejoins_as_the_standby_by_rewind() {
+    let chaos = start("primary_rewound").await;
+    let primary = chaos.services.pg_primary().await.expect("a primary");
+    let standby = 3 - primary;
+    let log = chaos.services.pg_keeper_log(primary);
+    let before = std::fs::read_to_string(&log).map_or(0, |l| l.len());
+    // WAL only the primary has: committed locally, not waited for.
+    assert!(
+        on_node(
+            &chaos,
+            primary,
+            "DO $$ BEGIN PERFORM set_config('synchronous_commit', 'local', true); \
+             CREATE TABLE IF NOT EXISTS diverged (x int); \
+             INSERT INTO diverged SELECT generate_series(1, 200000); END $$"
+        )
+        .await,
+        "the write on the primary"
+    );
+    signal_group(chaos.services.pg_node_group(primary).await, "KILL");
+    let killed = Instant::now();
+    while chaos.services.pg_primary().await != Some(standby) {
+        assert!(killed.elapsed() < Duration::from_secs(180), "no failover");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let restarted = Instant::now();
+    chaos.services.start_pg_node(primary).await;
+    // Back as a standby that follows the new primary.
+    let rejoined = loop {
+        let following = on_node(
+            &chaos,
+            standby,
+            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_stat_replication \
+             WHERE state = 'streaming') THEN RAISE EXCEPTION 'no standby'; END IF; END $$",
+        )
+        .await;
+        if following {
+            break restarted.elapsed();
+        }
+        assert!(
+            restarted.elapsed() < Duration::from_secs(300),
+            "the old primary never rejoined"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let since = std::fs::read_to_string(&log).unwrap_or_default();
+    let since = &since[before.min(since.len())..];
+    eprintln!(
+        "primary_rewound: node {primary} streams from node {standby} {:.1}s after its restart",
+        rejoined.as_secs_f64()
+    );
+    assert!(
+        since.contains("bin/pg_rewind") && !since.contains("bin/pg_basebackup"),
+        "rejoined by rewind, not a base backup: {}",
+        since
+            .lines()
+            .filter(|l| l.contains("rewind") || l.contains("basebackup") || l.contains("FATAL"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
