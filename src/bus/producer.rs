@@ -456,6 +456,25 @@ fn build(settings: &KafkaSettings, progress: &Arc<Progress>) -> anyhow::Result<C
         .set("acks", "all")
         .set("linger.ms", settings.linger_ms.as_millis().to_string())
         .set("queue.buffering.max.messages", "200000")
+        // A leader that stops answering without closing (paused) is given
+        // up after this, past its fencing, not after the message timeout:
+        // librdkafka's client-side wait for a produce answer is the lesser
+        // of socket.timeout.ms and the message's remaining time
+        // (request.timeout.ms is only the brokers' own ack wait).
+        .set(
+            "socket.timeout.ms",
+            settings
+                .request_timeout_ms
+                .min(settings.message_timeout_ms)
+                .max(Duration::from_secs(1))
+                .as_millis()
+                .to_string(),
+        )
+        // A connection to every broker, not only to the leaders in use: when
+        // the one broker leading every partition goes down, librdkafka asks
+        // another for the new leaders. With only the lost connection it
+        // finds no broker to ask and waits until a message times out.
+        .set("enable.sparse.connections", "false")
         .set(
             "message.timeout.ms",
             settings

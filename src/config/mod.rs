@@ -560,6 +560,10 @@ pub struct PostgresSettings {
     pub call_timeout_ms: Duration,
 }
 
+fn request_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
 fn pg_connect_timeout() -> Duration {
     Duration::from_secs(5)
 }
@@ -609,6 +613,16 @@ pub struct KafkaSettings {
     /// (`message.timeout.ms`), in milliseconds.
     #[serde(deserialize_with = "duration::millis")]
     pub message_timeout_ms: Duration,
+    /// How long the producer waits for a broker's answer to one produce
+    /// request (`request.timeout.ms`) before it gives the connection up,
+    /// refreshes the leaders and sends the messages again (idempotently),
+    /// in milliseconds. Longer than the brokers' session timeout (9 s
+    /// here), so that a leader that stopped answering (paused, a frozen
+    /// host) has been fenced and replaced by then: a paused leader then
+    /// costs what a killed one does. At most `message_timeout_ms` (a
+    /// shorter message timeout bounds it).
+    #[serde(default = "request_timeout", deserialize_with = "duration::millis")]
+    pub request_timeout_ms: Duration,
     /// A consumer with messages waiting that commits nothing, or that
     /// cannot reach its group coordinator, this long is rebuilt; purchases
     /// get 503 BUSY while the order consumers are stalled this long. 0 = off.

@@ -480,3 +480,78 @@ async fn a_killed_primary_rejoins_as_the_standby_by_rewind() {
             .join("\n")
     );
 }
+
+/// One broker leads every partition of the order topic (the two others
+/// were killed and started again: leadership stays with the survivor),
+/// and that broker is paused (SIGSTOP), at the default message timeout
+/// and stall window.
+/// The producer gives its requests to the paused broker up once the
+/// controllers have fenced it, and finds the new leaders by itself: the
+/// sale goes on before any message times out and without a Kafka client
+/// rebuilt, as after a killed leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
+async fn a_paused_broker_leading_every_partition_is_left_as_a_killed_one_is() {
+    let chaos = Chaos::start_with("every_leader_paused", |env| {
+        // The defaults (the harness shortens them): a message is retried
+        // 15 s, a client is rebuilt after 20 s without progress.
+        env.push(("SECKILL__KAFKA__MESSAGE_TIMEOUT_MS", "15000".into()));
+        env.push(("SECKILL__KAFKA__CONSUMER_STALL_SECS", "20".into()));
+        env.push(("SECKILL__RECONCILE__PUBLISH_WINDOW_SECS", "35".into()));
+    })
+    .await;
+    assert!(
+        chaos.services.replicated(),
+        "run with scripts/chaos.sh --replicated"
+    );
+    let spare = spare_activity(&chaos).await;
+    let topic = order_topic(&chaos);
+    let keep = leader(&chaos).await;
+    let others: Vec<usize> = (1..=3).filter(|n| *n != keep).collect();
+    for &n in &others {
+        signal(chaos.services.broker_pid(n).await, "KILL");
+    }
+    let moved = Instant::now();
+    loop {
+        let mut all = true;
+        for p in 0..4 {
+            all &= chaos.services.leader_of(&topic, p).await == Some(keep);
+        }
+        if all {
+            break;
+        }
+        assert!(
+            moved.elapsed() < Duration::from_secs(120),
+            "the survivor never led every partition"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for &n in &others {
+        chaos.services.start_broker(n).await;
+    }
+    // Back in the in-sync replicas: writes are taken again.
+    sells_again(&chaos, spare, 700_000).await;
+    let rebuilt = chaos.log_lines_with("wedged; rebuilding");
+    let timed_out = chaos.log_lines_with("delivery unknown");
+    let pid = chaos.services.broker_pid(keep).await;
+    eprintln!("every_leader_paused: broker {keep} leads every partition; SIGSTOP");
+    signal(pid, "STOP");
+    let _resume = harness::OnDrop(move || signal(pid, "CONT"));
+    let after = sells_again(&chaos, spare, 800_000).await;
+    eprintln!("every_leader_paused: a new buyer accepted {after:.1}s after the pause");
+    assert_eq!(
+        chaos.log_lines_with("wedged; rebuilding"),
+        rebuilt,
+        "a Kafka client was rebuilt: the producer did not move to the new leaders by itself; {}",
+        chaos.logs()
+    );
+    // The request to the paused broker was given up (10 s) and the new
+    // leaders found before any message's own 15 s ran out.
+    assert_eq!(
+        chaos.log_lines_with("delivery unknown"),
+        timed_out,
+        "a message timed out on the paused broker: the producer stayed on it; {}",
+        chaos.logs()
+    );
+    assert_never_restarted(&chaos);
+}
