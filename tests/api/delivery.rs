@@ -1044,19 +1044,42 @@ async fn batches_applied_at_once_store_offsets_in_order_so_a_batch_behind_a_stuc
 }
 
 /// The order topic's partitions, as the broker has them.
-async fn order_partitions(app: &crate::helpers::TestApp) -> usize {
+async fn order_partitions(app: &crate::helpers::TestApp) -> Option<usize> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let topic = seckill::bus::Topics::new(&app.settings.kafka.topic_prefix).order_requested;
     let config = seckill::bus::client_config(&app.settings.kafka);
     tokio::task::spawn_blocking(move || {
-        let client: BaseConsumer = config.create().unwrap();
+        let client: BaseConsumer = config.create().ok()?;
         let metadata = client
             .fetch_metadata(Some(&topic), std::time::Duration::from_secs(10))
-            .unwrap();
-        metadata.topics()[0].partitions().len()
+            .ok()?;
+        Some(metadata.topics().first()?.partitions().len())
     })
     .await
     .unwrap()
+}
+
+/// Waits until a fresh client sees `count` partitions of the order topic.
+/// The controller has committed them when the instance is ready; a broker
+/// applies that to the metadata it answers a moment later, and a loaded
+/// host stretches the moment.
+async fn until_partitions(app: &crate::helpers::TestApp, count: i32) {
+    let count = usize::try_from(count).expect("a partition count");
+    let mut seen = None;
+    let found = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            seen = order_partitions(app).await;
+            if seen == Some(count) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    assert!(
+        found.is_ok(),
+        "{count} partitions wanted, last seen {seen:?}"
+    );
 }
 
 /// Topics made by an earlier configuration with fewer partitions than
@@ -1066,9 +1089,8 @@ async fn order_partitions(app: &crate::helpers::TestApp) -> usize {
 #[tokio::test]
 async fn a_topic_grows_to_the_partitions_configured() {
     let app = crate::helpers::spawn_app().await;
-    let before = order_partitions(&app).await;
-    assert_eq!(before, app.settings.kafka.partitions as usize);
+    until_partitions(&app, app.settings.kafka.partitions).await;
     let more = app.settings.kafka.partitions + 2;
     let _grown = app.sibling(|s| s.kafka.partitions = more).await;
-    assert_eq!(order_partitions(&app).await, more as usize);
+    until_partitions(&app, more).await;
 }
