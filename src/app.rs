@@ -121,7 +121,7 @@ impl Worker {
                 )
             }),
             Worker::SoldOutListener => (!s.admission.sold_out_ttl_ms.is_zero()).then(|| {
-                let channel = crate::admission::soldout::channel(&s.redis.key_prefix);
+                let channel = crate::admission::gate::returned_channel(&s.redis.key_prefix);
                 let flags = state.sale.sold_out.clone();
                 let seeds = seed_nodes(s);
                 WorkerHandle::spawn(move |shutdown| {
@@ -273,6 +273,9 @@ impl Application {
                 .app_data(web::Data::new(ThreadGate(gate)))
                 .app_data(state.clone())
                 .app_data(keys.clone())
+                .app_data(web::Data::new(http::routes::OpenApiJson(
+                    http::openapi::json(),
+                )))
                 .configure(http::extractor_configs)
                 .configure(http::routes::configure)
                 .default_service(web::to(http::routes::not_found))

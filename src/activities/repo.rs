@@ -6,7 +6,7 @@ use diesel::sql_types::{BigInt, Text};
 
 use super::Activity;
 use crate::admission::Layout;
-use crate::admission::fallback::Mode;
+use crate::admission::mode::Mode;
 use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 use crate::room::repo::RoomRow;

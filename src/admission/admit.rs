@@ -15,7 +15,6 @@
 //! of those checks first looks the request id up (one `HGET`), and a
 //! request id bound to an order is answered as the replay it is.
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,6 +25,7 @@ use super::gate::Meta as ActivityMeta;
 use super::gate::Unsent;
 use super::limits::{Limits, retry_secs};
 use super::publish::{Confirmation, Published, Publisher};
+pub use super::purchase::Purchase;
 use super::soldout::SoldOut;
 use super::{Admission, Layout, RedisGate, ReserveRequest};
 use crate::activities::cache::{ActivityCache, Lookup};
@@ -35,29 +35,10 @@ use crate::bus::progress;
 use crate::clock::SharedClock;
 use crate::config::Settings;
 use crate::coupons::gate::CouponGate;
-use crate::domain::{ActivityId, CouponId, RequestId, UserId, is_client_key};
+use crate::domain::{ActivityId, CouponId, UserId, is_client_key};
 use crate::ids::{IdGenerator, OrderNo};
 use crate::metrics::Metrics;
 use crate::store::PgPool;
-
-/// A purchase as the buyer asked for it, its request id already valid.
-#[derive(Debug, Clone)]
-pub struct Purchase {
-    /// The activity.
-    pub activity_id: ActivityId,
-    /// The buyer.
-    pub user_id: UserId,
-    /// The client's address, when known (its own rate bucket).
-    pub client_ip: Option<IpAddr>,
-    /// The buyer's idempotency key.
-    pub request_id: RequestId,
-    /// Units wanted (default 1).
-    pub quantity: i32,
-    /// The one-time purchase token, if the activity asked for one.
-    pub token: Option<String>,
-    /// A coupon of the buyer's to use.
-    pub coupon_id: Option<CouponId>,
-}
 
 /// A purchase the broker has: 202, or (a replay) the order's status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

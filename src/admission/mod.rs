@@ -13,7 +13,9 @@ pub mod fallback;
 pub mod gate;
 pub mod keys;
 pub mod limits;
+pub mod mode;
 pub mod publish;
+pub mod purchase;
 pub mod soldout;
 
 pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, ThreadGate, WarmSpec};

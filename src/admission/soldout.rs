@@ -53,12 +53,6 @@ use crate::domain::ActivityId;
 /// confirms tens of them, not two or three.
 pub const RECOUNT_SPACING: Duration = Duration::from_millis(1);
 
-/// The pub/sub channel of stock coming back, under a key prefix: messages
-/// are activity ids.
-pub fn channel(prefix: &str) -> String {
-    format!("{prefix}stock-returned")
-}
-
 /// One activity's flag.
 struct Flag {
     /// When Redis last said SOLD_OUT (`None`: cleared, users kept).

@@ -30,6 +30,7 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
 use super::Role;
+pub use crate::config::{JwksConfig, JwksSource};
 use crate::domain::UserId;
 
 /// The algorithms a provider's token may use. Never HS*: the verifying
@@ -41,27 +42,6 @@ const LEEWAY_SECS: u64 = 30;
 
 /// How long one fetch of the JWKS or the discovery document may take.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Where the keys are.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Source {
-    /// A JWKS URL.
-    Jwks(String),
-    /// An issuer whose `/.well-known/openid-configuration` names it.
-    Discovery(String),
-}
-
-/// What [`Jwks`] is configured with.
-#[derive(Debug, Clone)]
-pub struct JwksConfig {
-    pub source: Source,
-    /// The exact `iss` a token must carry.
-    pub issuer: String,
-    /// The audience a token's `aud` must name.
-    pub audience: String,
-    pub ttl: Duration,
-    pub cooldown: Duration,
-}
 
 /// One usable key: its decoding key and the one algorithm it verifies.
 #[derive(Clone)]
@@ -131,8 +111,8 @@ impl Jwks {
         validation.set_audience(&[&config.audience]);
         validation.set_required_spec_claims(&["exp", "sub", "iss", "aud"]);
         let jwks_url = match &config.source {
-            Source::Jwks(url) => Some(url.clone()),
-            Source::Discovery(_) => None,
+            JwksSource::Jwks(url) => Some(url.clone()),
+            JwksSource::Discovery(_) => None,
         };
         Ok(Self {
             config,
@@ -346,7 +326,7 @@ impl Jwks {
         {
             return Ok(url);
         }
-        let Source::Discovery(issuer) = &self.config.source else {
+        let JwksSource::Discovery(issuer) = &self.config.source else {
             unreachable!("a configured JWKS URL is set at start")
         };
         let at = discovery_url(issuer);
@@ -585,7 +565,7 @@ mod tests {
         fn jwks(&self, ttl: Duration, cooldown: Duration) -> Arc<Jwks> {
             Arc::new(
                 Jwks::new(JwksConfig {
-                    source: Source::Jwks(format!("{}/jwks", self.base)),
+                    source: JwksSource::Jwks(format!("{}/jwks", self.base)),
                     issuer: ISSUER.into(),
                     audience: AUDIENCE.into(),
                     ttl,
@@ -791,7 +771,7 @@ mod tests {
         provider.publish(&[&rsa]);
         let jwks = Arc::new(
             Jwks::new(JwksConfig {
-                source: Source::Discovery(provider.base.clone()),
+                source: JwksSource::Discovery(provider.base.clone()),
                 issuer: ISSUER.into(),
                 audience: AUDIENCE.into(),
                 ttl: Duration::ZERO,
@@ -808,7 +788,7 @@ mod tests {
         // An issuer whose document names another issuer is not trusted.
         let wrong = Arc::new(
             Jwks::new(JwksConfig {
-                source: Source::Discovery(format!("{}/other", provider.base)),
+                source: JwksSource::Discovery(format!("{}/other", provider.base)),
                 issuer: ISSUER.into(),
                 audience: AUDIENCE.into(),
                 ttl: LONG,

@@ -11,6 +11,7 @@ pub mod probe;
 pub mod producer;
 pub mod progress;
 pub mod runner;
+pub mod supervision;
 pub mod watchdog;
 
 pub use producer::{Delivery, Producer, PublishError};

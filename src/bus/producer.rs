@@ -342,7 +342,7 @@ impl Producer {
     /// new producer just the same). Gives up (the process exits, to be
     /// restarted) after [`super::watchdog::MAX_REBUILDS_IN_A_ROW`] rebuilds
     /// with no answer from the broker in between.
-    pub fn supervise(&self, watch: super::runner::Supervision) -> crate::worker::WorkerHandle {
+    pub fn supervise(&self, watch: super::supervision::Supervision) -> crate::worker::WorkerHandle {
         let producer = self.clone();
         let stall = self.settings.consumer_stall_secs;
         watch.rebuilds.with_label_values(&["producer"]);

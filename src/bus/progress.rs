@@ -18,6 +18,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::closing::OffThread;
+pub use super::watchdog::Sample;
 use super::watchdog::StallTracker;
 use crate::config::KafkaSettings;
 use crate::worker::WorkerHandle;
@@ -97,7 +98,7 @@ impl GroupProgress {
     /// of its own. After [`super::watchdog::MAX_REBUILDS_IN_A_ROW`] such
     /// rebuilds with no sample answered in between, the process gives up,
     /// to be restarted, as for any other client.
-    pub fn heal(&self, supervision: &super::runner::Supervision, stall: Duration) {
+    pub fn heal(&self, supervision: &super::supervision::Supervision, stall: Duration) {
         let failing_for = super::watchdog::elapsed(&self.failing_since);
         // Judged like the consumers: only over a window in which the
         // cluster answered and took writes (two brokers of three down, it
@@ -316,15 +317,6 @@ impl GroupProgress {
     }
 }
 
-/// One look at a group's progress on its topic.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sample {
-    /// Messages not committed yet (Σ end − committed).
-    pub lag: i64,
-    /// Σ over partitions of the committed offset: grows with every commit.
-    pub done: i64,
-}
-
 /// A lag that could not be sampled (the broker could not be asked).
 pub const UNKNOWN_LAG: i64 = -1;
 
@@ -343,7 +335,7 @@ pub fn spawn_sampler(
     every: Duration,
     lag: prometheus::IntGauge,
     stalled_secs: prometheus::IntGauge,
-    supervision: super::runner::Supervision,
+    supervision: super::supervision::Supervision,
     stall: Duration,
 ) -> WorkerHandle {
     WorkerHandle::spawn(move |stop| async move {

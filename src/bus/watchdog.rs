@@ -43,8 +43,6 @@ use std::time::{Duration, Instant};
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::ConsumerContext;
 
-use super::progress::Sample;
-
 /// Rebuilds of one client with no progress in between, after which the
 /// process gives up and exits to be restarted.
 pub const MAX_REBUILDS_IN_A_ROW: u32 = 3;
@@ -399,6 +397,15 @@ impl Escalation {
 
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
+}
+
+/// One look at a group's progress on its topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Messages not committed yet (Σ end − committed).
+    pub lag: i64,
+    /// Σ over partitions of the committed offset: grows with every commit.
+    pub done: i64,
 }
 
 #[cfg(test)]

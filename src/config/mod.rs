@@ -48,6 +48,11 @@ pub const DEV_SERVER_SECRET: &str = "dev-only-server-secret-do-not-use-in-produc
 pub const DEV_NOTIFY_SECRET: &str = "dev-only-notify-secret-do-not-use-in-production";
 
 /// Everything the binary reads from configuration.
+/// The largest `app.instance_id`: 10 bits of the snowflake id, less 1023,
+/// which is the database's (orders admitted while Redis is down).
+/// `ids::MAX_LEASED_INSTANCE` is this bound.
+pub const MAX_CONFIGURED_INSTANCE: u16 = 1022;
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct Settings {
     /// Process-level settings: environment, listen address, instance id.
@@ -411,23 +416,44 @@ fn jwks_cooldown_by_default() -> Duration {
     Duration::from_secs(30)
 }
 
+/// Where the keys are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JwksSource {
+    /// A JWKS URL.
+    Jwks(String),
+    /// An issuer whose `/.well-known/openid-configuration` names it.
+    Discovery(String),
+}
+
+/// What the identity provider's key set (`auth::jwks::Jwks`) is
+/// configured with.
+#[derive(Debug, Clone)]
+pub struct JwksConfig {
+    pub source: JwksSource,
+    /// The exact `iss` a token must carry.
+    pub issuer: String,
+    /// The audience a token's `aud` must name.
+    pub audience: String,
+    pub ttl: Duration,
+    pub cooldown: Duration,
+}
+
 impl AuthSettings {
     /// The identity provider's settings, `None` without one; an error
     /// names what is missing or contradicts.
-    pub fn provider(&self) -> anyhow::Result<Option<crate::auth::jwks::JwksConfig>> {
-        use crate::auth::jwks::{JwksConfig, Source};
+    pub fn provider(&self) -> anyhow::Result<Option<JwksConfig>> {
         let source = match (&self.jwks_url, self.discovery) {
             (None, false) => return Ok(None),
             (Some(_), true) => {
                 bail!("auth.jwks_url and auth.discovery: set one (discovery finds the JWKS itself)")
             }
-            (Some(url), false) => Source::Jwks(url.clone()),
-            (None, true) => Source::Discovery(self.issuer.clone().ok_or_else(|| {
+            (Some(url), false) => JwksSource::Jwks(url.clone()),
+            (None, true) => JwksSource::Discovery(self.issuer.clone().ok_or_else(|| {
                 anyhow::anyhow!("auth.discovery needs auth.issuer (the provider to ask)")
             })?),
         };
         let url = match &source {
-            Source::Jwks(url) | Source::Discovery(url) => url,
+            JwksSource::Jwks(url) | JwksSource::Discovery(url) => url,
         };
         if !(url.starts_with("https://") || url.starts_with("http://")) {
             bail!("auth.jwks_url / auth.issuer must be an http(s) URL, not {url:?}");
@@ -866,7 +892,7 @@ impl Settings {
         if self
             .app
             .instance_id
-            .is_some_and(|id| id > crate::ids::MAX_LEASED_INSTANCE)
+            .is_some_and(|id| id > MAX_CONFIGURED_INSTANCE)
         {
             bail!(
                 "app.instance_id must be within 0..=1022 (10 bits of the snowflake id; \

@@ -43,6 +43,10 @@ pub const DATABASE_INSTANCE: u16 = MAX_INSTANCE;
 /// The largest instance id a lease (or `app.instance_id`) may take.
 pub const MAX_LEASED_INSTANCE: u16 = MAX_INSTANCE - 1;
 
+// The settings check `app.instance_id` against their own copy of the bound:
+// they depend on nothing of the crate's.
+const _: () = assert!(MAX_LEASED_INSTANCE == crate::config::MAX_CONFIGURED_INSTANCE);
+
 const SEQUENCE_BITS: u32 = 12;
 const INSTANCE_BITS: u32 = 10;
 const SEQUENCE_MASK: u64 = (1 << SEQUENCE_BITS) - 1;

@@ -19,225 +19,20 @@ use crate::config::Settings;
 use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 
+mod args;
+mod client;
 mod cpu;
+mod report;
 mod sale;
 pub mod timeline;
 mod verify;
 mod wire;
 
-pub use self::sale::SaleFigures;
+pub use self::args::LoadgenArgs;
+use self::client::Client;
+use self::report::Outcome;
+pub use self::report::{Report, SaleFigures};
 use self::verify::{print_report, summarize, verify};
-
-/// What to run.
-#[derive(Debug, Clone, clap::Args)]
-pub struct LoadgenArgs {
-    /// Base URL of the server; repeat it to spread the buyers over several
-    /// instances (buyer N goes to URL N mod count; admin calls to the first).
-    #[arg(long = "url", default_values_t = [String::from("http://127.0.0.1:8080")])]
-    pub urls: Vec<String>,
-    /// Distinct buyers (one purchase each).
-    #[arg(long, default_value_t = 20_000)]
-    pub users: i64,
-    /// Units on sale (ignored with --activity).
-    #[arg(long, default_value_t = 1_000)]
-    pub stock: i32,
-    /// Requests in flight at once (closed loop: a new purchase starts when
-    /// one ends; also the token phase).
-    #[arg(long, default_value_t = 256)]
-    pub concurrency: usize,
-    /// Open loop: start purchases at this fixed rate per second, whatever
-    /// the answers take, and measure each latency from its intended start
-    /// (as wrk2 does: no coordinated omission).
-    #[arg(long)]
-    pub rate: Option<f64>,
-    /// Stock buckets of the created activity.
-    #[arg(long, default_value_t = 1)]
-    pub buckets: i32,
-    /// Redis shards of the created activity (a hot activity spread over
-    /// a cluster's masters).
-    #[arg(long, default_value_t = 1)]
-    pub shards: i32,
-    /// Use this existing, warmed activity instead of creating one.
-    #[arg(long)]
-    pub activity: Option<ActivityId>,
-    /// First user id (ids are first..first+users).
-    #[arg(long, default_value_t = 1)]
-    pub first_user: i64,
-    /// How long to wait for the consumer to drain, in seconds.
-    #[arg(long, default_value_t = 120)]
-    pub drain_timeout: u64,
-    /// Skip the drain wait and invariant check (pure admission throughput).
-    #[arg(long)]
-    pub no_check: bool,
-    /// The design under test keeps no stock in Redis (the naive baseline):
-    /// leave Redis out of the I7 comparison.
-    #[arg(long)]
-    pub db_only: bool,
-    /// Instead of a sale, POST `--users` purchase-shaped requests to this URL
-    /// (an HTTP ceiling: `examples/plain.rs`).
-    #[arg(long)]
-    pub ceiling_url: Option<String>,
-    /// A whole sale, bought by people and by this many bot accounts (the
-    /// first user ids), reporting the units each side took (see
-    /// `loadgen/sale.rs` for how each behaves).
-    #[arg(long, default_value_t = 0)]
-    pub bots: i64,
-    /// Run the sale through a waiting room: everyone joins the pre-queue,
-    /// then buys with the pass of their turn.
-    #[arg(long)]
-    pub room: bool,
-    /// With --room: tickets admitted per second.
-    #[arg(long, default_value_t = 2_000)]
-    pub admit_per_sec: i32,
-    /// With --room: at most this many passes outstanding at once.
-    #[arg(long)]
-    pub max_active: Option<i32>,
-    /// With --room: seconds from the activity's creation to its start, in
-    /// which every buyer joins the pre-queue.
-    #[arg(long, default_value_t = 60)]
-    pub prequeue_secs: u64,
-    /// With --rate: write the open loop's timeline (per 10 ms of intended
-    /// send time) to this CSV file (`loadgen/timeline.rs`).
-    #[arg(long)]
-    pub timeline: Option<std::path::PathBuf>,
-    /// The server's process id: report its CPU time per request over the
-    /// burst (read from /proc), and how busy the whole host was.
-    #[arg(long)]
-    pub cpu_pid: Option<u32>,
-    /// Milliseconds between the last purchase token and the first
-    /// purchase (buyers fetch their tokens before the start, not in the
-    /// same instant).
-    #[arg(long, default_value_t = 0)]
-    pub settle_ms: u64,
-    /// Open this many connections before the first purchase (at least
-    /// --concurrency are, by the token phase). Buyers of a real sale hold
-    /// their own connections when it starts; an open loop whose answers
-    /// lag needs one per purchase in flight, and opening them in the first
-    /// second of the sale measures connection set-up on a host that has
-    /// none to spare.
-    #[arg(long, default_value_t = 0)]
-    pub connections: usize,
-    /// Open loop: at most this many purchases in flight at once; one due
-    /// while all are out waits for an answer (its wait counts in its
-    /// latency, which runs from its intended start). The buyers' connections
-    /// are then the ones `--connections` opened: an open loop whose answers
-    /// lag otherwise opens a connection for each purchase past them, at the
-    /// moment the host has least to spare for it.
-    #[arg(long)]
-    pub max_in_flight: Option<usize>,
-    /// Worker threads of this process (default: one per core). An open
-    /// loop on the server's own host wants 1: a fixed rate needs only the
-    /// CPU of that rate, and with a worker per core the load generator
-    /// took both cores from the server at the sale's first moment
-    /// (BENCHMARKS.md, "The load generator off the server's second core").
-    #[arg(long)]
-    pub threads: Option<usize>,
-}
-
-/// One purchase: HTTP status (0 when the transport failed), error code,
-/// order number, latency.
-type Outcome = (u16, String, Option<String>, Duration);
-
-/// The figures of one run, for scripts (`--json` prints them).
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Report {
-    /// The activity bought from (0 for the ceiling, which buys nothing).
-    pub activity_id: ActivityId,
-    pub requests: u64,
-    pub accepted: u64,
-    pub sold_out: u64,
-    pub limited: u64,
-    pub errors: u64,
-    pub seconds: f64,
-    pub per_sec: f64,
-    pub p50_ms: f64,
-    pub p90_ms: f64,
-    pub p99_ms: f64,
-    pub p999_ms: f64,
-    pub max_ms: f64,
-    /// p99 of the accepted purchases alone (202), and of all the others:
-    /// where a tail comes from.
-    pub p99_accepted_ms: f64,
-    pub p99_refused_ms: f64,
-    /// The arrival rate asked for (open loop), purchases per second.
-    pub rate: Option<f64>,
-    /// Purchase tokens fetched per second before the burst (the token
-    /// route, at `--concurrency`).
-    pub tokens_per_sec: Option<f64>,
-    pub drain_seconds: Option<f64>,
-    pub invariants_ok: Option<bool>,
-    /// With --cpu-pid: the server's CPU time (user + system, all threads)
-    /// over the burst per request, in µs, and the share of the host's CPUs
-    /// busy meanwhile (0..1, every process).
-    pub server_cpu_us_per_request: Option<f64>,
-    pub host_busy: Option<f64>,
-    /// This load generator's own CPU time per request over the burst, µs
-    /// (it shares the host with the server).
-    pub loadgen_cpu_us_per_request: Option<f64>,
-    /// A whole sale (`--bots`, `--room`): who took the units, and the room's
-    /// admission.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sale: Option<SaleFigures>,
-}
-
-struct Client {
-    http: reqwest::Client,
-    urls: Vec<String>,
-    keys: JwtKeys,
-}
-
-impl Client {
-    fn token(&self, user: i64, role: Role) -> anyhow::Result<String> {
-        self.keys.mint(user, role, 3600)
-    }
-
-    /// The instance buyer `user` talks to.
-    fn url_of(&self, user: i64) -> &str {
-        &self.urls[self.server_of(user)]
-    }
-
-    /// Which of the servers (`--url`, in order) a user's requests go to.
-    fn server_of(&self, user: i64) -> usize {
-        let n = self.urls.len().max(1) as i64;
-        user.rem_euclid(n) as usize
-    }
-
-    /// An admin call, to the first instance.
-    async fn send(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        bearer: &str,
-        body: Option<&Value>,
-    ) -> anyhow::Result<(u16, Value)> {
-        self.send_to(&self.urls[0], method, path, bearer, body)
-            .await
-    }
-
-    async fn send_to(
-        &self,
-        url: &str,
-        method: reqwest::Method,
-        path: &str,
-        bearer: &str,
-        body: Option<&Value>,
-    ) -> anyhow::Result<(u16, Value)> {
-        let mut req = self
-            .http
-            .request(method, format!("{url}{path}"))
-            .bearer_auth(bearer);
-        if let Some(b) = body {
-            req = req.json(b);
-        }
-        let res = req.send().await?;
-        let status = res.status().as_u16();
-        let bytes = res.bytes().await?;
-        Ok((
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        ))
-    }
-}
 
 /// How long a request waits for its answer before it counts as lost (and
 /// is sent again, as a client does).
@@ -330,14 +125,6 @@ fn cpu_cost(
 fn cpu_readings(args: &LoadgenArgs) -> Option<(cpu::Reading, cpu::Reading)> {
     let server = cpu::Reading::now(args.cpu_pid?)?;
     Some((server, cpu::Reading::now(std::process::id())?))
-}
-
-impl Report {
-    fn with_cost(&mut self, cost: Option<(cpu::Cost, cpu::Cost)>) {
-        self.server_cpu_us_per_request = cost.map(|c| c.0.us_per_request);
-        self.host_busy = cost.map(|c| c.0.host_busy);
-        self.loadgen_cpu_us_per_request = cost.map(|c| c.1.us_per_request);
-    }
 }
 
 /// A buyer ready to buy: their id, JWT and purchase token.

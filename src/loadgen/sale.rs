@@ -28,7 +28,10 @@ use anyhow::{Context, bail};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
-use super::{Client, LoadgenArgs, Outcome, Progress, purchase};
+use super::args::LoadgenArgs;
+use super::client::Client;
+use super::report::{Outcome, SaleFigures};
+use super::{Progress, purchase};
 use crate::auth::Role;
 use crate::domain::ActivityId;
 
@@ -40,37 +43,6 @@ const PERSON_TRIES: u32 = 3;
 const BOT_POLL_MS: u64 = 250;
 /// A buyer who has neither bought nor been told "sold out" by then stops.
 const GIVE_UP: Duration = Duration::from_secs(180);
-
-/// What the sale came to, beyond the purchase report.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct SaleFigures {
-    pub waiting_room: bool,
-    pub bots: i64,
-    pub people: i64,
-    /// Units taken (accepted purchases) by bots and by people.
-    pub bot_units: u64,
-    pub people_units: u64,
-    /// The bots' share of the units taken.
-    pub bot_share: f64,
-    /// With a room: tickets taken in the pre-queue, and seconds it took.
-    pub prequeue_joined: u64,
-    pub join_seconds: f64,
-    /// With a room: the admission rate configured, the passes given out
-    /// when the room sold out, and the seconds from the start until then.
-    pub admit_per_sec: i32,
-    pub max_active: Option<i32>,
-    pub admitted_at_sell_out: u64,
-    pub sell_out_secs: f64,
-    /// Passes given out per second from the start to the sell-out.
-    pub admitted_per_sec: f64,
-    /// The fastest admission over any window of a second or more in that
-    /// time, per second (from the stats route, read every 100 ms).
-    pub admitted_max_per_sec: f64,
-    /// p99 and max, in ms, of the purchases buyers made (the token and
-    /// the order), from the click.
-    pub purchase_p99_ms: f64,
-    pub purchase_max_ms: f64,
-}
 
 /// The requests in flight at once: ticket reads, and purchases apart, so
 /// that a buyer's purchase waits on the server, not behind other buyers'

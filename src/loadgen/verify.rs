@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use serde_json::Value;
 
-use super::{Client, LoadgenArgs, Outcome, Report};
+use super::args::LoadgenArgs;
+use super::client::Client;
+use super::report::{Outcome, Report};
 use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 

@@ -36,7 +36,7 @@ impl Reconciler {
     pub(super) async fn restore_coupons(
         &self,
         fence: i64,
-        cutoff: &super::void::Cutoff,
+        cutoff: &super::cutoff::Cutoff,
     ) -> anyhow::Result<Vec<CouponId>> {
         let now = self.clock.now();
         let ids = store::run(&self.db, move |conn| Ok(repo::valid_ids(conn, now)?)).await?;
@@ -107,7 +107,7 @@ impl Reconciler {
     async fn sync_holds(
         &self,
         coupon_id: CouponId,
-        cutoff: &super::void::Cutoff,
+        cutoff: &super::cutoff::Cutoff,
     ) -> anyhow::Result<()> {
         let in_redis = self.coupons.holds_of(coupon_id).await?;
         let order_nos: Vec<i64> = in_redis.iter().map(|&(_, o)| o).collect();

@@ -15,6 +15,7 @@
 //! is already released.
 
 mod coupons;
+mod cutoff;
 pub mod lease;
 pub mod repairs;
 mod restore;
@@ -29,8 +30,8 @@ use diesel::sql_types::{BigInt, Integer};
 use serde::Serialize;
 use tokio::sync::Notify;
 
-use crate::admission::fallback::Mode;
 use crate::admission::gate::Status;
+use crate::admission::mode::Mode;
 use crate::admission::{Layout, RedisGate, ReleaseReason};
 use crate::bus::progress::GroupProgress;
 use crate::bus::{Producer, Topics};
@@ -43,8 +44,8 @@ use crate::orders::events::OrderEvents;
 use crate::store::notes::Notes;
 use crate::store::{self, PgConn, PgPool};
 use crate::worker::WorkerHandle;
+use cutoff::Cutoff;
 use repairs::Room;
-use void::Cutoff;
 
 /// How old a transfer between shards must be before reconciliation
 /// completes it: a lending call takes milliseconds; a minute means it died.

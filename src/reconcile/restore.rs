@@ -28,9 +28,10 @@ use chrono::Utc;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Integer, Text, Timestamptz};
 
+use super::cutoff::Cutoff;
 use super::repairs::{Restore, RestoredOrder, RestoredState};
-use super::{Cutoff, Reconciler, Report};
-use crate::admission::fallback::Mode;
+use super::{Reconciler, Report};
+use crate::admission::mode::Mode;
 use crate::domain::ActivityId;
 use crate::orders::OrderStatus;
 use crate::store::{self, PgConn};

@@ -44,6 +44,7 @@ mod buy;
 use self::buy::Buy;
 use super::RedisGate;
 use super::limits::KeyedLimiter;
+pub use super::mode::Mode;
 use crate::bus::progress::GroupProgress;
 use crate::clock::SharedClock;
 use crate::config::Settings;
@@ -66,37 +67,6 @@ const POLL_EVERY: Duration = Duration::from_secs(1);
 /// activity to the database meanwhile, and Redis's copy of it must not be
 /// sold from (unix ms).
 const MODES_TRUSTED_FOR_MS: i64 = 5_000;
-
-/// Where an activity's purchases are admitted (`activities.admission`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// The normal path.
-    Redis,
-    /// The database fallback.
-    Database,
-    /// Being loaded back into Redis by reconciliation.
-    Restoring,
-}
-
-impl Mode {
-    /// The column's value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Redis => "REDIS",
-            Self::Database => "DATABASE",
-            Self::Restoring => "RESTORING",
-        }
-    }
-
-    /// The mode a column value names (REDIS for anything unknown).
-    pub fn parse(s: &str) -> Self {
-        match s {
-            "DATABASE" => Self::Database,
-            "RESTORING" => Self::Restoring,
-            _ => Self::Redis,
-        }
-    }
-}
 
 /// Where a purchase goes now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -424,7 +394,7 @@ impl Fallback {
     /// A purchase through the database, in one transaction.
     pub async fn admit(
         &self,
-        purchase: &super::admit::Purchase,
+        purchase: &super::purchase::Purchase,
     ) -> anyhow::Result<Result<Decided, Declined>> {
         if let Err(wait) = self.limiter.try_acquire(purchase.activity_id) {
             return Ok(Err(Declined::RateLimited(wait)));

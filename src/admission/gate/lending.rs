@@ -4,7 +4,7 @@
 use redis::RedisResult;
 
 use super::RedisGate;
-use super::reserve::ReserveRequest;
+use super::attempt::ReserveRequest;
 use crate::admission::keys::Layout;
 use crate::domain::ActivityId;
 

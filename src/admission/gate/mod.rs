@@ -28,6 +28,7 @@ use crate::config::{AdmissionSettings, RedisSettings};
 use crate::domain::ActivityId;
 use crate::store::redis_conn::{RedisClient, RedisConn};
 
+mod attempt;
 mod counts;
 mod lending;
 pub mod reservations;
@@ -36,8 +37,8 @@ pub mod room;
 mod tokens;
 pub mod warmup;
 
+pub use attempt::{Admission, ReserveRequest};
 pub use reservations::{ReleaseReason, Reservation, Status, Unsent, VoidClaim};
-pub use reserve::{Admission, ReserveRequest};
 pub use warmup::WarmSpec;
 
 /// An activity's sale window and limits, as warm in Redis.
@@ -62,6 +63,12 @@ impl Meta {
     }
 }
 
+/// The pub/sub channel of stock coming back, under a key prefix: messages
+/// are activity ids (the sold-out flags listen to it).
+pub fn returned_channel(prefix: &str) -> String {
+    format!("{prefix}stock-returned")
+}
+
 /// The Redis side of admission and reservations.
 #[derive(Clone)]
 pub struct RedisGate {
@@ -72,7 +79,7 @@ pub struct RedisGate {
     /// on a pooled connection instead: kept to measure the difference.
     pool: Option<deadpool_redis::Pool>,
     prefix: String,
-    /// The stock-returned channel ([`super::soldout::channel`]).
+    /// The stock-returned channel ([`returned_channel`]).
     returned: String,
     reservation_ttl_secs: u64,
     reserve: Script,
@@ -101,7 +108,7 @@ impl RedisGate {
             client,
             pool,
             prefix: redis.key_prefix.clone(),
-            returned: super::soldout::channel(&redis.key_prefix),
+            returned: returned_channel(&redis.key_prefix),
             reservation_ttl_secs: admission.reservation_ttl_secs.as_secs(),
             reserve: Script::new(include_str!("../lua/reserve.lua")),
             release: Script::new(include_str!("../lua/release.lua")),
