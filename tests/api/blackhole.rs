@@ -16,6 +16,8 @@ pub struct Blackhole {
     cuts: Arc<AtomicU64>,
     /// Set by [`Blackhole::close_silenced`].
     closing: Arc<std::sync::atomic::AtomicBool>,
+    /// Set by [`Blackhole::away`]: new connections are closed at once.
+    refusing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Blackhole {
@@ -25,9 +27,15 @@ impl Blackhole {
         let addr = listener.local_addr().unwrap().to_string();
         let cuts = Arc::new(AtomicU64::new(0));
         let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let refusing = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (target, seen, close) = (target.to_owned(), cuts.clone(), closing.clone());
+        let refuse = refusing.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if refuse.load(Ordering::SeqCst) {
+                    drop(client);
+                    continue;
+                }
                 let Ok(server) = TcpStream::connect(&target).await else {
                     continue;
                 };
@@ -42,7 +50,21 @@ impl Blackhole {
             addr,
             cuts,
             closing,
+            refusing,
         }
+    }
+
+    /// The database goes away, as during a failover: every connection
+    /// open now goes silent, and new ones are closed at once, until
+    /// [`Blackhole::back`].
+    pub fn away(&self) {
+        self.refusing.store(true, Ordering::SeqCst);
+        self.cut();
+    }
+
+    /// New connections go through again.
+    pub fn back(&self) {
+        self.refusing.store(false, Ordering::SeqCst);
     }
 
     /// The silenced connections are closed at last (a test ends: the

@@ -558,3 +558,127 @@ async fn a_batch_on_a_connection_the_network_silenced_is_written_on_a_new_one() 
     proxy.close_silenced();
     app.settings.postgres.url = direct.into();
 }
+
+/// The database away for 15 s, as during a failover (every connection
+/// silent, new ones closed at once): the instance stays ready, 200
+/// `"status": "degraded"` naming PostgreSQL, so a load balancer keeps
+/// sending it buyers. Each purchase is answered by the instance itself:
+/// 202, or 503 `RETRY_LATER` with `Retry-After` once it cannot vouch for
+/// the admission modes or its order numbers. Selling resumes once the
+/// database is back, and every order taken is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_away_leaves_the_instance_ready_answering_purchases_itself() {
+    use secrecy::ExposeSecret;
+    let base = seckill::config::Settings::load_env("test").unwrap();
+    let target = crate::blackhole::Blackhole::target_of(base.postgres.url.expose_secret());
+    let proxy = crate::blackhole::Blackhole::start(&target).await;
+    let mut app = spawn_app_with(|s| {
+        s.postgres.url = proxy.url(s.postgres.url.expose_secret()).into();
+        s.postgres.call_timeout_ms = Duration::from_secs(4);
+        s.postgres.statement_timeout_ms = Duration::from_secs(3);
+        s.postgres.dead_host_ms = Duration::from_secs(3);
+    })
+    .await;
+    app.wait_until_ready().await;
+    let activity = app.live_activity(100, 1, 1).await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202, "{body}");
+
+    proxy.away();
+    let away = std::time::Instant::now();
+    let mut bought = vec![(1, body["order_no"].as_str().unwrap().to_owned())];
+    let mut degraded = None;
+    let mut answers = std::collections::BTreeMap::<String, u32>::new();
+    let mut user = 2;
+    while away.elapsed() < Duration::from_secs(15) {
+        let res = app.get("/health/ready", None).await;
+        let status = res.status();
+        let body = json(res).await;
+        assert_eq!(
+            status,
+            200,
+            "unready {:.1}s into the outage: {body}",
+            away.elapsed().as_secs_f64()
+        );
+        if degraded.is_none() && body["checks"]["postgres"] == "down" {
+            assert_eq!(body["status"], "degraded", "{body}");
+            assert!(
+                body["degraded"].to_string().contains("postgres: "),
+                "{body}"
+            );
+            degraded = Some(away.elapsed().as_secs_f64());
+        }
+        let (status, retry_after, body) = purchase(&app, user, activity).await;
+        let code = body["code"].as_str().unwrap_or("").to_owned();
+        match (status, code.as_str()) {
+            (202, _) => bought.push((user, body["order_no"].as_str().unwrap().to_owned())),
+            (503, "RETRY_LATER") => assert!(retry_after.is_some(), "no Retry-After: {body}"),
+            _ => panic!(
+                "a purchase {:.1}s into the outage: {status} {body}",
+                away.elapsed().as_secs_f64()
+            ),
+        }
+        *answers.entry(format!("{status} {code}")).or_default() += 1;
+        user += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let degraded = degraded.expect("readiness never saw the database away");
+    println!("degraded {degraded:.1}s into the outage; purchases while away: {answers:?}");
+    proxy.back();
+    eventually("selling again", Duration::from_secs(60), || async {
+        let (status, body) = app.buy_once(user, activity).await;
+        (status == 202).then(|| body["order_no"].as_str().unwrap().to_owned())
+    })
+    .await;
+    eventually("every order written", Duration::from_secs(120), || async {
+        for (user, order_no) in &bought {
+            if app.order_status(*user, order_no).await != "WAITING_PAY" {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    proxy.close_silenced();
+    let direct = app
+        .settings
+        .postgres
+        .url
+        .expose_secret()
+        .replace(&proxy.addr, &target);
+    app.settings.postgres.url = direct.into();
+}
+
+/// A token, then one purchase: (status, `Retry-After`, body).
+async fn purchase(
+    app: &TestApp,
+    user: i64,
+    activity: i64,
+) -> (u16, Option<u64>, serde_json::Value) {
+    let token = app
+        .get(
+            &format!("/api/v1/activities/{activity}/token"),
+            Some(&app.user_token(user)),
+        )
+        .await;
+    let (status, retry_after) = (token.status().as_u16(), retry_after_of(&token));
+    let body = json(token).await;
+    if status != 200 {
+        return (status, retry_after, body);
+    }
+    let res = app
+        .order(
+            user,
+            activity,
+            &json!({"request_id": format!("away-{user}"), "token": body["token"]}),
+        )
+        .await;
+    let retry_after = retry_after_of(&res);
+    (res.status().as_u16(), retry_after, json(res).await)
+}
+
+fn retry_after_of(res: &reqwest::Response) -> Option<u64> {
+    res.headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+}

@@ -776,14 +776,14 @@ async fn a_consumer_group_wedged_with_messages_waiting_is_rebuilt_reported_and_b
     })
     .await;
     let rebuilt_at = std::time::Instant::now();
+    // Reported, without taking the instance out of its load balancer:
+    // purchases answer BUSY themselves.
     let ready = app.get("/health/ready", None).await;
-    assert_eq!(ready.status(), 503);
+    assert_eq!(ready.status(), 200);
     let why = json(ready).await;
+    assert_eq!(why["status"], "degraded", "{why}");
     assert!(
-        why["message"]
-            .as_str()
-            .unwrap()
-            .contains("nothing committed"),
+        why["degraded"].to_string().contains("nothing committed"),
         "{why}"
     );
     let (status, body) = app.buy_once(6, activity).await;

@@ -45,8 +45,12 @@ async fn ready_is_503_naming_redis_when_redis_is_down_while_live_stays_200() {
     assert_eq!(app.get("/health/live", None).await.status(), 200);
 }
 
+/// A database unreachable from the start: the admission modes were never
+/// read, so purchases wait and the instance is not ready; PostgreSQL is
+/// named among what is down. (Once the modes were read, a database that
+/// goes away leaves the instance ready: `degradation::a_database_away_…`.)
 #[tokio::test]
-async fn ready_is_503_naming_postgres_when_postgres_is_down() {
+async fn ready_is_503_until_the_admission_modes_are_read_from_postgres() {
     let app = spawn_app_with(|s| {
         s.postgres.url = "postgres://seckill:seckill@127.0.0.1:1/seckill"
             .to_owned()
@@ -56,10 +60,17 @@ async fn ready_is_503_naming_postgres_when_postgres_is_down() {
     let body = json(app.get("/health/ready", None).await).await;
     assert_eq!(body["code"], "NOT_READY");
     assert!(
-        body["message"].as_str().unwrap().contains("postgres"),
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("admission modes are not read"),
         "{body}"
     );
     assert_eq!(body["checks"]["postgres"], "down");
+    assert!(
+        body["degraded"].to_string().contains("postgres: "),
+        "{body}"
+    );
     assert_eq!(body["checks"]["redis"], "up");
 }
 

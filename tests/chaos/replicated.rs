@@ -236,10 +236,20 @@ async fn purchase(chaos: &Chaos, activity: i64, user: i64) -> (u16, Option<u64>,
         .as_str()
         .unwrap_or_default()
         .to_owned();
+    purchase_with(chaos, activity, user, &token).await
+}
+
+/// A purchase with a token in hand.
+async fn purchase_with(
+    chaos: &Chaos,
+    activity: i64,
+    user: i64,
+    token: &str,
+) -> (u16, Option<u64>, Value) {
     let res = chaos
         .client()
         .post(chaos.url(&format!("/api/v1/activities/{activity}/orders")))
-        .bearer_auth(&jwt)
+        .bearer_auth(chaos.user(user))
         .json(&json!({"request_id": format!("refused-{user}"), "token": token}))
         .send()
         .await
@@ -258,6 +268,8 @@ async fn purchase(chaos: &Chaos, activity: i64, user: i64) -> (u16, Option<u64>,
 /// there through the multi-host URL. A payment callback sent during the
 /// switch answers 503 (the provider retries) or, once the standby took
 /// over, 200, never anything else, and the order is paid exactly once.
+/// Readiness stays 200 throughout (a failover must not empty the load
+/// balancer), and each new purchase is 202 or 503 with `Retry-After`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicates_nothing() {
@@ -291,6 +303,10 @@ async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicat
             signal_group(chaos.services.pg_node_group(primary).await, "KILL");
             drop(held);
             let killed = Instant::now();
+            // A load balancer's prober and new buyers, through the switch.
+            let done = std::sync::atomic::AtomicBool::new(false);
+            let prober = probe_through(&chaos, spare, &done);
+            let failover = async {
             // A callback during the switch: 503 until the standby took
             // over (the provider retries), then 200.
             let mut answers = Vec::new();
@@ -320,6 +336,17 @@ async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicat
             assert_eq!(promoted, Some(standby), "the standby took over");
             let after = sells_again(&chaos, spare, 900_000).await;
             eprintln!("primary_killed: a new buyer accepted {after:.1}s later");
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            };
+            let ((ready, bought), ()) = tokio::join!(prober, failover);
+            eprintln!(
+                "primary_killed: through the switch, readiness {ready:?}; purchases {bought:?}"
+            );
+            assert_eq!(
+                ready.keys().copied().collect::<Vec<_>>(),
+                vec![200],
+                "readiness left 200 during the failover: {ready:?}"
+            );
             chaos.services.start_pg_node(primary).await;
         })
         .await;
@@ -348,6 +375,63 @@ async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicat
         1
     );
     assert_never_restarted(&chaos);
+}
+
+/// Polls readiness and buys one unit of `activity` twice a second until
+/// `done`: the readiness statuses and the purchases' answers seen. A
+/// purchase must be 202, or 503 with `Retry-After` (the instance answers
+/// for itself; a load balancer never finds it unready).
+async fn probe_through(
+    chaos: &Chaos,
+    activity: i64,
+    done: &std::sync::atomic::AtomicBool,
+) -> (
+    std::collections::BTreeMap<u16, u32>,
+    std::collections::BTreeMap<String, u32>,
+) {
+    let mut ready = std::collections::BTreeMap::new();
+    let mut bought = std::collections::BTreeMap::new();
+    let mut user = 950_000;
+    while !done.load(std::sync::atomic::Ordering::SeqCst) {
+        let status = match chaos.client().get(chaos.url("/health/ready")).send().await {
+            Ok(res) => res.status().as_u16(),
+            Err(_) => 0,
+        };
+        *ready.entry(status).or_insert(0) += 1;
+        // The token first: it too is 200, or 503 with `Retry-After`.
+        let token = chaos
+            .client()
+            .get(chaos.url(&format!("/api/v1/activities/{activity}/token")))
+            .bearer_auth(chaos.user(user))
+            .send()
+            .await
+            .expect("token answered");
+        let (status, retry_after) = (
+            token.status().as_u16(),
+            token.headers().get("retry-after").is_some(),
+        );
+        let body: Value = token.json().await.unwrap_or(Value::Null);
+        let code = body["code"].as_str().unwrap_or_default().to_owned();
+        assert!(
+            status == 200 || (status == 503 && retry_after),
+            "a purchase token during the failover: {status} {body}"
+        );
+        if status != 200 {
+            *bought.entry(format!("token {status} {code}")).or_insert(0) += 1;
+        } else {
+            let token = body["token"].as_str().unwrap_or_default();
+            let (status, retry_after, body) = purchase_with(chaos, activity, user, token).await;
+            let code = body["code"].as_str().unwrap_or_default().to_owned();
+            assert!(
+                status == 202 || (status == 503 && retry_after.is_some()),
+                "a purchase during the failover: {status} {body}"
+            );
+            *bought.entry(format!("{status} {code}")).or_insert(0) += 1;
+        }
+        user += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    (ready, bought)
 }
 
 /// The standby killed mid-sale: the primary goes on. With synchronous

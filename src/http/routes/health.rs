@@ -35,19 +35,23 @@ pub async fn live(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-/// `GET /health/ready`: 200 when Redis, Kafka and PostgreSQL all answer and
-/// the order path moves; 503 naming each check that fails: a dependency
-/// down, the service's topics not created yet, or consumers stalled (the
-/// watchdog's verdict for this process's consumers, and the order
-/// consumers' progress as seen from the broker, wherever they run).
+/// `GET /health/ready`: 200 while this instance can take purchases: Redis
+/// answers (or this instance sells through the database fallback), Kafka
+/// takes writes (a fresh client's view), the producer delivers, the
+/// service's topics exist and the admission modes were read once. 503
+/// naming each of those that fails.
+/// PostgreSQL and the order consumers are reported, never a reason to be
+/// unready: purchases need neither, and a database failover or a stalled
+/// worker group would otherwise take every instance out of its load
+/// balancer at once. A route that needs what is missing answers 503
+/// RETRY_LATER with `Retry-After` itself; the answer is then 200
+/// `"status": "degraded"` with `degraded` naming each.
 /// `admission` says where purchases go: `redis`, or `database` while this
-/// instance sells through the fallback (Redis down); then a Redis that
-/// does not answer leaves the instance ready, `"status": "degraded"`.
-/// `fallback` lists the activities in the database fallback and those
-/// being loaded back into Redis.
+/// instance sells through the fallback. `fallback` lists the activities in
+/// the database fallback and those being loaded back into Redis.
 #[utoipa::path(get, path = "/health/ready", tag = "health",
     responses(
-        (status = 200, description = "every check passes (or Redis is down and this instance sells through the database)", body = Ready),
+        (status = 200, description = "purchases can be taken (`degraded` names what else is down: PostgreSQL, the order consumers, Redis while selling through the database)", body = Ready),
         (status = 503, description = "NOT_READY, naming the failing checks; `checks` has each one's state", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
@@ -63,11 +67,28 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
         ("consumers", consumers(&state)),
     ];
     let (selling_from_db, database, restoring) = state.sale.admission.fallback.status();
-    let failed: Vec<String> = checks
-        .iter()
-        .filter(|(name, _)| !(selling_from_db && *name == "redis"))
-        .filter_map(|(name, result)| result.as_ref().err().map(|e| format!("{name}: {e}")))
-        .collect();
+    // What purchases need: Redis (unless the database sells), Kafka, and
+    // the admission modes read once since start.
+    let needed = |name: &str| match name {
+        "redis" => !selling_from_db,
+        "kafka" => true,
+        _ => false,
+    };
+    let mut failed: Vec<String> = Vec::new();
+    let mut degraded: Vec<String> = Vec::new();
+    for (name, result) in &checks {
+        if let Err(e) = result {
+            let line = format!("{name}: {e}");
+            if needed(name) {
+                failed.push(line);
+            } else {
+                degraded.push(line);
+            }
+        }
+    }
+    if state.sale.admission.fallback.modes_unread() {
+        failed.push("admission: the admission modes are not read yet".to_owned());
+    }
     let state_of = |i: usize| if checks[i].1.is_ok() { "up" } else { "down" };
     let detail = Checks {
         redis: state_of(0),
@@ -83,7 +104,7 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
     // A replica down or behind is not "not ready": reads go to the primary.
     let replica = state.pg.replica.as_ref().map(|r| r.status());
     if failed.is_empty() {
-        let status = if checks.iter().all(|(_, r)| r.is_ok()) {
+        let status = if degraded.is_empty() {
             "ready"
         } else {
             "degraded"
@@ -91,6 +112,7 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
         HttpResponse::Ok().json(Ready {
             status,
             checks: detail,
+            degraded,
             admission,
             fallback,
             replica,
@@ -98,6 +120,7 @@ pub async fn ready(state: web::Data<AppState>) -> HttpResponse {
     } else {
         let mut extra = serde_json::Map::new();
         extra.insert("checks".into(), json!(detail));
+        extra.insert("degraded".into(), json!(degraded));
         extra.insert("admission".into(), admission.into());
         extra.insert("fallback".into(), json!(fallback));
         if let Some(replica) = replica {
@@ -124,10 +147,13 @@ pub struct Live {
 /// `GET /health/ready`'s answer.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Ready {
-    /// ready, or degraded (Redis down, this instance selling through the
-    /// database).
+    /// ready, or degraded (something purchases do not need is down:
+    /// PostgreSQL, the order consumers, or Redis while this instance sells
+    /// through the database).
     status: &'static str,
     checks: Checks,
+    /// What is down without making the instance unready, one line each.
+    degraded: Vec<String>,
     /// Where this instance sends purchases: redis or database.
     admission: &'static str,
     fallback: FallbackState,
@@ -215,15 +241,7 @@ async fn redis_ping(state: &AppState) -> Result<(), Unready> {
 async fn postgres_ping(state: &AppState) -> Result<(), Unready> {
     crate::store::ping(&state.pg.public)
         .await
-        .map_err(Unready::because("unreachable"))?;
-    // Purchases wait for the first read of the activities' admission
-    // modes (an activity may be selling through the database).
-    if state.sale.admission.fallback.modes_unread() {
-        return Err(Unready::because("the admission modes are not read yet")(
-            anyhow::anyhow!("no mode poll has completed"),
-        ));
-    }
-    Ok(())
+        .map_err(Unready::because("unreachable"))
 }
 
 /// Kafka as a fresh client sees it ([`crate::bus::probe`]): never through
