@@ -187,8 +187,16 @@ pg_ha_recover() {
 }
 
 # pg_ha_node_up N: creates node N (the first becomes the primary, the
-# second its standby, from a base backup) unless it exists, and runs it.
+# second its standby, from a base backup) unless it exists, runs it, and
+# waits until it answers.
 pg_ha_node_up() {
+  pg_ha_node_start "$1"
+  local port=${PGHA_PORTS[$(($1 - 1))]}
+  wait_for 120 pg_ha_answers "$port" || { pg_ha_explain; die "node $1 does not answer; see $PGHA_DIR/node$1/keeper.log"; }
+}
+
+# pg_ha_node_start N: as pg_ha_node_up, without the wait.
+pg_ha_node_start() {
   local n=$1 dir=$PGHA_DIR/node$1 port=${PGHA_PORTS[$(($1 - 1))]}
   as_pg mkdir -p "$dir"
   if [ ! -f "$dir/data/PG_VERSION" ]; then
@@ -204,7 +212,6 @@ pg_ha_node_up() {
   fi
   keeper_alive "$dir" || pg_ha_recover "$dir"
   pg_ha_keeper "$dir"
-  wait_for 120 pg_ha_answers "$port" || { pg_ha_explain; die "node $n does not answer; see $dir/keeper.log"; }
 }
 
 pg_ha_primary_port() {
@@ -222,7 +229,15 @@ pg_ha_up() {
   if is_root; then chown postgres: "$PGHA_DIR"; fi
   as_pg mkdir -p "$PGHA_DIR/monitor" "$PGHA_DIR/xdg/config" "$PGHA_DIR/xdg/data" "$PGHA_DIR/xdg/run"
   pg_ha_monitor_up
-  pg_ha_node_up 1
+  # A pair that exists already may have failed over: node 1, demoted,
+  # answers only once it has rejoined node 2 as its standby. Both run
+  # before anything waits.
+  if [ -f "$PGHA_DIR/node2/data/PG_VERSION" ]; then
+    pg_ha_node_start 1
+    pg_ha_node_start 2
+  else
+    pg_ha_node_up 1
+  fi
   wait_for 120 pg_ha_primary_port >/dev/null || { pg_ha_explain; die "no primary; see $PGHA_DIR/node1/keeper.log"; }
   pg_ha_node_up 2
   wait_for 180 pg_ha_settled || {
