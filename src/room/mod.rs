@@ -18,18 +18,20 @@
 pub mod admitter;
 pub mod draw;
 pub mod entrants;
+mod index;
+mod method;
 pub mod pass;
 pub mod pow;
 pub mod repo;
 mod ticket;
+mod types;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
 
 use secrecy::SecretString;
 
@@ -40,259 +42,11 @@ use crate::metrics::Metrics;
 use crate::store::{self, PgPool};
 
 use draw::Draw;
+use index::{Index, Known};
+pub use method::Method;
 use repo::RoomRow;
 pub use ticket::{Inclusion, TicketState, TicketView};
-
-/// How a room lets buyers through, changeable during a sale
-/// (docs/WAITING_ROOM.md, "Queueing methods").
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Method {
-    /// The drawn pre-queue, then in the order buyers came.
-    #[default]
-    Fifo,
-    /// Open without queueing: a purchase token needs no pass. Tickets
-    /// are still taken and admitted, so switching back finds the queue.
-    Passthrough,
-    /// Closed: no challenge, no join, no admission, no purchase token.
-    Reject,
-}
-
-impl Method {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Method::Fifo => "fifo",
-            Method::Passthrough => "passthrough",
-            Method::Reject => "reject",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<Self> {
-        match name {
-            "fifo" => Some(Method::Fifo),
-            "passthrough" => Some(Method::Passthrough),
-            "reject" => Some(Method::Reject),
-            _ => None,
-        }
-    }
-}
-
-/// The `waiting_room` object of an activity's creation.
-#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RoomOptions {
-    /// How long before `start_at` the pre-queue opens.
-    #[schema(minimum = 0)]
-    pub prequeue_secs: i32,
-    /// Tickets admitted per second, across all instances.
-    #[schema(minimum = 1)]
-    pub admit_per_sec: i32,
-    /// At most this many passes outstanding at once (unset: no cap).
-    #[serde(default)]
-    #[schema(minimum = 1)]
-    pub max_active: Option<i32>,
-    /// How long a pass admits its ticket.
-    #[serde(default = "default_pass_ttl")]
-    #[schema(minimum = 1, default = 120)]
-    pub pass_ttl_secs: i32,
-    /// How long a released unit is held for the ticket it is offered to.
-    #[serde(default = "default_offer")]
-    #[schema(minimum = 1, default = 60)]
-    pub offer_secs: i32,
-    /// The proof of work's `maxnumber` at a quiet join rate (a solver tries
-    /// half of it on average).
-    #[serde(default = "default_difficulty")]
-    #[schema(minimum = 1, default = 50000)]
-    pub pow_difficulty: i64,
-    /// How the room lets buyers through (`fifo` by default).
-    #[serde(default)]
-    pub method: Method,
-}
-
-fn default_pass_ttl() -> i32 {
-    120
-}
-
-fn default_offer() -> i32 {
-    60
-}
-
-fn default_difficulty() -> i64 {
-    50_000
-}
-
-/// How long a room's row is trusted in process.
-const ROW_TTL: Duration = Duration::from_secs(2);
-
-/// The most a room admits per second.
-const MAX_RATE: i32 = 100_000;
-
-/// The largest difficulty a room starts at (about ten seconds in a
-/// browser).
-const MAX_DIFFICULTY: i64 = 10_000_000;
-
-impl RoomOptions {
-    /// Checks the options; the message names what is wrong.
-    pub fn validate(&self) -> Result<(), &'static str> {
-        if self.prequeue_secs < 0 || self.prequeue_secs > 7 * 86_400 {
-            return Err("waiting_room.prequeue_secs must be 0..=604800");
-        }
-        if !(1..=MAX_RATE).contains(&self.admit_per_sec) {
-            return Err("waiting_room.admit_per_sec must be 1..=100000");
-        }
-        if self.max_active.is_some_and(|m| m < 1) {
-            return Err("waiting_room.max_active must be at least 1");
-        }
-        if self.pass_ttl_secs < 1 || self.pass_ttl_secs > 86_400 {
-            return Err("waiting_room.pass_ttl_secs must be 1..=86400");
-        }
-        if self.offer_secs < 1 || self.offer_secs > 86_400 {
-            return Err("waiting_room.offer_secs must be 1..=86400");
-        }
-        if !(1..=MAX_DIFFICULTY).contains(&self.pow_difficulty) {
-            return Err("waiting_room.pow_difficulty must be 1..=10000000");
-        }
-        Ok(())
-    }
-
-    /// The row for `activity`, with a new secret seed.
-    pub fn into_row(self, activity: ActivityId) -> anyhow::Result<RoomRow> {
-        let mut seed = [0u8; 32];
-        getrandom::fill(&mut seed).map_err(|e| anyhow::anyhow!("no randomness: {e}"))?;
-        Ok(RoomRow {
-            activity_id: activity,
-            prequeue_secs: self.prequeue_secs,
-            admit_per_sec: self.admit_per_sec,
-            max_active: self.max_active,
-            pass_ttl_secs: self.pass_ttl_secs,
-            offer_secs: self.offer_secs,
-            pow_difficulty: self.pow_difficulty,
-            seed: hex::encode(seed),
-            epoch: 1,
-            method: self.method.as_str().to_owned(),
-        })
-    }
-}
-
-/// A room's settings as clients see them.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
-pub struct RoomSettingsView {
-    pub prequeue_secs: i32,
-    pub admit_per_sec: i32,
-    pub max_active: Option<i32>,
-    pub pass_ttl_secs: i32,
-    pub offer_secs: i32,
-    pub pow_difficulty: i64,
-    /// When the pre-queue opens.
-    pub prequeue_opens_at: DateTime<Utc>,
-    /// SHA-256 of the draw's seed, hex: public from the room's creation,
-    /// so the seed revealed after the start (`…/queue/draw`) cannot have
-    /// been chosen then.
-    pub seed_sha256: String,
-    /// How the room lets buyers through now.
-    pub method: Method,
-}
-
-impl RoomSettingsView {
-    /// The view of `row` for a sale starting at `start_at`.
-    pub fn of(row: &RoomRow, start_at: DateTime<Utc>) -> Self {
-        Self {
-            prequeue_secs: row.prequeue_secs,
-            admit_per_sec: row.admit_per_sec,
-            max_active: row.max_active,
-            pass_ttl_secs: row.pass_ttl_secs,
-            offer_secs: row.offer_secs,
-            pow_difficulty: row.pow_difficulty,
-            prequeue_opens_at: opens_at(row, start_at),
-            seed_sha256: hex::decode(&row.seed)
-                .map(|s| draw::seed_commitment(&s))
-                .unwrap_or_default(),
-            method: row.method(),
-        }
-    }
-}
-
-/// When the pre-queue of `row` opens for a sale starting at `start_at`.
-pub fn opens_at(row: &RoomRow, start_at: DateTime<Utc>) -> DateTime<Utc> {
-    start_at - chrono::Duration::seconds(i64::from(row.prequeue_secs))
-}
-
-/// What anyone needs to recompute the pre-queue order.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
-pub struct DrawView {
-    /// How the order follows from the rest (docs/WAITING_ROOM.md).
-    pub algorithm: &'static str,
-    /// The seed, hex; its SHA-256 was published before the pre-queue.
-    pub seed: String,
-    /// How the commitment is made (docs/WAITING_ROOM.md).
-    pub commitment_scheme: &'static str,
-    /// The root, hex, of the Merkle tree over the pre-queue entrants (one
-    /// leaf per ticket, in ticket order), fixed at the start.
-    pub commitment: String,
-    /// Tickets in the draw: numbers 1..=entrants.
-    pub entrants: u64,
-    /// SHA-256 of the seed, as published before.
-    pub seed_sha256: String,
-    /// The queue these figures are of (a new one starts if Redis loses it).
-    pub epoch: i64,
-}
-
-/// What a room's route can answer besides its body.
-#[derive(Debug)]
-pub enum RoomError {
-    /// The activity has no waiting room (or does not exist).
-    NoRoom,
-    /// Outside the pre-queue-to-end window (or the queue not open yet).
-    NotOpen,
-    /// The operator closed the queue (method `reject`).
-    Closed,
-    /// The proof of work was wrong, expired or used.
-    PowInvalid(&'static str),
-    /// The caller holds no ticket.
-    NotInQueue { restarted: bool },
-    /// The queue is being restored after Redis lost it.
-    Restoring,
-    /// The token route needs a pass.
-    PassRequired,
-    /// The pass is not good (why, for the message).
-    PassInvalid(&'static str),
-    /// Sold out: an admitted pass no longer buys.
-    SoldOut,
-    /// A backing service failed.
-    Unavailable(anyhow::Error),
-}
-
-impl From<redis::RedisError> for RoomError {
-    fn from(e: redis::RedisError) -> Self {
-        RoomError::Unavailable(e.into())
-    }
-}
-
-impl From<anyhow::Error> for RoomError {
-    fn from(e: anyhow::Error) -> Self {
-        RoomError::Unavailable(e)
-    }
-}
-
-/// What is known of an existing activity's room.
-#[derive(Clone)]
-enum Known {
-    /// The activity exists and has no room: true for good (a room is
-    /// chosen at creation only).
-    NoRoom,
-    /// Its room, as read then.
-    Room(Instant, Arc<repo::LiveRoom>),
-}
-
-/// The activities that have a room, read as a whole: an id not among them
-/// is answered "no room" without a query, however many random ids a
-/// client makes up.
-struct Index {
-    read_at: Instant,
-    /// [`Rooms::forget`]'s generation when it was read.
-    generation: u64,
-    ids: HashSet<ActivityId>,
-}
+pub use types::{DrawView, RoomError, RoomOptions, RoomSettingsView, opens_at};
 
 /// The waiting rooms of every activity: what the routes and the admitter
 /// share.
@@ -362,94 +116,6 @@ impl Rooms {
             sealing: tokio::sync::Mutex::default(),
             salts: entrants::Salts::new(&derive_key(secret, "seckill/queue-entrant-salt/v1")),
         }
-    }
-
-    /// The room of `activity` with its window, `None` without one (or
-    /// without such an activity). Whether an activity has a room never
-    /// changes: "none" is read once per process for an existing activity,
-    /// so one without a room costs a map lookup on its token route, and an
-    /// id without a room is answered from the index of rooms, with no
-    /// query of its own. A room's row is read again after [`ROW_TTL`] (its
-    /// end and whether its queue was opened can move).
-    pub async fn room(&self, activity: ActivityId) -> anyhow::Result<Option<Arc<repo::LiveRoom>>> {
-        self.lookup(activity, false).await
-    }
-
-    /// The room of an activity known to exist (the token route, once Redis
-    /// holds it warm): the index is not believed, or one read before its
-    /// creation on another instance would let its tokens go without a
-    /// pass.
-    pub async fn room_of_existing(
-        &self,
-        activity: ActivityId,
-    ) -> anyhow::Result<Option<Arc<repo::LiveRoom>>> {
-        self.lookup(activity, true).await
-    }
-
-    async fn lookup(
-        &self,
-        activity: ActivityId,
-        exists: bool,
-    ) -> anyhow::Result<Option<Arc<repo::LiveRoom>>> {
-        let cached = self
-            .known
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&activity)
-            .cloned();
-        match cached {
-            Some(Known::NoRoom) => return Ok(None),
-            Some(Known::Room(at, room)) if at.elapsed() < ROW_TTL => return Ok(Some(room)),
-            _ => {}
-        }
-        if !exists && !self.indexed().await?.ids.contains(&activity) {
-            return Ok(None);
-        }
-        self.metrics.room_lookups.with_label_values(&["row"]).inc();
-        let (found, exists) = store::run(&self.public, move |conn| {
-            let found = repo::find_live(conn, activity)?;
-            let exists =
-                found.is_some() || crate::activities::repo::find(conn, activity)?.is_some();
-            Ok((found, exists))
-        })
-        .await?;
-        let found = found.map(Arc::new);
-        let known = match (&found, exists) {
-            (Some(room), _) => Known::Room(Instant::now(), room.clone()),
-            (None, true) => Known::NoRoom,
-            // No such activity (deleted since): nothing kept.
-            (None, false) => return Ok(None),
-        };
-        self.known
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(activity, known);
-        Ok(found)
-    }
-
-    /// The index of rooms, read again when older than [`ROW_TTL`] or
-    /// read before a room was created here.
-    async fn indexed(&self) -> anyhow::Result<Arc<Index>> {
-        let mut index = self.index.lock().await;
-        let generation = self.generation.load(Ordering::Acquire);
-        if let Some(i) = index
-            .as_ref()
-            .filter(|i| i.generation == generation && i.read_at.elapsed() < ROW_TTL)
-        {
-            return Ok(i.clone());
-        }
-        self.metrics
-            .room_lookups
-            .with_label_values(&["index"])
-            .inc();
-        let ids = store::run(&self.public, |conn| Ok(repo::ids(conn)?)).await?;
-        let fresh = Arc::new(Index {
-            read_at: Instant::now(),
-            generation,
-            ids: ids.into_iter().collect(),
-        });
-        *index = Some(fresh.clone());
-        Ok(fresh)
     }
 
     async fn require(&self, activity: ActivityId) -> Result<Arc<repo::LiveRoom>, RoomError> {
@@ -867,17 +533,6 @@ impl Rooms {
             self.gate.end(activity, now.timestamp_millis()).await?;
         }
         Ok(())
-    }
-
-    /// Forgets what is cached of `activity` (its room was just created or
-    /// its epoch moved).
-    pub fn forget(&self, activity: ActivityId) {
-        self.known
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&activity);
-        // A room created here is in this instance's next index at once.
-        self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     pub(crate) fn gate(&self) -> &RoomGate {

@@ -1,0 +1,67 @@
+//! `[kafka]`: the brokers, topics and the clients' timeouts.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::duration;
+
+/// Kafka settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct KafkaSettings {
+    /// Bootstrap servers, comma-separated `host:port`.
+    pub brokers: String,
+    /// Prefix of every topic and consumer group name; tests use one per test.
+    pub topic_prefix: String,
+    /// Timeout of metadata and admin calls, in milliseconds.
+    #[serde(deserialize_with = "duration::millis")]
+    pub timeout_ms: Duration,
+    /// How long librdkafka retries one message before reporting a timeout
+    /// (`message.timeout.ms`), in milliseconds.
+    #[serde(deserialize_with = "duration::millis")]
+    pub message_timeout_ms: Duration,
+    /// How long the producer waits for a broker's answer to one produce
+    /// request (`request.timeout.ms`) before it gives the connection up,
+    /// refreshes the leaders and sends the messages again (idempotently),
+    /// in milliseconds. Longer than the brokers' session timeout (9 s
+    /// here), so that a leader that stopped answering (paused, a frozen
+    /// host) has been fenced and replaced by then: a paused leader then
+    /// costs what a killed one does. At most `message_timeout_ms` (a
+    /// shorter message timeout bounds it).
+    #[serde(default = "request_timeout", deserialize_with = "duration::millis")]
+    pub request_timeout_ms: Duration,
+    /// A consumer with messages waiting that commits nothing, or that
+    /// cannot reach its group coordinator, this long is rebuilt; purchases
+    /// get 503 BUSY while the order consumers are stalled this long. 0 = off.
+    #[serde(deserialize_with = "duration::secs")]
+    pub consumer_stall_secs: Duration,
+    /// Partitions of the topics this service creates.
+    pub partitions: i32,
+    /// Replication factor of the topics this service creates (1 for the
+    /// single local broker; 3 on a real cluster, with `min.insync.replicas`
+    /// 2 there so `acks=all` means something).
+    pub replication_factor: i32,
+    /// `min.insync.replicas` of the topics this service creates: how many
+    /// replicas must have an `acks=all` write before it is acknowledged
+    /// (1 on the single local broker; 2 with a replication factor of 3).
+    /// Readiness and admission read it too: a partition with fewer in-sync
+    /// replicas refuses writes, and purchases then wait.
+    #[serde(default = "default_min_insync_replicas")]
+    pub min_insync_replicas: i32,
+    /// How long the producer waits to fill a batch (`linger.ms`), in
+    /// milliseconds.
+    #[serde(default = "default_linger_ms", deserialize_with = "duration::millis")]
+    pub linger_ms: Duration,
+}
+
+fn default_min_insync_replicas() -> i32 {
+    1
+}
+
+fn default_linger_ms() -> Duration {
+    Duration::from_millis(2)
+}
+
+fn request_timeout() -> Duration {
+    Duration::from_secs(10)
+}
