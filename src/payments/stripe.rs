@@ -17,6 +17,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use sha2::Sha256;
 
+use super::provider::exchange::{exchange, parse};
 use super::provider::{
     CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, Headers, NewPayment,
     PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
@@ -255,23 +256,14 @@ impl Stripe {
         if let Some(key) = idempotency_key {
             request = request.header("Idempotency-Key", key);
         }
-        let answer = request
-            .send()
-            .await
-            .map_err(|e| ProviderError::Unknown(format!("no answer: {e}")))?;
-        let status = answer.status().as_u16();
-        let bytes = answer
-            .bytes()
-            .await
-            .map_err(|e| ProviderError::Unknown(format!("answer cut short: {e}")))?;
-        if (200..300).contains(&status) {
-            return serde_json::from_slice(&bytes)
-                .map_err(|e| ProviderError::Unknown(format!("an answer not understood: {e}")));
+        let answer = exchange(request).await?;
+        if answer.is_success() {
+            return parse(&answer.body);
         }
-        let error = serde_json::from_slice::<ErrorBody>(&bytes)
+        let error = serde_json::from_slice::<ErrorBody>(&answer.body)
             .map(|b| b.error)
             .ok();
-        Err(error_of(status, error))
+        Err(error_of(answer.status, error))
     }
 
     async fn create_intent(&self, p: &NewPayment) -> Result<Checkout, ProviderError> {

@@ -10,6 +10,7 @@
 use chrono::{DateTime, Utc};
 use futures_util::future::{BoxFuture, FutureExt};
 
+pub mod exchange;
 pub mod mock;
 
 pub use mock::{Callback, SignedProvider};

@@ -10,9 +10,11 @@
 //! An answer that does not is an unknown outcome, like no answer at all: a
 //! forged or replayed "no" never closes a payment or ends a refund.
 
+mod bill;
 pub mod crypto;
 pub mod status;
 
+pub use bill::parse_trade_bill;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -23,6 +25,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use self::crypto::{ApiV3Cipher, MerchantSigner, PlatformKeys, SCHEME, VerifyError};
+use super::provider::exchange::{Answer, exchange, parse};
 use super::provider::{
     CallbackError, Charge, ChargeOutcome, Checkout, CloseOutcome, Event, Headers, JsapiPayment,
     NewPayment, PaymentProvider, PaymentRef, ProviderError, RefundRef, RefundReport, RefundRequest,
@@ -210,16 +213,11 @@ impl WechatPay {
                 .header("content-type", "application/json")
                 .body(body);
         }
-        let answer = request
-            .send()
-            .await
-            .map_err(|e| ProviderError::Unknown(format!("no answer: {e}")))?;
-        let status = answer.status().as_u16();
-        let headers = answer.headers().clone();
-        let bytes = answer
-            .bytes()
-            .await
-            .map_err(|e| ProviderError::Unknown(format!("answer cut short: {e}")))?;
+        let Answer {
+            status,
+            headers,
+            body: bytes,
+        } = exchange(request).await?;
         let error = (400..500).contains(&status);
         if !error && !(200..300).contains(&status) {
             return Err(ProviderError::Unknown(format!(
@@ -252,11 +250,6 @@ impl WechatPay {
         self.send(method, path_and_query, body, true).await
     }
 
-    fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ProviderError> {
-        serde_json::from_slice(body)
-            .map_err(|e| ProviderError::Unknown(format!("an answer not understood: {e}")))
-    }
-
     /// Native (a `code_url` to show as a QR code) or JSAPI (the parameters
     /// of the mini-program's `wx.requestPayment`), as configured.
     async fn prepay(&self, p: &NewPayment) -> Result<Checkout, ProviderError> {
@@ -281,7 +274,7 @@ impl WechatPay {
                 let (_, answer) = self
                     .call(Method::POST, "/v3/pay/transactions/native", Some(body))
                     .await?;
-                let prepay: Prepay = Self::parse(&answer)?;
+                let prepay: Prepay = parse(&answer)?;
                 Ok(Checkout {
                     code_url: Some(prepay.code_url),
                     ..Checkout::default()
@@ -302,7 +295,7 @@ impl WechatPay {
                 let (_, answer) = self
                     .call(Method::POST, "/v3/pay/transactions/jsapi", Some(body))
                     .await?;
-                let prepay: Prepay = Self::parse(&answer)?;
+                let prepay: Prepay = parse(&answer)?;
                 let params =
                     self.request_payment(&prepay.prepay_id, Utc::now().timestamp(), &nonce());
                 Ok(Checkout {
@@ -359,7 +352,7 @@ impl WechatPay {
         );
         match self.call(Method::GET, &path, None).await {
             Ok((_, body)) => self
-                .charge_of(Self::parse(&body)?)
+                .charge_of(parse(&body)?)
                 .map_err(ProviderError::Unknown),
             Err(ProviderError::Refused { code, .. }) if code == "ORDER_NOT_EXIST" => {
                 Ok(Charge::bare(payment_no, ChargeOutcome::NotPaid))
@@ -379,7 +372,7 @@ impl WechatPay {
         let (_, answer) = self
             .call(Method::POST, "/v3/refund/domestic/refunds", Some(body))
             .await?;
-        report_of(Self::parse(&answer)?).map_err(ProviderError::Unknown)
+        report_of(parse(&answer)?).map_err(ProviderError::Unknown)
     }
 
     /// The trade bill of `date` (China time): its download address, then
@@ -399,7 +392,7 @@ impl WechatPay {
             date.format("%Y-%m-%d")
         );
         let (_, answer) = self.call(Method::GET, &path, None).await?;
-        let bill: Bill = Self::parse(&answer)?;
+        let bill: Bill = parse(&answer)?;
         // Signed like any request, at this server's base (the address names
         // WeChat Pay's host).
         let at = bill
@@ -432,7 +425,7 @@ impl WechatPay {
     async fn find_refund(&self, refund_no: i64) -> Result<RefundReport, ProviderError> {
         let path = format!("/v3/refund/domestic/refunds/{refund_no}");
         let (_, answer) = self.call(Method::GET, &path, None).await?;
-        report_of(Self::parse(&answer)?).map_err(ProviderError::Unknown)
+        report_of(parse(&answer)?).map_err(ProviderError::Unknown)
     }
 
     /// A transaction read as ours, once it is shown to be of this merchant
@@ -462,67 +455,6 @@ impl WechatPay {
             provider_ref: None,
         })
     }
-}
-
-/// Yuan with two decimals ("99.00") in fen.
-fn fen(yuan: &str) -> Option<i64> {
-    let (whole, frac) = yuan.trim().split_once('.').unwrap_or((yuan.trim(), "0"));
-    if frac.len() > 2 || !frac.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let frac: i64 = format!("{frac:0<2}").parse().ok()?;
-    Some(whole.parse::<i64>().ok()? * 100 + frac)
-}
-
-/// The charges of a trade bill: every field starts with a backtick (so a
-/// comma inside one is no separator), the header names the columns, and a
-/// summary follows the rows. A row of state SUCCESS is a charge; REFUND
-/// rows are refunds of charges billed on their own day.
-pub fn parse_trade_bill(text: &str) -> Result<Vec<StatementLine>, ProviderError> {
-    let bad = |why: &str| ProviderError::Unknown(format!("a trade bill not understood: {why}"));
-    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
-    let split = |line: &str| -> Vec<String> {
-        line.trim_start_matches('\u{feff}')
-            .trim_start_matches('`')
-            .split(",`")
-            .map(|f| f.trim().to_owned())
-            .collect()
-    };
-    let header: Vec<String> = lines
-        .next()
-        .ok_or_else(|| bad("empty"))?
-        .trim_start_matches('\u{feff}')
-        .split(',')
-        .map(|f| f.trim().trim_start_matches('`').to_owned())
-        .collect();
-    let column = |name: &str| header.iter().position(|h| h == name);
-    let (Some(trade_no), Some(state), Some(amount)) = (
-        column("商户订单号"),
-        column("交易状态"),
-        column("订单金额").or_else(|| column("应结订单金额")),
-    ) else {
-        return Err(bad("no 商户订单号, 交易状态 or 订单金额 column"));
-    };
-    let txn = column("微信订单号");
-    let mut out = Vec::new();
-    for line in lines {
-        if !line.starts_with('`') {
-            break; // the summary
-        }
-        let fields = split(line);
-        let get = |i: usize| fields.get(i).map(String::as_str);
-        if !get(state).is_some_and(status::is_charge_row) {
-            continue;
-        }
-        let reference = get(trade_no).ok_or_else(|| bad("a short row"))?.to_owned();
-        let amount_cents = get(amount).and_then(fen).ok_or_else(|| bad("an amount"))?;
-        out.push(StatementLine {
-            reference,
-            txn_id: txn.and_then(get).map(str::to_owned),
-            amount_cents,
-        });
-    }
-    Ok(out)
 }
 
 fn report_of(r: Refund) -> Result<RefundReport, String> {
@@ -660,6 +592,7 @@ impl PaymentProvider for WechatPay {
 
 #[cfg(test)]
 mod tests {
+    use super::bill::fen;
     use super::*;
 
     #[test]
