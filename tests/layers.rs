@@ -423,7 +423,12 @@ fn inline_paths(code: &str, root: &str, in_use: &[bool], found: &mut Vec<(Vec<St
         while let Some(at) = code[rest..].find(root).map(|i| i + rest) {
             rest = at + root.len();
             let preceded = code[..at].chars().next_back();
-            if in_use[at] || preceded.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+            // `pub(in crate::x)` names where an item is seen, not an import.
+            let visibility = code[..at].trim_end().ends_with("(in");
+            if in_use[at]
+                || visibility
+                || preceded.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':')
+            {
                 continue;
             }
             let chain: String = code[at..]
@@ -703,7 +708,7 @@ fn the_circle_scan_catches_a_circle_through_re_exports() {
         "use super::Other;\nfn f() { crate::b::g(); }\n",
     );
     write("b.rs", "use crate::a::Thing;\npub fn g() {}\n");
-    write("c.rs", "pub struct Low;\n");
+    write("c.rs", "pub(in crate::b) struct Low;\n");
     let graph = import_graph(&root);
     let found = circles(&graph);
     assert_eq!(

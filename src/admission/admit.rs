@@ -26,12 +26,12 @@ use super::gate::Unsent;
 use super::limits::{Limits, retry_secs};
 use super::publish::{Confirmation, Published, Publisher};
 pub use super::purchase::Purchase;
+pub use super::refusal::Refusal;
 use super::soldout::SoldOut;
 use super::{Admission, Layout, RedisGate, ReserveRequest};
 use crate::activities::cache::{ActivityCache, Lookup};
 use crate::bus::PublishError;
 use crate::bus::events::OrderRequested;
-use crate::bus::progress;
 use crate::clock::SharedClock;
 use crate::config::Settings;
 use crate::coupons::gate::CouponGate;
@@ -59,158 +59,6 @@ pub enum Admitted {
         /// Whether this retry's send made it accepted.
         confirmed_now: bool,
     },
-}
-
-/// The `Retry-After` of a purchase refused while the cluster refuses
-/// writes: a broker's return takes seconds, and the probe looks every one.
-const WRITES_REFUSED_RETRY_SECS: u32 = 5;
-
-/// `admission.max_consumer_lag` is sized as this many seconds of draining
-/// (config/default.toml): the drain rate a `Retry-After` estimates with.
-const LAG_BOUND_SECS: i64 = 5;
-
-/// The lag purchases are held past, and the drain rate (orders a second)
-/// a `Retry-After` estimates with: `admission.max_consumer_lag`, sized as
-/// `LAG_BOUND_SECS` of draining; but when `orders.max_write_rate` paces
-/// the consumers slower than that, its rate, and at most `LAG_BOUND_SECS`
-/// of it behind (a lag the bound allows would otherwise take minutes to
-/// write).
-fn lag_bound(max_consumer_lag: i64, max_write_rate: u32) -> (i64, i64) {
-    let sized = (max_consumer_lag / LAG_BOUND_SECS).max(1);
-    match i64::from(max_write_rate) {
-        0 => (max_consumer_lag, sized),
-        paced => {
-            let per_sec = paced.min(sized);
-            (max_consumer_lag.min(per_sec * LAG_BOUND_SECS), per_sec)
-        }
-    }
-}
-
-/// Seconds until a lag of `lag` is back under `bound`, draining `per_sec`
-/// orders a second; 1 to 30.
-fn drain_secs(lag: i64, bound: i64, per_sec: i64) -> u32 {
-    let per_sec = per_sec.max(1);
-    let excess = (lag - bound).max(0);
-    u32::try_from((excess + per_sec - 1) / per_sec)
-        .unwrap_or(u32::MAX)
-        .clamp(1, 30)
-}
-
-/// Why a purchase was not accepted (each one answers differently).
-#[derive(Debug)]
-pub enum Refusal {
-    /// The body is wrong (400).
-    Invalid(&'static str),
-    /// A token bucket is empty (429); says whose, and in how many seconds
-    /// it holds a token again.
-    RateLimited(&'static str, u32),
-    /// The database fallback's rate for the activity is used up (429), in
-    /// how many seconds it has room again. Redis is down, so no lookup of
-    /// a replay in it is tried: each would be one more failed connection
-    /// per refusal, while the fallback refuses most purchases. A replay of
-    /// an order the fallback wrote is answered once within the rate.
-    FallbackRateLimited(u32),
-    /// The sale is not open (409).
-    NotActive,
-    /// Redis lost the activity and reconciliation is restoring it (503).
-    Restoring,
-    /// Sold out (409); `from_memory` when the sold-out flag answered.
-    SoldOut {
-        /// Answered from the in-process flag, Redis not asked.
-        from_memory: bool,
-    },
-    /// The coupon cannot back this order (400): why.
-    CouponInvalid(&'static str),
-    /// Back-pressure (503 BUSY); says which, and in how many seconds a
-    /// retry may find room.
-    Busy(&'static str, u32),
-    /// No instance id is leased, so no number can be made (503).
-    NoOrderNumber,
-    /// Redis is down and the database fallback does not take this
-    /// purchase yet (503 RETRY_LATER): why, and when to retry.
-    Degraded(&'static str, u32),
-    /// The buyer already holds the per-user limit (409).
-    LimitExceeded,
-    /// The purchase token is missing, used, expired or not the buyer's.
-    InvalidToken,
-    /// The number made was already reserved: two instances share an id.
-    NumberTaken,
-    /// The broker definitely does not have it; nothing was kept (503).
-    NotQueued,
-    /// The cluster answers but refuses writes (too few in-sync replicas):
-    /// nothing was reserved (503 RETRY_LATER), in how many seconds to retry.
-    WritesRefused(u32),
-    /// The delivery is not confirmed yet: retry with the same request id
-    /// (503, with the order_no).
-    Pending(OrderNo),
-    /// Redis failed during the reservation (503); counted.
-    ReserveFailed(anyhow::Error),
-    /// A dependency failed before anything was reserved (503).
-    Unavailable(anyhow::Error),
-}
-
-impl Refusal {
-    /// For a refusal a retry may get past: in how many seconds (the
-    /// `Retry-After` of its 429 or 503).
-    pub fn retry_after(&self) -> Option<u32> {
-        match self {
-            Self::RateLimited(_, secs)
-            | Self::FallbackRateLimited(secs)
-            | Self::Busy(_, secs)
-            | Self::Degraded(_, secs)
-            | Self::WritesRefused(secs) => Some(*secs),
-            Self::Restoring
-            | Self::NoOrderNumber
-            | Self::NotQueued
-            | Self::NumberTaken
-            | Self::Pending(_)
-            | Self::ReserveFailed(_)
-            | Self::Unavailable(_) => Some(1),
-            Self::Invalid(_)
-            | Self::NotActive
-            | Self::SoldOut { .. }
-            | Self::CouponInvalid(_)
-            | Self::LimitExceeded
-            | Self::InvalidToken => None,
-        }
-    }
-
-    /// Whether this refusal comes from a check made before the admission
-    /// script (which answers a replay first), so that a retry bound to an
-    /// order must be looked up before hearing it. Not the sold-out flag's:
-    /// those stand only once no buyer was accepted since the flag's
-    /// buyers were read (`SoldOut::confirm`), one read for many refusals.
-    fn spares_a_replay(&self) -> bool {
-        matches!(
-            self,
-            Self::RateLimited(..)
-                | Self::Busy(..)
-                | Self::WritesRefused(_)
-                | Self::CouponInvalid(_)
-        )
-    }
-
-    /// The `seckill_admission_total` outcome label, for those counted.
-    pub fn outcome(&self) -> Option<&'static str> {
-        Some(match self {
-            Self::RateLimited(..) | Self::FallbackRateLimited(_) => "rate_limited",
-            Self::NotActive => "not_active",
-            Self::Restoring
-            | Self::NoOrderNumber
-            | Self::NotQueued
-            | Self::ReserveFailed(_)
-            | Self::WritesRefused(_)
-            | Self::Degraded(..) => "retry_later",
-            Self::SoldOut { from_memory: true } => "sold_out_memory",
-            Self::SoldOut { from_memory: false } => "sold_out",
-            Self::Busy(..) => "busy",
-            Self::LimitExceeded => "limit_exceeded",
-            Self::InvalidToken => "invalid_token",
-            Self::NumberTaken => "number_taken",
-            Self::Pending(_) => "pending",
-            Self::Invalid(_) | Self::CouponInvalid(_) | Self::Unavailable(_) => return None,
-        })
-    }
 }
 
 /// Where and when a purchase's units were asked of Redis.
@@ -651,34 +499,6 @@ impl Admitter {
         Err(why)
     }
 
-    /// Back-pressure before Redis is touched: a 202 now would stay
-    /// PROCESSING for long, or would not be acknowledged.
-    fn not_overloaded(&self, now_ms: i64) -> Result<(), Refusal> {
-        if self.publisher.probe.refuses_writes().is_some() {
-            // Two of three brokers down: every acks=all write is refused
-            // until they are back. Reserving now would only hold units
-            // for purchases no broker can take.
-            return Err(Refusal::WritesRefused(WRITES_REFUSED_RETRY_SECS));
-        }
-        if let Some((why, secs)) = self.consumer_backpressure() {
-            return Err(Refusal::Busy(why, secs));
-        }
-        if !self.publisher.breaker.admits(now_ms) {
-            // The breaker lets one probe through a second.
-            return Err(Refusal::Busy(
-                "the broker is not acknowledging orders; retry shortly",
-                1,
-            ));
-        }
-        if !self.publisher.acks.has_room() {
-            return Err(Refusal::Busy(
-                "acknowledgements are waiting on Redis; retry shortly",
-                1,
-            ));
-        }
-        Ok(())
-    }
-
     /// A number for the order, carrying its buyer's gene: the partition
     /// of the order table, and a sharded activity's shard.
     fn number(&self, user_id: UserId) -> Result<i64, Refusal> {
@@ -711,94 +531,5 @@ impl Admitter {
                 confirmed_now: confirmation == Confirmation::ConfirmedNow,
             }),
         }
-    }
-
-    /// Why purchases should get 503 BUSY because of the order consumers,
-    /// if they should: too many messages behind, or stalled (messages
-    /// waiting, nothing committed) for `kafka.consumer_stall_secs`. Both
-    /// are sampled every second by the lag sampler.
-    /// Why purchases must wait for the order consumers, and for about how
-    /// many seconds: over the lag bound, the time to drain the excess (the
-    /// bound is sized as `LAG_BOUND_SECS` of draining); stalled, the
-    /// watchdog's window, after which it rebuilds the consumer.
-    pub fn consumer_backpressure(&self) -> Option<(&'static str, u32)> {
-        let lag = self.metrics.order_consumer_lag.get();
-        let (bound, per_sec) = lag_bound(
-            self.settings.admission.max_consumer_lag,
-            self.settings.orders.max_write_rate,
-        );
-        if progress::lag_over(lag, bound) {
-            return Some((
-                "orders are being written; retry shortly",
-                drain_secs(lag, bound, per_sec),
-            ));
-        }
-        if self.order_consumers_stalled().is_some() {
-            let window =
-                u32::try_from(self.settings.kafka.consumer_stall_secs.as_secs()).unwrap_or(30);
-            return Some((
-                "the order consumers are stalled; retry shortly",
-                window.clamp(1, 30),
-            ));
-        }
-        None
-    }
-
-    /// How long the order consumers (wherever they run) have had messages
-    /// waiting and committed nothing, once that reaches
-    /// `kafka.consumer_stall_secs`.
-    pub fn order_consumers_stalled(&self) -> Option<i64> {
-        let stall =
-            i64::try_from(self.settings.kafka.consumer_stall_secs.as_secs()).unwrap_or(i64::MAX);
-        let stalled = self.metrics.order_consumer_stalled_seconds.get();
-        (stall > 0 && stalled >= stall).then_some(stalled)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_retry_after_of_a_lag_is_the_time_to_drain_its_excess() {
-        // A bound of 100 000 is 5 s of draining: 20 000 a second.
-        let (bound, rate) = lag_bound(100_000, 0);
-        assert_eq!((bound, rate), (100_000, 20_000));
-        assert_eq!(drain_secs(100_001, bound, rate), 1);
-        assert_eq!(drain_secs(160_000, bound, rate), 3);
-        assert_eq!(drain_secs(10_000_000, bound, rate), 30, "at most 30 s");
-        let (bound, rate) = lag_bound(3, 0);
-        assert_eq!(
-            drain_secs(4, bound, rate),
-            1,
-            "a tiny bound still says a second"
-        );
-    }
-
-    #[test]
-    fn consumers_paced_slower_hold_purchases_sooner_and_say_so() {
-        // Paced at 2 000 orders a second: 5 s of it is 10 000 behind, and
-        // 30 000 behind is 10 s more to write.
-        let (bound, rate) = lag_bound(100_000, 2_000);
-        assert_eq!((bound, rate), (10_000, 2_000));
-        assert!(progress::lag_over(30_000, bound));
-        assert_eq!(drain_secs(30_000, bound, rate), 10);
-        // A pace faster than the bound is sized for changes nothing.
-        assert_eq!(lag_bound(100_000, 50_000), (100_000, 20_000));
-    }
-
-    #[test]
-    fn refusals_a_retry_can_get_past_say_when() {
-        assert_eq!(Refusal::RateLimited("x", 3).retry_after(), Some(3));
-        assert_eq!(Refusal::FallbackRateLimited(2).retry_after(), Some(2));
-        assert!(Refusal::RateLimited("x", 3).spares_a_replay());
-        assert!(
-            !Refusal::FallbackRateLimited(2).spares_a_replay(),
-            "Redis is down: a replay is not looked up in it"
-        );
-        assert_eq!(Refusal::Busy("x", 7).retry_after(), Some(7));
-        assert_eq!(Refusal::Restoring.retry_after(), Some(1));
-        assert_eq!(Refusal::SoldOut { from_memory: false }.retry_after(), None);
-        assert_eq!(Refusal::LimitExceeded.retry_after(), None);
     }
 }

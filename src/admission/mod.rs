@@ -9,6 +9,7 @@
 
 pub mod acks;
 pub mod admit;
+mod backpressure;
 pub mod fallback;
 pub mod gate;
 pub mod keys;
@@ -16,6 +17,7 @@ pub mod limits;
 pub mod mode;
 pub mod publish;
 pub mod purchase;
+pub mod refusal;
 pub mod soldout;
 
 pub use gate::{Admission, RedisGate, ReleaseReason, ReserveRequest, ThreadGate, WarmSpec};

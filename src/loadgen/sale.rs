@@ -29,9 +29,11 @@ use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
 use super::args::LoadgenArgs;
+use super::buy::purchase;
 use super::client::Client;
+use super::progress::Progress;
 use super::report::{Outcome, SaleFigures};
-use super::{Progress, purchase};
+use super::setup::{create_and_warm, fetch_tokens, for_each_user};
 use crate::auth::Role;
 use crate::domain::ActivityId;
 
@@ -91,7 +93,7 @@ pub(super) async fn run(
         join_all(client, activity, &users, args, &mut figures).await?;
         Vec::new()
     } else {
-        let tokens = super::fetch_tokens(client, activity, args).await?;
+        let tokens = fetch_tokens(client, activity, args).await?;
         tokens
             .into_iter()
             .map(|(_, jwt, token)| (jwt, token))
@@ -201,7 +203,7 @@ async fn create(
             body["waiting_room"]["max_active"] = json!(cap);
         }
     }
-    super::create_and_warm(client, admin, &body).await
+    create_and_warm(client, admin, &body).await
 }
 
 /// Every user joins the pre-queue, the bots first.
@@ -214,7 +216,7 @@ async fn join_all(
 ) -> anyhow::Result<()> {
     eprintln!("activity {activity}: {} joins…", users.len());
     let started = Instant::now();
-    let states = super::for_each_user("joins", users, args.concurrency, |user| {
+    let states = for_each_user("joins", users, args.concurrency, |user| {
         join(client, activity, user)
     })
     .await?;
