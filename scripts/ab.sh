@@ -9,7 +9,7 @@
 # CARGO_TARGET_DIR=/tmp/old-target cargo build --release --bin seckill)`,
 # then `scripts/ab.sh admission /tmp/old-target/release/seckill /tmp/old/config`.
 # Alternate the two sides, several runs each: the spread of one side is
-# part of the answer (see BENCHMARKS.md).
+# part of the answer (see docs/BENCHMARKS-HISTORY.md).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Redis fallback's throughput against the naive baseline, in ONE run
-# (BENCHMARKS.md, "The database fallback"):
+# (docs/BENCHMARKS-HISTORY.md, "The database fallback"):
 #   F1 the naive baseline (examples/naive.rs) under the load generator
 #   F2 `seckill serve` whose Redis was killed (SIGKILL) after the warm-up,
 #      selling through the database fallback with its rate limit lifted

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The waiting room's benchmark (BENCHMARKS.md, "Waiting room"), in ONE run,
+# The waiting room's benchmark (BENCHMARKS.md, "Finished investigations"), in ONE run,
 # each figure beside the ceiling it is measured against:
 #
 #   scripts/bench-room.sh [--users N] [--concurrency C] [--tickets T]

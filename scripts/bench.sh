@@ -164,7 +164,7 @@ row5() {
 # reads every process's CPU, and scripts/timeline.py draws
 # $OUT/TAG-timeline.svg. The load generator runs one worker thread
 # (OPEN_LG_THREADS): a fixed rate needs no more, and with one per core it
-# took both cores from the server as the units sold (BENCHMARKS.md).
+# took both cores from the server as the units sold (docs/BENCHMARKS-HISTORY.md).
 OPEN_CONNS=2048
 # The first FIRST_MS of 5c's burst, when its units sell: every process's
 # CPU run and run-queue wait (scripts/first-moment.py).
@@ -206,8 +206,8 @@ print(json.dumps(r))' "$OUT/$tag-loadgen.txt" "$OUT/$tag-first.json" "$verdict")
 
 # The broker's JIT compiler: a young Kafka JVM still compiles its produce
 # and fetch paths during the first sales it serves, and at a sale's first
-# moment that took up to 195 ms of CPU in 270 ms (BENCHMARKS.md, "The
-# first moment, measured"). A shop's broker has served millions of
+# moment that took up to 195 ms of CPU in 270 ms (docs/BENCHMARKS-HISTORY.md,
+# "How to measure on this machine"). A shop's broker has served millions of
 # messages before its sale; this run's gets one sale in which every buyer
 # is served before anything is measured.
 WARM_UNITS=${WARM_UNITS:-100000}

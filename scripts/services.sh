@@ -31,7 +31,7 @@
 #                                    the pid (group, for a node) a fault test signals
 #
 # SECKILL_KAFKA_JVM_OPTS adds flags to every Kafka JVM this script starts
-# (an experiment: -XX:TieredStopAtLevel=1 for C1 only, BENCHMARKS.md).
+# (for experiments: -XX:TieredStopAtLevel=1 for C1 only, say).
 # SECKILL_SERVICES_DIR puts the data elsewhere and the SECKILL__* address
 # overrides move the ports: scripts/chaos.sh runs a second set this way.
 #

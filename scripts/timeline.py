@@ -262,8 +262,8 @@ GAP_MS = 50
 FLOOD_AFTER_MS = 1000
 # Saturated: at least this many runnable threads per CPU, and at least this
 # many times as many as in the same run's refusal flood. Over 134 runs of
-# 5c on one 2-core host (88 misses; BENCHMARKS.md, "The verdict against
-# the run's own flood") the floods held 1.2-2.8 runnable threads and
+# 5c on one 2-core host (88 misses; docs/BENCHMARKS-HISTORY.md,
+# "The first second of a sale") the floods held 1.2-2.8 runnable threads and
 # every miss's slow episode 3.8-12.1, at least 1.6 times its own flood's.
 PER_CPU = 1.5
 OVER_FLOOD = 1.5

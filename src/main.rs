@@ -9,8 +9,8 @@ use seckill::app::Application;
 
 // mimalloc rather than glibc's allocator: under the sale's many small,
 // short-lived allocations across threads, glibc's malloc took about a
-// tenth of the load generator's and the server's CPU (BENCHMARKS.md,
-// CPU per request).
+// tenth of the load generator's and the server's CPU (docs/BENCHMARKS-HISTORY.md,
+// "The first second of a sale").
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use seckill::auth::{JwtKeys, Role};

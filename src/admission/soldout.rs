@@ -12,7 +12,8 @@
 //! again ([`SoldOut::keep_fresh`]). Without it, every lapse sent every
 //! purchase to Redis until one was answered SOLD_OUT and the flag was set
 //! again; under load that answer took longest, and thousands of purchases
-//! piled up behind it (BENCHMARKS.md, the first second of a sale).
+//! piled up behind it (docs/BENCHMARKS-HISTORY.md,
+//! "The first second of a sale").
 //!
 //! It must not change what a buyer who already has an order hears: a
 //! replayed request_id gets its order (200), and a buyer at the limit
@@ -169,7 +170,7 @@ pub struct SoldOut {
     /// needed them, they waited behind that worker's purchases for each
     /// hop, and a sale's first SOLD_OUT took 45–224 ms to become a flag
     /// while every purchase meanwhile went to Redis (14–50 ms here;
-    /// BENCHMARKS.md).
+    /// docs/BENCHMARKS-HISTORY.md).
     home: Option<tokio::runtime::Handle>,
 }
 

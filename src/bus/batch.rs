@@ -5,8 +5,8 @@
 //! admission script until the units are gone, and each accepted one waits
 //! for its event's acknowledgement. Order batches of 20 ms each, committed
 //! to PostgreSQL at that moment, take the CPU from those purchases, and the
-//! queue that forms then is what a buyer waits in (BENCHMARKS.md, "The
-//! first second of a sale"). While more purchases are in flight than
+//! queue that forms then is what a buyer waits in (docs/BENCHMARKS-HISTORY.md,
+//! "The first second of a sale"). While more purchases are in flight than
 //! [`Rush::threshold`], a batch waits up to [`Rush::wait`] to fill, and the
 //! consumer applies one batch at a time ([`super::runner`]): the orders of
 //! the first moment are written a few hundred milliseconds later, in one

@@ -24,7 +24,7 @@ pub enum GateConnection {
     /// One long-lived pipelined connection (the default).
     Multiplexed,
     /// A deadpool checkout per call, which PINGs on recycle (one server
-    /// only). See BENCHMARKS.md.
+    /// only). See docs/BENCHMARKS-HISTORY.md.
     Pool,
 }
 
@@ -45,7 +45,8 @@ pub struct RedisSettings {
     pub timeout_ms: Duration,
     /// Connection of the admission script: `multiplexed` (one long-lived
     /// pipelined connection, the default) or `pool` (a deadpool checkout per
-    /// call, which PINGs on recycle). See BENCHMARKS.md.
+    /// call, which PINGs on recycle). See
+    /// docs/BENCHMARKS-HISTORY.md, "The admission path".
     pub gate_connection: GateConnection,
 }
 

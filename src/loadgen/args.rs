@@ -103,7 +103,7 @@ pub struct LoadgenArgs {
     /// loop on the server's own host wants 1: a fixed rate needs only the
     /// CPU of that rate, and with a worker per core the load generator
     /// took both cores from the server at the sale's first moment
-    /// (BENCHMARKS.md, "The load generator off the server's second core").
+    /// (docs/BENCHMARKS-HISTORY.md, "How to measure on this machine").
     #[arg(long)]
     pub threads: Option<usize>,
 }

@@ -1,6 +1,6 @@
 //! A whole sale, bought by people and by a bot army, with or without a
-//! waiting room (`seckill loadgen --bots N [--room]`, BENCHMARKS.md "A whole
-//! sale through the room").
+//! waiting room (`seckill loadgen --bots N [--room]`, docs/BENCHMARKS-HISTORY.md,
+//! "The waiting room").
 //!
 //! The model of a buyer, the same on both sides:
 //!
@@ -194,7 +194,7 @@ async fn create(
     if args.room {
         // The pre-queue is open from now. The proof of work is the
         // lightest: its cost is the client's, measured on its own
-        // (BENCHMARKS.md, CPU per request).
+        // (BENCHMARKS.md, the criterion table).
         body["waiting_room"] = json!({
             "prequeue_secs": args.prequeue_secs + 60, "admit_per_sec": args.admit_per_sec,
             "pass_ttl_secs": 120, "offer_secs": 60, "pow_difficulty": 1,

@@ -4,7 +4,8 @@
 //! every purchase takes in turn.
 //!
 //! The open loop shares the server's two CPUs at the sale's first moment,
-//! when they are fullest (BENCHMARKS.md, "The first moment, measured").
+//! when they are fullest (docs/BENCHMARKS-HISTORY.md,
+//! "The first second of a sale").
 //! Through `reqwest`, about two thirds of its CPU per purchase was the
 //! client's own work: the URL parsed again for each request, the pool's
 //! checkout, the request and response types. Here a purchase costs a

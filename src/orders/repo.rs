@@ -534,7 +534,7 @@ impl OrderColumns {
     /// Inserts every row not already there; returns the order_nos inserted.
     /// The rows go in partition by partition (`ORDER BY` the buyer's
     /// slot): routed in runs, not switching partitions at every row, the
-    /// statement took about 7 % less (BENCHMARKS.md, "Orders at scale").
+    /// statement took about 7 % less (docs/BENCHMARKS-HISTORY.md, "Orders at scale").
     fn insert(&self, conn: &mut PgConn) -> QueryResult<HashSet<i64>> {
         if self.order_no.is_empty() {
             return Ok(HashSet::new());

@@ -372,7 +372,7 @@ def waiting_room_page(driver):
 
 # The page's solver before it hashed in JavaScript: one Web Crypto digest
 # (a promise) per try, 256 at a time. Timed beside the page's own on the
-# same challenges, as the baseline BENCHMARKS.md compares with.
+# same challenges, as the baseline the page's solver was measured against.
 WEB_CRYPTO_SOLVER = """
 const c = arguments[0], done = arguments[arguments.length - 1];
 const hex = (buf) => Array.from(new Uint8Array(buf), (b) => b.toString(16).padStart(2, "0")).join("");

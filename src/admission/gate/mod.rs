@@ -17,7 +17,7 @@
 //! The hot path uses one long-lived multiplexed connection
 //! ([`RedisConn`], to one server or a cluster), not the pool: every request is a single script
 //! call, pipelined on one socket, with no per-checkout PING (see
-//! BENCHMARKS.md for the measurement). Scripts go out as `EVALSHA`; on
+//! docs/BENCHMARKS-HISTORY.md, "The admission path"). Scripts go out as `EVALSHA`; on
 //! `NOSCRIPT` (Redis restarted or failed over) `redis::Script` loads the
 //! script and retries once.
 
@@ -125,7 +125,8 @@ impl RedisGate {
 
     /// The same gate on a connection of its own, driven by the runtime this
     /// is called on. Each HTTP worker gets one, so a purchase's script call
-    /// never hops to another thread's runtime and back (see BENCHMARKS.md).
+    /// never hops to another thread's runtime and back (see
+    /// docs/BENCHMARKS-HISTORY.md).
     pub fn on_own_connection(&self) -> RedisResult<Self> {
         let mut gate = self.clone();
         gate.conn = self.client.connect_lazy()?;
