@@ -242,7 +242,9 @@ impl Progress {
         self.with(|s| s.settle(answered, now));
     }
 
-    /// A new client gets a whole window of its own.
+    /// A new client gets a whole window of its own; so does the client
+    /// after a stretch in which the cluster refused writes (forgiven, not
+    /// carried over).
     fn restart(&self, now: i64) {
         self.with(|s| {
             s.unanswered_ms = 0;
@@ -282,6 +284,28 @@ impl Stretch {
             self.unanswered_ms += (now - since).max(0);
         }
     }
+}
+
+/// The supervisor's look at the producer, once a second: a rebuild once
+/// messages have waited `stall` with no answer while the cluster took
+/// writes from a fresh client for as long (`writable_for`). While the
+/// cluster refuses writes (or does not answer) the wait is forgiven, not
+/// carried over: otherwise a stretch of a refused-writes period, resumed by
+/// the first send after the brokers return, would condemn a producer that
+/// had no chance yet to be answered.
+fn judge(progress: &Progress, stall: Duration, writable_for: Duration, now: i64) -> Verdict {
+    if writable_for.is_zero() {
+        progress.restart(now);
+        return Verdict::Healthy;
+    }
+    let stalled = Duration::from_millis(u64::try_from(progress.stalled_ms(now)).unwrap_or(0));
+    if stall.is_zero() || stalled < stall || writable_for < stall {
+        return Verdict::Healthy;
+    }
+    Verdict::Rebuild(format!(
+        "nothing delivered for {}s while the cluster takes writes from a fresh client",
+        stalled.as_secs()
+    ))
 }
 
 type Client = ThreadedProducer<DeliveryContext>;
@@ -357,18 +381,12 @@ impl Producer {
                 // Only an answer proves a rebuild mended it: a stretch
                 // with nothing pending says nothing either way.
                 let works = producer.progress.answers() != answers_at_rebuild;
-                let stalled = producer.stalled_for();
-                let verdict = if stall.is_zero()
-                    || stalled < stall
-                    || watch.probe.writable_for() < stall
-                {
-                    Verdict::Healthy
-                } else {
-                    Verdict::Rebuild(format!(
-                        "nothing delivered for {}s while the cluster takes writes from a fresh client",
-                        stalled.as_secs()
-                    ))
-                };
+                let verdict = judge(
+                    &producer.progress,
+                    stall,
+                    watch.probe.writable_for(),
+                    now_ms(),
+                );
                 match escalation.check(
                     std::time::Instant::now(),
                     verdict,
@@ -548,6 +566,61 @@ mod tests {
         assert_eq!(p.stalled_ms(30_000), 30_000);
         p.restart(30_000);
         assert_eq!(p.stalled_ms(31_000), 1_000);
+    }
+
+    /// #59 (6c): messages that timed out while two brokers of three were
+    /// down, an idle minute once they were back, then one purchase: its
+    /// send must not resume the outage's stretch and condemn the producer
+    /// at once.
+    #[test]
+    fn a_refused_writes_period_is_not_carried_over_into_a_stall() {
+        let stall = Duration::from_secs(20);
+        let p = Progress::default();
+        let mut now = 0;
+        let writable_for = |now: i64| match now {
+            ..10_000 => Duration::from_millis(u64::try_from(now + 60_000).unwrap()),
+            10_000..70_000 => Duration::ZERO,
+            _ => Duration::from_millis(u64::try_from(now - 70_000).unwrap()),
+        };
+        // Writes go on for 10 s with nothing answered (the fencing of the
+        // lost brokers), then are refused for a minute: re-sent messages
+        // time out one after another.
+        while now < 70_000 {
+            if now % 15_000 == 0 && now < 60_000 {
+                p.sent(now);
+            }
+            if now % 15_000 == 14_000 {
+                p.reported(false, now);
+            }
+            assert!(
+                matches!(judge(&p, stall, writable_for(now), now), Verdict::Healthy),
+                "at {now} ms: not the producer's fault"
+            );
+            now += 1_000;
+        }
+        // Back, and idle for a minute.
+        while now < 130_000 {
+            assert!(matches!(
+                judge(&p, stall, writable_for(now), now),
+                Verdict::Healthy
+            ));
+            now += 1_000;
+        }
+        // One purchase: its message has had no time to be answered yet.
+        p.sent(now);
+        now += 1_000;
+        assert!(
+            matches!(judge(&p, stall, writable_for(now), now), Verdict::Healthy),
+            "stalled {} ms: carried over from the outage",
+            p.stalled_ms(now)
+        );
+        // Unanswered for a whole window while the cluster takes writes: a
+        // wedged producer is still rebuilt.
+        now += 20_000;
+        assert!(matches!(
+            judge(&p, stall, writable_for(now), now),
+            Verdict::Rebuild(_)
+        ));
     }
 
     #[test]
