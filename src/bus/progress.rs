@@ -37,6 +37,8 @@ pub struct GroupProgress {
     /// Unix ms of the last client made anew for a partition without a
     /// leader (see [`GroupProgress::sample`]).
     renewed_at: AtomicI64,
+    /// Clients made anew with no sample answered since.
+    renewals_in_a_row: AtomicU32,
     /// Rebuilds by [`GroupProgress::heal`] with no sample answered since.
     heals_in_a_row: AtomicU32,
     /// The topic's end offsets as read at moments of the caller's clock
@@ -71,6 +73,7 @@ impl GroupProgress {
             timeout: kafka.timeout_ms.max(Duration::from_millis(100)),
             failing_since: AtomicI64::new(0),
             renewed_at: AtomicI64::new(0),
+            renewals_in_a_row: AtomicU32::new(0),
             heals_in_a_row: AtomicU32::new(0),
             marks: Mutex::new(std::collections::VecDeque::new()),
             last_sample: Mutex::new(None),
@@ -261,6 +264,7 @@ impl GroupProgress {
         super::watchdog::holds_since(&self.failing_since, result.is_err(), now_ms());
         if result.is_ok() {
             self.heals_in_a_row.store(0, Ordering::Relaxed);
+            self.renewals_in_a_row.store(0, Ordering::Relaxed);
         }
         if let Err(e) = &result {
             self.renew_after_failure(e);
@@ -268,8 +272,8 @@ impl GroupProgress {
         result
     }
 
-    /// A sample that failed makes the next one use a new client, at most
-    /// once every 5 s. A topic just made (every test, a new deployment)
+    /// A sample that failed makes the next one use a new client, when
+    /// [`renewal_due`] says so. A topic just made (every test, a new deployment)
     /// has partitions without a leader for a moment, longer on a loaded
     /// host, and a client that asked then can keep that answer (librdkafka
     /// #5430); a client that asked a broker still loading its group
@@ -280,13 +284,19 @@ impl GroupProgress {
     /// else, and one that also fails is a broker that does not answer.
     fn renew_after_failure(&self, error: &anyhow::Error) {
         let now = now_ms();
-        if now - self.renewed_at.load(Ordering::Relaxed) < 5_000 {
+        if !renewal_due(
+            now,
+            self.renewed_at.load(Ordering::Relaxed),
+            self.renewals_in_a_row.load(Ordering::Relaxed),
+            super::closing::stuck(),
+        ) {
             return;
         }
         let Ok(new) = Self::client(&self.kafka, &self.group) else {
             return;
         };
         self.renewed_at.store(now, Ordering::Relaxed);
+        self.renewals_in_a_row.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(
             group = self.group,
             error = format!("{error:#}"),
@@ -315,6 +325,29 @@ impl GroupProgress {
         }
         Ok(sample)
     }
+}
+
+/// The first wait between two clients made anew, in ms.
+const RENEW_FIRST_MS: i64 = 5_000;
+/// The longest wait between two clients made anew, in ms.
+const RENEW_MAX_MS: i64 = 60_000;
+
+/// Whether a failed sample may make the progress client anew at `now`
+/// (Unix ms), `last` being the last time it did. The wait starts at 5 s and
+/// doubles with each client made anew without a sample answered since, up
+/// to a minute: through a broker outage every new client fails as the old
+/// one did, and each old one's close can hold a thread for good. While a
+/// close is stuck the wait is a minute; at [`super::closing::MAX_STUCK`]
+/// none is made, and [`GroupProgress::heal`] gives up instead.
+fn renewal_due(now: i64, last: i64, in_a_row: u32, stuck: usize) -> bool {
+    let wait = if stuck >= super::closing::MAX_STUCK {
+        return false;
+    } else if stuck > 0 {
+        RENEW_MAX_MS
+    } else {
+        (RENEW_FIRST_MS << in_a_row.min(4)).min(RENEW_MAX_MS)
+    };
+    now - last >= wait
 }
 
 /// A lag that could not be sampled (the broker could not be asked).
@@ -381,5 +414,31 @@ mod tests {
         assert!(!lag_over(10, 10));
         assert!(lag_over(11, 10));
         assert!(!lag_over(11, 0), "0 turns it off");
+    }
+
+    /// #59 (6e): a minute of failed samples (a broker outage) makes three
+    /// clients anew, not one every 5 s; a stuck close slows it to one a
+    /// minute, and enough of them stop it.
+    #[test]
+    fn a_broker_outage_makes_few_clients_anew_and_weighs_stuck_closes() {
+        let renewals_over_a_minute = |stuck: usize| {
+            let (mut last, mut in_a_row, mut made) = (0, 0, 0);
+            for now in (1_000..=60_000).step_by(1_000) {
+                if renewal_due(now, last, in_a_row, stuck) {
+                    last = now;
+                    in_a_row += 1;
+                    made += 1;
+                }
+            }
+            made
+        };
+        assert_eq!(renewals_over_a_minute(0), 3, "at 5, 15 and 35 s");
+        assert_eq!(renewals_over_a_minute(1), 1, "one a minute");
+        assert_eq!(renewals_over_a_minute(crate::bus::closing::MAX_STUCK), 0);
+        // A sample answered starts the waits over: 5 s again.
+        assert!(renewal_due(5_000, 0, 0, 0));
+        assert!(!renewal_due(4_999, 0, 0, 0));
+        assert!(!renewal_due(100_000, 50_000, 9, 0), "a minute at most");
+        assert!(renewal_due(110_000, 50_000, 9, 0));
     }
 }
