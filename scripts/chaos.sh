@@ -45,6 +45,8 @@ while [ $# -gt 0 ]; do
       export SECKILL__POSTGRES__URL=${SECKILL_CHAOS_POSTGRES_URL:-postgres://seckill:seckill@127.0.0.1:5436,127.0.0.1:5437/seckill?target_session_attrs=read-write&connect_timeout=3}
       export SECKILL__KAFKA__BROKERS=${SECKILL_CHAOS_KAFKA:-127.0.0.1:9392,127.0.0.1:9402,127.0.0.1:9412}
       export SECKILL__KAFKA__REPLICATION_FACTOR=3 SECKILL__KAFKA__MIN_INSYNC_REPLICAS=2
+      # The brokers' replica.lag.time.max.ms (scripts/services.d/kafka-cluster.sh).
+      export SECKILL__KAFKA__REPLICA_LAG_MAX_MS=10000
       export SECKILL_CHAOS_LOGS=${SECKILL_CHAOS_LOGS:-$ROOT/target/chaos/replicated}
       skips=()
       shift ;;

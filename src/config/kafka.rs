@@ -48,6 +48,18 @@ pub struct KafkaSettings {
     /// replicas refuses writes, and purchases then wait.
     #[serde(default = "default_min_insync_replicas")]
     pub min_insync_replicas: i32,
+    /// The brokers' `replica.lag.time.max.ms`, in milliseconds: how long a
+    /// follower that stopped fetching stays in the in-sync set. With a
+    /// replication factor above 1, a write the leader appended commits (and
+    /// becomes visible) only once every in-sync follower has it, or once
+    /// the set has shrunk, so an event whose delivery timed out can still
+    /// appear this long after. The restore of a lost Redis waits it out.
+    /// Kafka's default is 30 s; set what the brokers use.
+    #[serde(
+        default = "default_replica_lag_max",
+        deserialize_with = "duration::millis"
+    )]
+    pub replica_lag_max_ms: Duration,
     /// How long the producer waits to fill a batch (`linger.ms`), in
     /// milliseconds.
     #[serde(default = "default_linger_ms", deserialize_with = "duration::millis")]
@@ -56,6 +68,10 @@ pub struct KafkaSettings {
 
 fn default_min_insync_replicas() -> i32 {
     1
+}
+
+fn default_replica_lag_max() -> Duration {
+    Duration::from_secs(30)
 }
 
 fn default_linger_ms() -> Duration {

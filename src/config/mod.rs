@@ -101,13 +101,20 @@ impl Settings {
     }
 
     /// How long after Redis was seen to have lost an activity an event sent
-    /// before the loss can still reach the broker: every send after the
-    /// loss first checks a reservation record the loss took, so only
-    /// messages already handed to librdkafka (within a publish budget of
-    /// their reservation) are left, and librdkafka reports each within its
-    /// message timeout. The restore waits this long.
+    /// before the loss can still become visible on the broker: every send
+    /// after the loss first checks a reservation record the loss took, so
+    /// only messages already handed to librdkafka (within a publish budget
+    /// of their reservation) are left, and librdkafka reports each within
+    /// its message timeout. On a replicated topic a write the leader
+    /// appended by then commits once the in-sync set has it or has shrunk:
+    /// up to the brokers' `replica.lag.time.max.ms` later. The restore
+    /// waits this long.
     pub fn restore_wait(&self) -> Duration {
-        self.kafka.message_timeout_ms + self.admission.publish_budget_ms
+        let commit = match self.kafka.replication_factor {
+            ..=1 => Duration::ZERO,
+            _ => self.kafka.replica_lag_max_ms,
+        };
+        self.kafka.message_timeout_ms + self.admission.publish_budget_ms + commit
     }
 
     /// How many `X-Forwarded-For` hops from the right name the client.

@@ -139,6 +139,26 @@ fn a_publish_window_shorter_than_a_publish_can_take_is_refused() {
     assert!(s.validate().is_ok());
 }
 
+/// #59 (6f): on a replicated topic an event whose delivery timed out can
+/// still commit once the in-sync set shrinks, so the restore of a lost
+/// Redis waits the brokers' replica lag on top of the message timeout.
+#[test]
+fn the_restore_waits_for_a_late_commit_on_a_replicated_topic() {
+    use std::time::Duration;
+    let mut s = Settings::load_env("test").expect("test settings load");
+    s.kafka.message_timeout_ms = Duration::from_millis(15_000);
+    s.admission.publish_budget_ms = Duration::from_millis(5_000);
+    s.kafka.replica_lag_max_ms = Duration::from_millis(10_000);
+    s.kafka.replication_factor = 1;
+    assert_eq!(
+        s.restore_wait(),
+        Duration::from_secs(20),
+        "one replica commits at once"
+    );
+    s.kafka.replication_factor = 3;
+    assert_eq!(s.restore_wait(), Duration::from_secs(30));
+}
+
 #[test]
 fn a_rush_wait_is_held_between_the_batch_wait_and_five_seconds() {
     use std::time::Duration;
