@@ -15,7 +15,13 @@
 //!   past that position (and past the floor, below). What they see there
 //!   is then at least as new as anything shown before.
 //! - Reads from the replica need no note: there is one replica, and its
-//!   replay position only moves forward.
+//!   replay position only moves forward. A replica seen to go back (rebuilt,
+//!   or another node behind the same address) raises the floor, below, to
+//!   where the old one had replayed.
+//! - A status an order stream pushes, and one a purchase retry answers,
+//!   were read on the primary too, and are noted like any other.
+//! - A note that cannot be written raises the floor instead: every buyer
+//!   reads the primary a moment, rather than one buyer going back.
 //! - An order the replica does not have yet is not "not found": when Redis
 //!   holds its live reservation the answer is PROCESSING (what the buyer
 //!   was told at 202), else the primary is asked (the caller does this).
@@ -23,13 +29,17 @@
 //! The floor (`seen:floor`) covers a Redis that lost its notes (restarted
 //! empty, flushed): the watcher sets it, when it is missing, to the
 //! primary's position at that moment, so no buyer is read from the
-//! replica until it has replayed everything up to the loss.
+//! replica until it has replayed everything up to the loss. A floor above
+//! the primary's own position belongs to another history (a database
+//! restored or made anew), and is set to the primary's position again.
 //!
 //! A watcher samples the replica every [`WATCH_EVERY`] on a connection of
 //! its own: whether it is a standby, how far it has replayed, how far
 //! behind it is. A replica that does not answer, is not a standby, or is
 //! more than `postgres.replica_max_lag_ms` behind is not read from;
-//! readiness shows it.
+//! readiness shows it. A node found promoted is left: the watcher connects
+//! again, so a `replica_url` naming several hosts with
+//! `target_session_attrs=standby` finds the standby that replaced it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -74,6 +84,8 @@ pub struct Replica {
     /// Answering at the last sample.
     answers: AtomicBool,
     note: Script,
+    /// Raises the floor to at least ARGV[1].
+    raise: Script,
 }
 
 /// Where a read goes.
@@ -163,6 +175,11 @@ impl Replica {
                  else redis.call('EXPIRE', KEYS[1], ARGV[2]) end \
                  return 1",
             ),
+            raise: Script::new(
+                "local cur = tonumber(redis.call('GET', KEYS[1]) or '0') \
+                 if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1]) end \
+                 return 1",
+            ),
         }))
     }
 
@@ -211,7 +228,10 @@ impl Replica {
     }
 
     /// Notes `position` (read with [`insert_position`] after what `user`
-    /// was answered from the primary) for `user`, keeping the largest.
+    /// was answered from the primary) for `user`, keeping the largest. A
+    /// note that cannot be written raises the floor to `position` instead,
+    /// here at once and in Redis when it takes it: no buyer is read from
+    /// the replica before it has replayed what this one was shown.
     pub async fn note(&self, user: UserId, position: i64) {
         let written: redis::RedisResult<i64> = self
             .note
@@ -221,7 +241,24 @@ impl Replica {
             .invoke_async(&mut self.notes.clone())
             .await;
         if let Err(e) = written {
-            tracing::warn!(error = %e, "replica reads: a buyer's note was not written");
+            tracing::warn!(error = %e, "replica reads: a buyer's note was not written; the floor is raised");
+            self.raise_floor(position).await;
+        }
+    }
+
+    /// Raises the floor to at least `position`: here at once, and in Redis
+    /// for every instance (best effort: an instance that cannot read the
+    /// floor reads nobody from the replica anyway).
+    async fn raise_floor(&self, position: i64) {
+        self.floor.fetch_max(position, Ordering::AcqRel);
+        let raised: redis::RedisResult<i64> = self
+            .raise
+            .key(self.floor_key())
+            .arg(position)
+            .invoke_async(&mut self.notes.clone())
+            .await;
+        if let Err(e) = raised {
+            tracing::warn!(error = %e, "replica reads: the floor was not raised in Redis");
         }
     }
 
@@ -298,7 +335,9 @@ impl Replica {
                    COALESCE((extract(epoch FROM now() - pg_last_xact_replay_timestamp()) * 1000)::bigint, -1) AS age_ms",
             )
             .get_result::<Standby>(c);
-            if read.is_err() {
+            // A node that failed, or that is no standby any more (promoted),
+            // is left: the next sample connects again.
+            if !matches!(read, Ok(Standby { standby: true, .. })) {
                 *guard = None;
             }
             Ok::<_, anyhow::Error>(read?)
@@ -308,7 +347,16 @@ impl Replica {
         .and_then(|r| r);
         let (answers, usable, lag) = match standby {
             Ok(s) if s.standby => {
-                self.replay.fetch_max(s.replay, Ordering::AcqRel);
+                let before = self.replay.swap(s.replay, Ordering::AcqRel);
+                if let Some(floor) = went_back(before, s.replay) {
+                    tracing::warn!(
+                        before,
+                        now = s.replay,
+                        "replica reads: the replica went back (rebuilt or replaced); \
+                         nobody reads it until it passes where it was"
+                    );
+                    self.raise_floor(floor).await;
+                }
                 // Replayed as far as the primary had written just before:
                 // nothing to wait for, however old its last transaction.
                 let lag = match primary {
@@ -345,10 +393,16 @@ impl Replica {
         self.metrics.replica_lag_ms.set(lag);
     }
 
-    /// Reads the floor, setting it to `position` when Redis has none.
+    /// Reads the floor, setting it to `position` (the primary's now) when
+    /// Redis has none, or when it is above `position`: a floor from
+    /// another history of the database, which would keep every buyer off
+    /// the replica for good.
     async fn keep_floor(&self, position: i64) {
         let script = Script::new(
-            "redis.call('SET', KEYS[1], ARGV[1], 'NX') return redis.call('GET', KEYS[1])",
+            "local f = tonumber(redis.call('GET', KEYS[1]) or '-1') \
+             if f < 0 or f > tonumber(ARGV[1]) then \
+               redis.call('SET', KEYS[1], ARGV[1]) return tonumber(ARGV[1]) end \
+             return f",
         );
         let floor: redis::RedisResult<i64> = script
             .key(self.floor_key())
@@ -363,6 +417,14 @@ impl Replica {
     }
 }
 
+/// The floor a replica's replay position moving from `before` to `now`
+/// calls for: `before` when it went back (the node was rebuilt, or another
+/// one answers at the address), so that nobody is read from it until it
+/// has replayed as far as the one they may have been read from.
+fn went_back(before: i64, now: i64) -> Option<i64> {
+    (now < before).then_some(before)
+}
+
 /// `url` with a connect timeout of 2 s unless it names one: a replica
 /// that stopped (SIGSTOP) must not hold the watcher.
 fn with_connect_timeout(url: &str) -> String {
@@ -375,7 +437,19 @@ fn with_connect_timeout(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::with_connect_timeout;
+    use super::{went_back, with_connect_timeout};
+
+    #[test]
+    fn a_replica_that_went_back_raises_the_floor_to_where_it_was() {
+        assert_eq!(went_back(0, 5_000), None, "the first sample");
+        assert_eq!(went_back(5_000, 5_000), None);
+        assert_eq!(went_back(5_000, 9_000), None);
+        assert_eq!(
+            went_back(9_000, 1_000),
+            Some(9_000),
+            "rebuilt from an older copy"
+        );
+    }
 
     #[test]
     fn a_connect_timeout_is_added_once() {

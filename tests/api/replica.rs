@@ -11,6 +11,7 @@ use futures_util::stream::{self, StreamExt};
 use serde_json::{Value, json};
 
 use crate::helpers::{TestApp, eventually, json, reads_from_the_replica, spawn_app_with};
+use crate::streams::Stream;
 
 /// How far along an order is, as its buyer sees it: PROCESSING, then
 /// WAITING_PAY, then WAITING_PAY with its payment, then PAID.
@@ -242,4 +243,96 @@ async fn a_buyer_read_from_a_replica_3_s_behind_never_loses_an_order_nor_sees_it
         .replica_once("the replica read from again", |r| r["reads"] == "replica")
         .await;
     println!("replica started again: {back}");
+}
+
+/// #59 (5): a status a purchase retry answered, and one an order stream
+/// pushed, were read on the primary like any other, and are noted: the
+/// buyer's next read, at once, is no older, although the replica (3 s
+/// behind) has replayed all they had read before. Without the notes, the
+/// read after the retry finds no row on the replica (PROCESSING), and the
+/// read after the pushed PAID finds WAITING_PAY there.
+#[tokio::test]
+async fn a_status_a_retry_answered_or_a_stream_pushed_is_never_read_back_older() {
+    let app = spawn_app_with(reads_from_the_replica).await;
+    app.replica_once("the replica read from", |r| r["reads"] == "replica")
+        .await;
+    let activity = app.live_activity(10, 1, 4).await;
+    let on_replica = || async {
+        app.metric(&app.reads_from("replica")).await.unwrap_or(0)
+            + app.metric(&app.reads_from("redis")).await.unwrap_or(0)
+    };
+    // Another buyer's reads, until one is answered by the replica: it has
+    // replayed past the floor set when the server started.
+    let (status, body) = app.buy(2, activity).await;
+    assert_eq!(status, 202, "{body}");
+    let other = body["order_no"].as_str().unwrap().to_owned();
+    eventually(
+        "a read answered by the replica",
+        Duration::from_secs(120),
+        || async {
+            let before = on_replica().await;
+            app.read_no_earlier(2, &other, 0).await;
+            (on_replica().await > before).then_some(())
+        },
+    )
+    .await;
+
+    let user = 1;
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let (status, body) = app.buy_as(user, activity, &request_id).await;
+    assert_eq!(status, 202, "{body}");
+    let no = body["order_no"].as_str().unwrap().to_owned();
+    // Written (the other buyer's and this one), as the operator sees it;
+    // this buyer has read nothing yet.
+    eventually("the order written", Duration::from_secs(60), || async {
+        (app.stats(activity).await["orders"]["WAITING_PAY"] == 2).then_some(())
+    })
+    .await;
+    let (status, body) = app.buy_as(user, activity, &request_id).await;
+    assert_eq!(
+        (status, body["status"].as_str()),
+        (200, Some("WAITING_PAY")),
+        "{body}"
+    );
+    app.read_no_earlier(user, &no, 1).await;
+
+    let mut stream = Stream::of(&app, user, &no).await;
+    assert_eq!(stream.status().await, "WAITING_PAY");
+    let payment = app.payment(user, &no).await;
+    assert_eq!(payment["status"], "PENDING", "{payment}");
+    // Read until the replica answers: it has replayed the payment.
+    eventually(
+        "the payment read on the replica",
+        Duration::from_secs(120),
+        || async {
+            let before = app.metric(&app.reads_from("replica")).await.unwrap_or(0);
+            app.read_no_earlier(user, &no, 2).await;
+            let after = app.metric(&app.reads_from("replica")).await.unwrap_or(0);
+            (after > before).then_some(())
+        },
+    )
+    .await;
+    let path = format!(
+        "/api/v1/dev/payments/{}/simulate",
+        payment["payment_no"].as_str().unwrap()
+    );
+    // Sent again until answered 200, as a provider does.
+    eventually(
+        "the payment callback answered",
+        Duration::from_secs(60),
+        || async {
+            let res = app
+                .post_json(
+                    &path,
+                    &json!({"status": "SUCCESS", "times": 1}),
+                    Some(&app.user_token(user)),
+                )
+                .await;
+            assert_eq!(res.status(), 200);
+            (json(res).await["responses"] == json!([200])).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(stream.status().await, "PAID");
+    app.read_no_earlier(user, &no, 3).await;
 }

@@ -9,7 +9,7 @@ use serde_json::json;
 use crate::helpers::{TestApp, eventually, json, spawn_app, spawn_app_with};
 
 /// An open event stream, read event by event.
-struct Stream {
+pub(crate) struct Stream {
     res: reqwest::Response,
     buffer: String,
 }
@@ -24,7 +24,7 @@ impl Stream {
             .unwrap()
     }
 
-    async fn of(app: &TestApp, user_id: i64, order_no: &str) -> Self {
+    pub(crate) async fn of(app: &TestApp, user_id: i64, order_no: &str) -> Self {
         let res = Self::open(app, user_id, order_no).await;
         assert_eq!(res.status(), 200);
         assert_eq!(res.headers()["content-type"], "text/event-stream");
@@ -59,7 +59,7 @@ impl Stream {
     }
 
     /// The next status event's status, within a minute.
-    async fn status(&mut self) -> String {
+    pub(crate) async fn status(&mut self) -> String {
         let (name, data) = tokio::time::timeout(Duration::from_secs(60), self.next())
             .await
             .expect("an event within a minute")

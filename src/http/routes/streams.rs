@@ -128,6 +128,11 @@ pub async fn order_events(
                 && stage(next) > stage(status)
             {
                 status = next;
+                // The change was committed on the primary: the buyer's
+                // next read must not come from a replica behind it.
+                if let Some(replica) = &state.pg.replica {
+                    replica.shown_from_primary(user_id).await;
+                }
                 if tx.send(event(order_no, status)).await.is_err() || status.is_final() {
                     return;
                 }

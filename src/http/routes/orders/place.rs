@@ -233,11 +233,21 @@ async fn current_status(
     order_no: OrderNo,
     user_id: UserId,
 ) -> Result<OrderStatus, ApiError> {
-    let row = store::run(&state.pg.db, move |conn| {
-        Ok(repo::find_for_user(conn, order_no, user_id)?)
+    let note = state.pg.replica.is_some();
+    let (row, position) = store::run(&state.pg.db, move |conn| {
+        let row = repo::find_for_user(conn, order_no, user_id)?;
+        // The buyer is shown this: their next read must not be older.
+        let position = match note {
+            true => Some(crate::replica::insert_position(conn)?),
+            false => None,
+        };
+        Ok((row, position))
     })
     .await
     .map_err(ApiError::unavailable)?;
+    if let (Some(replica), Some(position)) = (&state.pg.replica, position) {
+        replica.note(user_id, position).await;
+    }
     if let Some(order) = row {
         return Ok(order.status);
     }
