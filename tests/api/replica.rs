@@ -110,28 +110,7 @@ impl TestApp {
         // Paying showed the payment: from now on it is always there.
         let shown = self.read_no_earlier(user, &no, shown.max(2)).await;
         reads += 1;
-        // The provider's callback, sent again until it is answered 200, as
-        // a provider does.
-        let path = format!(
-            "/api/v1/dev/payments/{}/simulate",
-            payment["payment_no"].as_str().unwrap()
-        );
-        eventually(
-            "the payment callback answered",
-            Duration::from_secs(60),
-            || async {
-                let res = self
-                    .post_json(
-                        &path,
-                        &json!({"status": "SUCCESS", "times": 1}),
-                        Some(&self.user_token(user)),
-                    )
-                    .await;
-                assert_eq!(res.status(), 200);
-                (json(res).await["responses"] == json!([200])).then_some(())
-            },
-        )
-        .await;
+        self.payment_succeeds(user, &payment).await;
         let (shown, more) = self.read_until(user, &no, shown, 3).await;
         reads += more;
         let listed = eventually("the buyer's list", Duration::from_secs(60), || async {
@@ -153,6 +132,31 @@ impl TestApp {
         assert_eq!(mine["status"], "PAID", "the list went back: {listed}");
         assert_eq!(shown, 3);
         reads + 1
+    }
+
+    /// The provider's callback of `payment` succeeding, sent again until
+    /// it is answered 200, as a provider does.
+    async fn payment_succeeds(&self, user: i64, payment: &Value) {
+        let path = format!(
+            "/api/v1/dev/payments/{}/simulate",
+            payment["payment_no"].as_str().unwrap()
+        );
+        eventually(
+            "the payment callback answered",
+            Duration::from_secs(60),
+            || async {
+                let res = self
+                    .post_json(
+                        &path,
+                        &json!({"status": "SUCCESS", "times": 1}),
+                        Some(&self.user_token(user)),
+                    )
+                    .await;
+                assert_eq!(res.status(), 200);
+                (json(res).await["responses"] == json!([200])).then_some(())
+            },
+        )
+        .await;
     }
 
     fn reads_from(&self, source: &str) -> String {
@@ -312,27 +316,7 @@ async fn a_status_a_retry_answered_or_a_stream_pushed_is_never_read_back_older()
         },
     )
     .await;
-    let path = format!(
-        "/api/v1/dev/payments/{}/simulate",
-        payment["payment_no"].as_str().unwrap()
-    );
-    // Sent again until answered 200, as a provider does.
-    eventually(
-        "the payment callback answered",
-        Duration::from_secs(60),
-        || async {
-            let res = app
-                .post_json(
-                    &path,
-                    &json!({"status": "SUCCESS", "times": 1}),
-                    Some(&app.user_token(user)),
-                )
-                .await;
-            assert_eq!(res.status(), 200);
-            (json(res).await["responses"] == json!([200])).then_some(())
-        },
-    )
-    .await;
+    app.payment_succeeds(user, &payment).await;
     assert_eq!(stream.status().await, "PAID");
     app.read_no_earlier(user, &no, 3).await;
 }
