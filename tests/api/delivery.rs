@@ -92,7 +92,7 @@ async fn an_event_delivered_twice_makes_one_order_and_new_events_beside_a_duplic
         produce(&app, Some(0), &e.event_id, &e.encode()).await;
     }
 
-    app.wait_for_stats(activity, 30, |s| s["orders"]["WAITING_PAY"] == 4)
+    app.wait_for_stats(activity, 60, |s| s["orders"]["WAITING_PAY"] == 4)
         .await;
     // Every copy has been through the consumer: a duplicate would show now.
     app.caught_up("order-creator", "order.requested").await;
@@ -324,14 +324,14 @@ async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_throu
         let e = event(activity, 5, no_for(5, no));
         produce(&app, Some(0), &e.event_id, &e.encode()).await;
     }
-    app.wait_for_stats(activity, 30, |s| {
+    app.wait_for_stats(activity, 60, |s| {
         s["orders"]["WAITING_PAY"].as_i64().unwrap() + s["orders"]["FAILED"].as_i64().unwrap() == 2
     })
     .await;
     let e = event(activity, 5, no_for(5, 8_000_003));
     produce(&app, Some(1), &e.event_id, &e.encode()).await;
     let stats = app
-        .wait_for_stats(activity, 30, |s| s["orders"]["FAILED"] == 2)
+        .wait_for_stats(activity, 60, |s| s["orders"]["FAILED"] == 2)
         .await;
     assert_eq!(stats["orders"]["WAITING_PAY"], 1);
     assert_eq!(stats["db_locked"], 1, "only the first order holds stock");

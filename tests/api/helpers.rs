@@ -623,6 +623,12 @@ impl TestApp {
     }
 
     /// Polls the stats until `done` holds (or panics after `secs`).
+    ///
+    /// Give the order consumers 60 s: on a loaded host one can sit in a
+    /// group join that never completes, and the service rebuilds it only
+    /// after `kafka.consumer_stall_secs` (20 s) without progress, then it
+    /// joins again. A test waiting 30 s failed once on a loaded CI host,
+    /// its message not kept; here these waits take 1–2 s.
     pub async fn wait_for_stats(
         &self,
         activity_id: i64,

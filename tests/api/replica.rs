@@ -34,14 +34,17 @@ struct Lsn {
     lsn: i64,
 }
 
-/// One WAL position read with `sql` on the database at `url`.
-async fn lsn(url: String, sql: &'static str) -> i64 {
+/// One WAL position read with `sql` on the database at `url`, or why not.
+/// A hot standby may cancel even a new session's first reads when the WAL
+/// it replays conflicts with them ("conflict with recovery"): a replica's
+/// caller asks again.
+async fn lsn(url: String, sql: &'static str) -> Result<i64, String> {
     tokio::task::spawn_blocking(move || {
-        let mut conn = PgConnection::establish(&url).expect("connect");
+        let mut conn = PgConnection::establish(&url).map_err(|e| e.to_string())?;
         diesel::sql_query(sql)
             .get_result::<Lsn>(&mut conn)
-            .expect("a WAL position")
-            .lsn
+            .map(|r| r.lsn)
+            .map_err(|e| e.to_string())
     })
     .await
     .unwrap()
@@ -64,7 +67,8 @@ impl TestApp {
             primary,
             "SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint AS lsn",
         )
-        .await;
+        .await
+        .expect("the primary's WAL position");
         eventually(
             "the replica caught up",
             Duration::from_secs(120),
@@ -74,7 +78,13 @@ impl TestApp {
                     "SELECT COALESCE((pg_last_wal_replay_lsn() - '0/0'::pg_lsn)::bigint, 0) AS lsn",
                 )
                 .await;
-                (replayed >= target).then_some(())
+                match replayed {
+                    Ok(replayed) => (replayed >= target).then_some(()),
+                    Err(e) => {
+                        eprintln!("the replica's position unread, asked again: {e}");
+                        None
+                    }
+                }
             },
         )
         .await;

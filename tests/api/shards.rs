@@ -112,7 +112,7 @@ async fn buyers_of_one_shard_buy_the_units_of_every_shard_and_not_one_more() {
     // shard 2, whose shard is empty, borrows it from there.
     let (u, order_no) = &accepted[1];
     assert_eq!(app.cancel(*u, order_no).await.status(), 200);
-    app.wait_for_stats(activity, 30, |s| s["redis_available"] == 1)
+    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 1)
         .await;
     assert_eq!(shard_units(&app, activity, layout).await, vec![1, 0, 0]);
     let late = buyers_of(layout, 2, 1, 1_000)[0];
@@ -285,7 +285,7 @@ async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_an
     // back once.
     assert_eq!(app.cancel(1, &order_nos[0]).await.status(), 200);
     let stats = app
-        .wait_for_stats(activity, 30, |s| s["redis_available"] == 7)
+        .wait_for_stats(activity, 60, |s| s["redis_available"] == 7)
         .await;
     assert_eq!(stats["db_available"], 7);
     let report = reconcile(&app, activity).await;

@@ -140,7 +140,15 @@ async fn a_buyer_accepted_elsewhere_before_the_release_is_heard_here_gets_their_
     flagged(&app, activity, 100).await;
 
     // The unit a release put back, its message not heard here: straight
-    // into the stock bucket, nothing published.
+    // into the stock bucket, nothing published. A real release frees the
+    // unit in the database first, so the database gets it too; without it
+    // buyer 500's order would fail for want of stock and hand the unit
+    // back to Redis, where buyer 501 could take it.
+    app.execute(&format!(
+        "UPDATE stock SET total = total + 1, available = available + 1 \
+         WHERE activity_id = {activity}"
+    ))
+    .await;
     let prefix = &app.settings.redis.key_prefix;
     let _: i64 = redis::cmd("INCRBY")
         .arg(format!("{prefix}{{a:{activity}}}:stock:0"))
@@ -180,5 +188,10 @@ async fn a_buyer_accepted_elsewhere_before_the_release_is_heard_here_gets_their_
     assert_eq!(status, 202, "{replay}");
     assert_eq!(replay["order_no"], order_no.to_string());
     let (status, body) = app.buy(501, activity).await;
+    assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
+    // Buyer 500's order stands on the unit; nothing went back.
+    app.wait_for_stats(activity, 60, |s| s["orders"]["WAITING_PAY"] == 2)
+        .await;
+    let (status, body) = app.buy(502, activity).await;
     assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
 }
