@@ -2,6 +2,7 @@
 //! and the single mapping from errors to the API's JSON error shape.
 
 pub mod auth;
+pub mod cache;
 pub mod error;
 pub mod openapi;
 pub mod routes;

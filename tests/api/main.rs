@@ -3,6 +3,7 @@
 //! prefix and Kafka topic prefix, so they run in parallel.
 
 mod blackhole;
+mod caching;
 mod cleanup;
 mod console;
 mod coupons;

@@ -1,6 +1,6 @@
 //! Activity routes: create, warm up, stats (admin); public view; purchase token.
 
-use actix_web::{HttpResponse, web};
+use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -11,6 +11,7 @@ use crate::activities::{Activity, Lifecycle};
 use crate::admission::Layout;
 use crate::domain::ActivityId;
 use crate::http::auth::{AdminUser, AuthUser};
+use crate::http::cache;
 use crate::http::error::{ApiError, ErrorCode, Problem};
 use crate::room::{RoomOptions, RoomSettingsView};
 use crate::state::AppState;
@@ -344,12 +345,14 @@ pub struct Warmed {
 #[utoipa::path(get, path = "/api/v1/activities/{id}", tag = "activities",
     params(("id" = i64, Path, description = "activity id")),
     responses(
-        (status = 200, description = "the activity with remaining (Redis) units", body = ActivityView),
+        (status = 200, description = "the activity with remaining (Redis) units; Cache-Control public, max-age=2, and an ETag", body = ActivityView),
+        (status = 304, description = "unchanged since the ETag given in If-None-Match"),
         (status = 400, description = "BAD_REQUEST: a malformed body, path or query", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "NOT_FOUND", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "RETRY_LATER: a backing service is unavailable", body = Problem, content_type = "application/problem+json"),
     ))]
 pub async fn show(
+    req: HttpRequest,
     state: web::Data<AppState>,
     path: web::Path<ActivityId>,
 ) -> Result<HttpResponse, ApiError> {
@@ -371,7 +374,18 @@ pub async fn show(
     };
     let mut body = view(&activity, stock.total, state.clock.now());
     body.remaining = Some(remaining(&state, &activity).await?);
-    Ok(HttpResponse::Ok().json(with_room(&state, &activity, body).await?))
+    // The same for every caller: a CDN may keep it a moment (http::cache).
+    let body = serde_json::to_vec(&with_room(&state, &activity, body).await?)
+        .map_err(|e| ApiError::unexpected(e.into()))?;
+    let etag = cache::etag(&body);
+    Ok(cache::respond(
+        &req,
+        cache::LIVE_VIEW,
+        &etag,
+        "application/json",
+        body,
+        |_| {},
+    ))
 }
 
 /// `POST /api/v1/admin/activities/{id}/end`: ends the sale now. The window

@@ -161,7 +161,8 @@ pub(super) fn stream_slot(
         })
 }
 
-/// A Server-Sent Events answer of what `rx` is sent, unbuffered by proxies.
+/// A Server-Sent Events answer of what `rx` is sent, neither stored nor
+/// buffered by proxies.
 pub(super) fn event_stream(mut rx: mpsc::Receiver<Bytes>) -> HttpResponse {
     let body = futures_util::stream::poll_fn(move |cx| {
         rx.poll_recv(cx)
@@ -169,7 +170,7 @@ pub(super) fn event_stream(mut rx: mpsc::Receiver<Bytes>) -> HttpResponse {
     });
     HttpResponse::Ok()
         .content_type("text/event-stream")
-        .insert_header((header::CACHE_CONTROL, "no-cache"))
+        .insert_header((header::CACHE_CONTROL, crate::http::cache::DEFAULT))
         .insert_header(("X-Accel-Buffering", "no"))
         .streaming(body)
 }
