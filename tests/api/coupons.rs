@@ -254,7 +254,7 @@ async fn an_order_with_a_coupon_is_discounted_locks_it_uses_it_on_pay_and_a_seco
     assert_eq!((taken, refused), (202, 400), "{holder} {why}");
     assert_eq!(why["code"], "COUPON_INVALID", "{why}");
     let stats = app
-        .wait_for_stats(activity, 60, |s| {
+        .wait_for_stats(activity, |s| {
             s["reservations_open"] == 0 && s["orders"]["WAITING_PAY"] == 1
         })
         .await;
@@ -383,7 +383,7 @@ async fn cancel_and_timeout_each_return_the_coupon_exactly_once() {
 
     // The returned coupon works again (once Redis has the unit and the
     // user's limit back, through stock.released).
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 10)
+    app.wait_for_stats(activity, |s| s["redis_available"] == 10)
         .await;
     let (status, body) = buy_with_coupon(&app, 1, activity, coupon, "again").await;
     assert_eq!(status, 202, "{body}");
@@ -393,7 +393,7 @@ async fn cancel_and_timeout_each_return_the_coupon_exactly_once() {
     let (status, body) = buy_with_coupon(&app, 2, slow, coupon, "t").await;
     assert_eq!(status, 202, "{body}");
     let stats = app
-        .wait_for_stats(slow, 60, |s| s["orders"]["CLOSED"] == 1)
+        .wait_for_stats(slow, |s| s["orders"]["CLOSED"] == 1)
         .await;
     assert_eq!(stats["db_locked"], 0);
     assert_eq!(
@@ -640,7 +640,7 @@ async fn a_coupon_used_before_its_claim_is_written_backs_the_order() {
     let (status, order) = buy_with_coupon(&app, 1, activity, coupon, "o1").await;
     assert_eq!(status, 202, "{order}");
     let stats = app
-        .wait_for_stats(activity, 60, |s| {
+        .wait_for_stats(activity, |s| {
             // The order counted too: the figures are read one after
             // another, the database's before Redis's, so a batch committed
             // between the two shows neither its reservation nor its row.
@@ -701,7 +701,7 @@ async fn a_coupon_valid_at_the_purchase_backs_an_order_written_after_it_expired(
     .await;
     let _consumer = app.sibling(|s| s.orders.consumer_enabled = true).await;
     let stats = app
-        .wait_for_stats(activity, 60, |s| {
+        .wait_for_stats(activity, |s| {
             // The order counted too: the figures are read one after
             // another, the database's before Redis's, so a batch committed
             // between the two shows neither its reservation nor its row.
@@ -768,7 +768,7 @@ async fn a_lost_batch_waits_for_the_orders_that_hold_its_coupons() {
         "{answer}"
     );
     let stats = app
-        .wait_for_stats(first, 60, |s| s["orders"]["WAITING_PAY"] == 1)
+        .wait_for_stats(first, |s| s["orders"]["WAITING_PAY"] == 1)
         .await;
     assert_eq!(stats["orders"]["FAILED"], 0, "{stats}");
 }
@@ -807,7 +807,7 @@ async fn a_hold_for_an_order_that_never_was_is_freed() {
         }
     })
     .await;
-    app.wait_for_stats(activity, 60, |s| s["orders"]["WAITING_PAY"] == 1)
+    app.wait_for_stats(activity, |s| s["orders"]["WAITING_PAY"] == 1)
         .await;
     let held: Vec<serde_json::Value> = mine(&app, 1).await;
     assert_eq!(held[0]["order_no"], order["order_no"], "{held:?}");

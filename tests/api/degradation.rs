@@ -396,7 +396,7 @@ async fn a_consumer_process_killed_with_sigkill_mid_stream_loses_and_duplicates_
     assert!(results.iter().all(|(s, _)| *s == 202));
 
     let mut first = consumer_process(&app);
-    app.wait_for_stats(activity, 60, |s| {
+    app.wait_for_stats(activity, |s| {
         s["orders"]["WAITING_PAY"].as_i64().unwrap() >= 20
     })
     .await;

@@ -92,7 +92,7 @@ async fn an_event_delivered_twice_makes_one_order_and_new_events_beside_a_duplic
         produce(&app, Some(0), &e.event_id, &e.encode()).await;
     }
 
-    app.wait_for_stats(activity, 60, |s| s["orders"]["WAITING_PAY"] == 4)
+    app.wait_for_stats(activity, |s| s["orders"]["WAITING_PAY"] == 4)
         .await;
     // Every copy has been through the consumer: a duplicate would show now.
     app.caught_up("order-creator", "order.requested").await;
@@ -205,7 +205,7 @@ async fn a_consumer_killed_mid_stream_and_restarted_creates_every_order_exactly_
     assert!(results.iter().all(|(s, _)| *s == 202));
 
     let first = consumer::spawn(ConsumerDeps::connect(app.settings.clone()).unwrap()).unwrap();
-    app.wait_for_stats(activity, 60, |s| {
+    app.wait_for_stats(activity, |s| {
         s["orders"]["WAITING_PAY"].as_i64().unwrap() >= 30
     })
     .await;
@@ -324,14 +324,14 @@ async fn the_database_holds_the_per_user_limit_even_when_redis_lets_orders_throu
         let e = event(activity, 5, no_for(5, no));
         produce(&app, Some(0), &e.event_id, &e.encode()).await;
     }
-    app.wait_for_stats(activity, 60, |s| {
+    app.wait_for_stats(activity, |s| {
         s["orders"]["WAITING_PAY"].as_i64().unwrap() + s["orders"]["FAILED"].as_i64().unwrap() == 2
     })
     .await;
     let e = event(activity, 5, no_for(5, 8_000_003));
     produce(&app, Some(1), &e.event_id, &e.encode()).await;
     let stats = app
-        .wait_for_stats(activity, 60, |s| s["orders"]["FAILED"] == 2)
+        .wait_for_stats(activity, |s| s["orders"]["FAILED"] == 2)
         .await;
     assert_eq!(stats["orders"]["WAITING_PAY"], 1);
     assert_eq!(stats["db_locked"], 1, "only the first order holds stock");
@@ -515,7 +515,7 @@ async fn an_order_event_the_database_refuses_is_dead_lettered_and_voids_its_rese
     // The consumer records FAILED in the database, then releases in Redis:
     // wait for both before looking at the unit.
     let stats = app
-        .wait_for_stats(activity, 60, |s| {
+        .wait_for_stats(activity, |s| {
             s["orders"]["FAILED"] == 1 && s["reservations_open"] == 0
         })
         .await;

@@ -359,6 +359,13 @@ pub struct Window {
     pub end: i64,
 }
 
+/// How long the stats are given to settle. The order consumers need it:
+/// on a loaded host one can sit in a group join that never completes, and
+/// the service rebuilds it only after `kafka.consumer_stall_secs` (20 s)
+/// without progress, then it joins again. A test waiting 30 s failed once
+/// on a loaded CI host, its message not kept; here these waits take 1–2 s.
+pub const SETTLE_SECS: u64 = 60;
+
 /// Open now, for an hour.
 pub const OPEN: Window = Window {
     start: -60,
@@ -622,22 +629,16 @@ impl TestApp {
         body
     }
 
-    /// Polls the stats until `done` holds (or panics after `secs`).
-    ///
-    /// Give the order consumers 60 s: on a loaded host one can sit in a
-    /// group join that never completes, and the service rebuilds it only
-    /// after `kafka.consumer_stall_secs` (20 s) without progress, then it
-    /// joins again. A test waiting 30 s failed once on a loaded CI host,
-    /// its message not kept; here these waits take 1–2 s.
+    /// Polls the stats until `done` holds (or panics after
+    /// [`SETTLE_SECS`]).
     pub async fn wait_for_stats(
         &self,
         activity_id: i64,
-        secs: u64,
         done: impl Fn(&serde_json::Value) -> bool,
     ) -> serde_json::Value {
-        self.poll_stats(activity_id, secs, done)
+        self.poll_stats(activity_id, SETTLE_SECS, done)
             .await
-            .unwrap_or_else(|stats| panic!("stats did not settle in {secs}s: {stats}"))
+            .unwrap_or_else(|stats| panic!("stats did not settle in {SETTLE_SECS}s: {stats}"))
     }
 
     /// The stats once `done` holds, or the last ones after `secs`.
@@ -667,7 +668,7 @@ impl TestApp {
         let done = |s: &serde_json::Value| {
             s["reservations_open"] == 0 && s["orders"]["WAITING_PAY"] == waiting
         };
-        match self.poll_stats(activity_id, 60, done).await {
+        match self.poll_stats(activity_id, SETTLE_SECS, done).await {
             Ok(stats) => stats,
             Err(stats) => {
                 let settings = self.settings.clone();
@@ -855,7 +856,7 @@ impl TestApp {
         }
         // Created, whatever came next: with a pay window of seconds, on a
         // slow host the first orders may close before the last are created.
-        self.wait_for_stats(activity_id, 60, |s| {
+        self.wait_for_stats(activity_id, |s| {
             let created: i64 = ["WAITING_PAY", "PAID", "CLOSED", "CANCELLED"]
                 .iter()
                 .filter_map(|k| s["orders"][k].as_i64())

@@ -246,7 +246,7 @@ async fn an_api_only_server_and_a_consume_worker_cover_orders_stock_releases_and
     let number = body["order_no"].as_str().unwrap();
     assert_eq!(app.cancel(1, number).await.status(), 200);
     let stats = app
-        .wait_for_stats(activity, 60, |s| {
+        .wait_for_stats(activity, |s| {
             s["redis_available"] == 5 && s["reservations_open"] == 0
         })
         .await;

@@ -95,7 +95,7 @@ async fn with_the_broker_down_released_stock_waits_in_the_outbox_and_is_applied_
     // The broker is reachable again.
     let live_relay = relay::spawn(AppState::connect(app.settings.clone()).unwrap().relay());
     let stats = app
-        .wait_for_stats(activity, 60, |s| s["redis_available"] == 10)
+        .wait_for_stats(activity, |s| s["redis_available"] == 10)
         .await;
     live_relay.stop().await;
     assert_eq!(outbox_count(&app, "SENT").await, 5);
@@ -120,7 +120,7 @@ async fn two_relays_at_once_publish_every_event_and_redis_releases_each_once() {
     let a = relay::spawn(AppState::connect(app.settings.clone()).unwrap().relay());
     let b = relay::spawn(AppState::connect(app.settings.clone()).unwrap().relay());
     let stats = app
-        .wait_for_stats(activity, 60, |s| s["redis_available"] == 20)
+        .wait_for_stats(activity, |s| s["redis_available"] == 20)
         .await;
     a.stop().await;
     b.stop().await;
@@ -194,7 +194,7 @@ async fn dead_rows_are_listed_and_an_operator_command_puts_them_back_to_be_publi
     // A relay publishes them, and Redis gets the units back once.
     let relay = relay::spawn(AppState::connect(app.settings.clone()).unwrap().relay());
     let stats = app
-        .wait_for_stats(activity, 60, |s| s["redis_available"] == 10)
+        .wait_for_stats(activity, |s| s["redis_available"] == 10)
         .await;
     relay.stop().await;
     assert_eq!(outbox_count(&app, "SENT").await, 3);

@@ -113,7 +113,7 @@ async fn the_backlog_of_a_paced_consumer_turns_purchases_busy_and_back() {
     // (the stats read the database first, then Redis: wait for the two to
     // agree, the paced consumer still writing its last batches).
     let stats = app
-        .wait_for_stats(activity, 60, |s| {
+        .wait_for_stats(activity, |s| {
             s["reservations_open"] == 0
                 && s["orders"]["WAITING_PAY"].as_i64().unwrap_or(0)
                     + s["redis_available"].as_i64().unwrap_or(0)

@@ -198,7 +198,7 @@ async fn ten_concurrent_cancels_release_the_unit_once_and_someone_else_can_buy_i
     );
 
     let stats = app
-        .wait_for_stats(activity, 60, |s| s["redis_available"] == 1)
+        .wait_for_stats(activity, |s| s["redis_available"] == 1)
         .await;
     assert_eq!(stats["db_available"], 1);
     assert_eq!(stats["db_locked"], 0);
@@ -287,7 +287,7 @@ async fn pay_racing_the_timeout_ends_each_order_paid_or_closed_and_conserves_sto
     assert!(results.iter().all(|s| *s == 200), "{results:?}");
 
     let stats = app
-        .wait_for_stats(activity, 60, |s| {
+        .wait_for_stats(activity, |s| {
             s["db_locked"] == 0 && s["redis_available"] == s["db_available"]
         })
         .await;
@@ -383,7 +383,7 @@ async fn a_cancel_restores_redis_stock_once_even_when_redis_lost_the_reservation
     assert_eq!(app.stats(activity).await["redis_available"], 2);
 
     assert_eq!(app.cancel(*user, order_no).await.status(), 200);
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 3)
+    app.wait_for_stats(activity, |s| s["redis_available"] == 3)
         .await;
     app.caught_up("stock-releaser", "stock.released").await;
     let stats = app.stats(activity).await;

@@ -168,7 +168,7 @@ async fn an_orphan_is_voided_within_the_publish_window_once_the_consumers_have_c
 
     let deps = seckill::orders::consumer::ConsumerDeps::connect(app.settings.clone()).unwrap();
     let consumer = seckill::orders::consumer::spawn(deps).unwrap();
-    app.wait_for_stats(activity, 60, |s| s["orders"]["WAITING_PAY"] == 1)
+    app.wait_for_stats(activity, |s| s["orders"]["WAITING_PAY"] == 1)
         .await;
     // Offsets are committed a moment after the batch: ask until they are.
     let voided = reconcile_until_repaired(&app, activity).await;
@@ -467,7 +467,7 @@ async fn reconciling_while_buyers_cancel_finds_no_drift_and_takes_no_unit_away()
     let all = reconcile(&app).await;
     for (activity, _) in &sales {
         let stats = app
-            .wait_for_stats(*activity, 60, |s| s["redis_available"] == BUYERS)
+            .wait_for_stats(*activity, |s| s["redis_available"] == BUYERS)
             .await;
         assert_eq!(stats["db_available"], BUYERS);
         assert_eq!(report(&all, *activity)["consistent"], true, "{all}");
@@ -497,7 +497,7 @@ pub async fn repair_across_a_cancel_and_a_purchase(
     assert_eq!(before["db_available"], mark.available, "{before}");
 
     assert_eq!(app.cancel(canceller, order).await.status(), 200);
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == mark.available + 1)
+    app.wait_for_stats(activity, |s| s["redis_available"] == mark.available + 1)
         .await;
     let snapshot = app.stats(activity).await["db_available"].as_i64().unwrap();
     assert_eq!(snapshot, mark.available + 1);
@@ -603,7 +603,7 @@ async fn after_the_end_and_once_every_order_is_settled_the_activitys_redis_keys_
 
     let (user, order_no) = &orders[0];
     assert_eq!(app.cancel(*user, order_no).await.status(), 200);
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 5)
+    app.wait_for_stats(activity, |s| s["redis_available"] == 5)
         .await;
     // The releaser can apply the release before the outbox relay has
     // committed its row SENT, and an unsent release keeps the keys: the
@@ -834,7 +834,7 @@ async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_
     let order_nos = app.buy_as_r_user(activity, 1..=5).await;
     app.drained(activity, 5).await;
     assert_eq!(app.cancel(1, &order_nos[0]).await.status(), 200);
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 16)
+    app.wait_for_stats(activity, |s| s["redis_available"] == 16)
         .await;
 
     // Redis loses everything of the activity. The server's reconciler is
@@ -883,7 +883,7 @@ async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_
     lease.end_lease("reconcile", "another").await.unwrap();
 
     // Restored by itself: the database's stock, replays and limits.
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 16)
+    app.wait_for_stats(activity, |s| s["redis_available"] == 16)
         .await;
     // Retried as a client retries a 503: for a moment after the loss the
     // instance may still be taking its order-number lease back, or read the
@@ -909,7 +909,7 @@ async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_
     assert_eq!(stats["db_locked"], 6);
     // A later cancel gives its unit back once.
     assert_eq!(app.cancel(2, &order_nos[1]).await.status(), 200);
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 15)
+    app.wait_for_stats(activity, |s| s["redis_available"] == 15)
         .await;
     let r = report(&reconcile(&app).await, activity);
     assert_eq!(r["consistent"], true, "{r}");

@@ -112,7 +112,7 @@ async fn buyers_of_one_shard_buy_the_units_of_every_shard_and_not_one_more() {
     // shard 2, whose shard is empty, borrows it from there.
     let (u, order_no) = &accepted[1];
     assert_eq!(app.cancel(*u, order_no).await.status(), 200);
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 1)
+    app.wait_for_stats(activity, |s| s["redis_available"] == 1)
         .await;
     assert_eq!(shard_units(&app, activity, layout).await, vec![1, 0, 0]);
     let late = buyers_of(layout, 2, 1, 1_000)[0];
@@ -254,7 +254,7 @@ async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_an
 
     // Restored by itself, into the right shards: replays and limits hold
     // for buyers of every shard.
-    app.wait_for_stats(activity, 60, |s| s["redis_available"] == 6)
+    app.wait_for_stats(activity, |s| s["redis_available"] == 6)
         .await;
     // The restore moves the sale through RESTORING and back; an instance
     // that read the modes in between answers 503 "retry shortly" until its
@@ -285,7 +285,7 @@ async fn a_sharded_activity_redis_lost_is_restored_into_the_shards_its_buyers_an
     // back once.
     assert_eq!(app.cancel(1, &order_nos[0]).await.status(), 200);
     let stats = app
-        .wait_for_stats(activity, 60, |s| s["redis_available"] == 7)
+        .wait_for_stats(activity, |s| s["redis_available"] == 7)
         .await;
     assert_eq!(stats["db_available"], 7);
     let report = reconcile(&app, activity).await;
@@ -336,7 +336,7 @@ async fn a_sharded_activity_that_lost_one_shard_is_restored_and_that_shards_buye
         assert_eq!(replay["order_no"], order_nos[user as usize - 1].as_str());
     }
     let stats = app
-        .wait_for_stats(activity, 60, |s| {
+        .wait_for_stats(activity, |s| {
             s["reservations_open"] == 0 && s["redis_available"] == s["db_available"]
         })
         .await;

@@ -190,7 +190,7 @@ async fn a_buyer_accepted_elsewhere_before_the_release_is_heard_here_gets_their_
     let (status, body) = app.buy(501, activity).await;
     assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
     // Buyer 500's order stands on the unit; nothing went back.
-    app.wait_for_stats(activity, 60, |s| s["orders"]["WAITING_PAY"] == 2)
+    app.wait_for_stats(activity, |s| s["orders"]["WAITING_PAY"] == 2)
         .await;
     let (status, body) = app.buy(502, activity).await;
     assert_eq!((status, body["code"].as_str()), (409, Some("SOLD_OUT")));
