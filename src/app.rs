@@ -280,11 +280,6 @@ impl Application {
                 .configure(http::routes::configure)
                 .default_service(web::to(http::routes::not_found))
                 .wrap(http::error_handlers())
-                // What sets no caching policy of its own is never stored.
-                .wrap(
-                    actix_web::middleware::DefaultHeaders::new()
-                        .add((actix_web::http::header::CACHE_CONTROL, http::cache::DEFAULT)),
-                )
                 .wrap_fn(move |req, srv| http::observe(req, srv, metrics.clone()))
         })
         .shutdown_timeout(shutdown)

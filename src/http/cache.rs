@@ -2,7 +2,7 @@
 //! view and the console's files. They carry `Cache-Control` and an `ETag`,
 //! and a conditional GET naming the current `ETag` is answered 304, so a
 //! CDN in front can keep browsing traffic off the trading path. Every other
-//! answer is `no-store` ([`DEFAULT`], set for the whole app), so a CDN
+//! answer is `no-store` ([`DEFAULT`], which `http::observe` sets), so a CDN
 //! never keeps a purchase, an order or a token.
 
 use actix_web::http::header::{self, HeaderValue};

@@ -10,7 +10,7 @@ pub mod routes;
 use std::time::Instant;
 
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
-use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::http::header::{CACHE_CONTROL, HeaderName, HeaderValue};
 use actix_web::middleware::ErrorHandlers;
 use actix_web::{HttpMessage, web};
 use tracing::Instrument;
@@ -48,7 +48,8 @@ pub fn error_handlers<B: actix_web::body::MessageBody + 'static>() -> ErrorHandl
         .default_handler_server(error::render_error)
 }
 
-/// Request id, tracing span and HTTP metrics around every request.
+/// Request id, tracing span, HTTP metrics and the default caching policy
+/// around every request.
 pub fn observe<S, B>(
     req: ServiceRequest,
     srv: &S,
@@ -92,8 +93,13 @@ where
             .http_requests
             .with_label_values(&[route, method, res.status().as_str()])
             .inc();
+        let headers = res.headers_mut();
         if let Ok(value) = HeaderValue::from_str(&request_id) {
-            res.headers_mut().insert(REQUEST_ID, value);
+            headers.insert(REQUEST_ID, value);
+        }
+        // What sets no caching policy of its own is never stored (`cache`).
+        if !headers.contains_key(CACHE_CONTROL) {
+            headers.insert(CACHE_CONTROL, HeaderValue::from_static(cache::DEFAULT));
         }
         Ok(res)
     }

@@ -3,6 +3,7 @@
 //! fetched from elsewhere). The pages call the public API like any client.
 
 use actix_web::http::header;
+use actix_web::web::Bytes;
 use actix_web::{HttpRequest, HttpResponse, web};
 
 use crate::http::cache;
@@ -39,10 +40,27 @@ const ASSETS: &[&str] = &["console.js", "console.css"];
 struct File {
     name: &'static str,
     media_type: &'static str,
-    content: String,
+    /// Shared with every answer, never copied.
+    content: Bytes,
     etag: String,
-    /// The `v` a page names it by (assets only).
+    /// The `v` a page names it by (assets only): its ETag, unquoted.
     version: Option<String>,
+}
+
+impl File {
+    fn new(name: &'static str, media_type: &'static str, content: String) -> Self {
+        let etag = cache::etag(content.as_bytes());
+        let version = ASSETS
+            .contains(&name)
+            .then(|| etag.trim_matches('"').to_owned());
+        Self {
+            name,
+            media_type,
+            content: Bytes::from(content),
+            etag,
+            version,
+        }
+    }
 }
 
 /// The files as served, made once: each page names the script and style
@@ -51,32 +69,29 @@ struct File {
 fn files() -> &'static [File] {
     static FILES: std::sync::OnceLock<Vec<File>> = std::sync::OnceLock::new();
     FILES.get_or_init(|| {
-        let version = |content: &str| cache::etag(content.as_bytes()).trim_matches('"').to_owned();
-        let versions: Vec<(&str, String)> = SOURCES
+        let (assets, pages): (Vec<_>, Vec<_>) = SOURCES
             .iter()
-            .filter(|(name, _, _)| ASSETS.contains(name))
-            .map(|(name, _, content)| (*name, version(content)))
+            .partition(|(name, _, _)| ASSETS.contains(name));
+        let mut files: Vec<File> = assets
+            .into_iter()
+            .map(|&(name, media_type, source)| File::new(name, media_type, source.to_owned()))
             .collect();
-        SOURCES
+        let named: Vec<(String, String)> = files
             .iter()
-            .map(|&(name, media_type, source)| {
-                let mut content = source.to_owned();
-                for (asset, v) in &versions {
-                    content =
-                        content.replace(&format!("\"{asset}\""), &format!("\"{asset}?v={v}\""));
-                }
-                File {
-                    name,
-                    media_type,
-                    etag: cache::etag(content.as_bytes()),
-                    version: versions
-                        .iter()
-                        .find(|(a, _)| *a == name)
-                        .map(|(_, v)| v.clone()),
-                    content,
-                }
+            .filter_map(|f| {
+                let v = f.version.as_ref()?;
+                Some((format!("\"{}\"", f.name), format!("\"{}?v={v}\"", f.name)))
             })
-            .collect()
+            .collect();
+        for &(name, media_type, source) in pages {
+            let content = named
+                .iter()
+                .fold(source.to_owned(), |page, (plain, versioned)| {
+                    page.replace(plain, versioned)
+                });
+            files.push(File::new(name, media_type, content));
+        }
+        files
     })
 }
 
@@ -119,7 +134,7 @@ pub async fn file(req: HttpRequest, path: web::Path<String>) -> Result<HttpRespo
         policy,
         &file.etag,
         file.media_type,
-        file.content.clone(),
+        file.content.clone(), // a reference count, not a copy
         |res| {
             // The pages run only their own script and talk only to this server.
             res.insert_header((
