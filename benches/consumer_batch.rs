@@ -4,7 +4,7 @@
 //! 500. Uses a scratch database `seckill_criterion`, recreated each run.
 //! Skips (with a message) when PostgreSQL does not answer.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -89,7 +89,7 @@ fn batch(c: &mut Criterion) {
         },
     )]);
     let ids = Snowflake::new(9);
-    let none = HashSet::new();
+    let none = repo::Marks::default();
     let mut group = c.benchmark_group("order batch transaction");
     for size in [1usize, 10, 100, 500] {
         group.throughput(Throughput::Elements(size as u64));
@@ -108,7 +108,7 @@ fn apply(
     conn: &mut PgConn,
     evs: &[OrderRequested],
     terms: &HashMap<ActivityId, ActivityTerms>,
-    none: &HashSet<i64>,
+    none: &repo::Marks,
 ) {
     let out =
         repo::apply_batch(conn, "bench", evs, terms, none, chrono::Utc::now()).expect("batch");

@@ -192,6 +192,76 @@ pub fn switch_admission(
     })
 }
 
+/// The advisory lock class of restore fences: an order batch holds its
+/// activities' fences shared until it commits, a restore takes one
+/// exclusively to move it.
+const RESTORE_FENCE_LOCK: i32 = 0x5EC1;
+
+/// Starts a restore of the activity from the database: admission moves
+/// from `from` to RESTORING (false if it was not in one of them), and the
+/// restore fence to `lost_at_ms` when that is later. Every order batch
+/// that could have read the old fence has committed by then (each holds
+/// the fence shared until it commits), so the restore's snapshot, taken
+/// after this, holds their orders; every later batch reads the new fence
+/// ([`restore_fences`]).
+pub fn begin_restore(
+    conn: &mut PgConn,
+    id: ActivityId,
+    from: &[Mode],
+    lost_at_ms: i64,
+) -> QueryResult<bool> {
+    conn.transaction(|conn| {
+        diesel::sql_query("SELECT pg_advisory_xact_lock($1, ($2 % 2147483647)::int4)")
+            .bind::<diesel::sql_types::Integer, _>(RESTORE_FENCE_LOCK)
+            .bind::<BigInt, _>(id.get())
+            .execute(conn)?;
+        let switched = switch_admission(conn, id, from, Mode::Restoring)?;
+        diesel::sql_query(
+            "UPDATE activities SET restore_fence_ms = GREATEST(restore_fence_ms, $2) WHERE id = $1",
+        )
+        .bind::<BigInt, _>(id.get())
+        .bind::<BigInt, _>(lost_at_ms)
+        .execute(conn)?;
+        Ok(switched)
+    })
+}
+
+#[derive(QueryableByName)]
+struct Fence {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = BigInt)]
+    restore_fence_ms: i64,
+}
+
+/// Each activity's restore fence (unix ms; 0 if never restored), held
+/// shared until the caller's transaction ends, so no restore moves it
+/// meanwhile. A reservation made before it, and unknown to Redis, was lost
+/// with Redis and not counted by the restore ([`begin_restore`]).
+pub fn restore_fences(
+    conn: &mut PgConn,
+    ids: &[ActivityId],
+) -> QueryResult<std::collections::HashMap<ActivityId, i64>> {
+    let mut ids: Vec<i64> = ids.iter().map(|a| a.get()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    diesel::sql_query(
+        "SELECT pg_advisory_xact_lock_shared($1, (a % 2147483647)::int4) \
+         FROM unnest($2::bigint[]) AS t(a) ORDER BY a",
+    )
+    .bind::<diesel::sql_types::Integer, _>(RESTORE_FENCE_LOCK)
+    .bind::<diesel::sql_types::Array<BigInt>, _>(&ids)
+    .execute(conn)?;
+    let rows: Vec<Fence> =
+        diesel::sql_query("SELECT id, restore_fence_ms FROM activities WHERE id = ANY($1)")
+            .bind::<diesel::sql_types::Array<BigInt>, _>(&ids)
+            .load(conn)?;
+    Ok(rows
+        .into_iter()
+        .map(|f| (ActivityId::new(f.id), f.restore_fence_ms))
+        .collect())
+}
+
 /// Records that an ended activity's Redis keys are gone.
 pub fn mark_ended(conn: &mut PgConn, id: ActivityId) -> QueryResult<()> {
     diesel::update(activities::table.find(id))

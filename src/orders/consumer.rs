@@ -316,35 +316,46 @@ async fn apply(deps: &ConsumerDeps, events: &[OrderRequested]) -> anyhow::Result
         Ok(repo::activity_terms(conn, &activity_ids)?)
     })
     .await?;
-    let released = match released_reservations(&deps.gate, &terms, events).await {
-        Ok(released) => released,
+    let marks = match reservation_marks(&deps.gate, &terms, events).await {
+        Ok(marks) => marks,
         Err(e) if unreachable(&e) => {
             // A reservation is released before its event is applied only
             // when its FAILED row is written first (voids) or librdkafka
             // said the event was never sent: the rows decide without it.
             tracing::warn!(error = %e, "Redis unreachable: order batch written without its reservation marks");
-            HashSet::new()
+            repo::Marks::default()
         }
         Err(e) => return Err(e.into()),
     };
     let db_started = std::time::Instant::now();
     let owned = events.to_vec();
     let (mut outcome, terms) = store::run(&deps.db, move |conn| {
-        let outcome = repo::apply_batch(conn, CONSUMER, &owned, &terms, &released, Utc::now())?;
+        let outcome = repo::apply_batch(conn, CONSUMER, &owned, &terms, &marks, Utc::now())?;
         Ok((outcome, terms))
     })
     .await?;
+    if !outcome.lost.is_empty() {
+        deps.metrics
+            .consumer_events
+            .with_label_values(&["lost_with_redis"])
+            .inc_by(outcome.lost.len() as u64);
+        tracing::warn!(
+            order_nos = ?outcome.lost,
+            "order events of reservations Redis lost before the restore: no orders made \
+             (their purchases were never accepted, and the restore did not count them)"
+        );
+    }
     let statuses = std::mem::take(&mut outcome.statuses);
     let db = db_started.elapsed();
 
     // Reservations follow the rows: kept for live orders, released for
     // FAILED ones and for events that produced no row.
     let mut commit: HashMap<ActivityId, Vec<i64>> = HashMap::new();
-    for (_, e) in events
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| !outcome.conflicts.contains(i))
-    {
+    // Nothing of a lost reservation is left in Redis to mark, unless a
+    // release would hand out a unit the restore never counted.
+    for (_, e) in events.iter().enumerate().filter(|(i, e)| {
+        !outcome.conflicts.contains(i) && !outcome.lost.contains(&e.order_no.get())
+    }) {
         let order_no = e.order_no.get();
         let layout = layout_of(&terms, e.activity_id);
         match statuses.get(&order_no) {
@@ -406,12 +417,13 @@ fn layout_of(terms: &HashMap<ActivityId, repo::ActivityTerms>, activity_id: Acti
         .map_or(Layout::single(1), |t| t.layout)
 }
 
-/// Order_nos among `events` whose reservation Redis already released.
-async fn released_reservations(
+/// What Redis says of `events`' reservations: the ones it already
+/// released, and the ones it has no record of.
+async fn reservation_marks(
     gate: &RedisGate,
     terms: &HashMap<ActivityId, repo::ActivityTerms>,
     events: &[OrderRequested],
-) -> redis::RedisResult<HashSet<i64>> {
+) -> redis::RedisResult<repo::Marks> {
     let mut by_activity: HashMap<ActivityId, Vec<i64>> = HashMap::new();
     for e in events {
         by_activity
@@ -419,19 +431,23 @@ async fn released_reservations(
             .or_default()
             .push(e.order_no.get());
     }
-    let mut released = HashSet::new();
+    let mut marks = repo::Marks::default();
     for (activity_id, order_nos) in by_activity {
         let layout = layout_of(terms, activity_id);
         let statuses = gate.statuses(activity_id, layout, &order_nos).await?;
-        released.extend(
-            order_nos
-                .into_iter()
-                .zip(statuses)
-                .filter(|(_, s)| *s == Some(Status::Released))
-                .map(|(o, _)| o),
-        );
+        for (order_no, status) in order_nos.into_iter().zip(statuses) {
+            match status {
+                Some(Status::Released) => {
+                    marks.released.insert(order_no);
+                }
+                None => {
+                    marks.unknown.insert(order_no);
+                }
+                Some(_) => {}
+            }
+        }
     }
-    Ok(released)
+    Ok(marks)
 }
 
 /// A dead-lettered order event voids its reservation: the order is

@@ -203,6 +203,20 @@ pub struct BatchOutcome {
     /// leaves it (no entry: no row). Known from what the batch wrote; only
     /// the orders it did not insert (redeliveries) are read back.
     pub statuses: HashMap<i64, OrderStatus>,
+    /// Order_nos of events whose reservation Redis lost before the
+    /// activity's latest restore, and which the restore did not count:
+    /// nothing of theirs was written.
+    pub lost: HashSet<i64>,
+}
+
+/// What Redis said of a batch's reservations before the batch.
+#[derive(Debug, Default, Clone)]
+pub struct Marks {
+    /// Already released: recorded FAILED, moving no stock.
+    pub released: HashSet<i64>,
+    /// No record: lost with Redis if made before the activity's restore
+    /// fence, and then no order is made.
+    pub unknown: HashSet<i64>,
 }
 
 /// SPEC step 3 in ONE transaction: skip events already in `consume_log`;
@@ -210,19 +224,25 @@ pub struct BatchOutcome {
 /// (activity, user, request_id)); move stock `available → locked` with one
 /// conditional update per activity, falling back to per-order updates when
 /// it does not fit; orders the stock cannot back become FAILED; `stock_flow`
-/// LOCK rows for the rest. `released` are order_nos whose Redis reservation
-/// is already released: they are recorded as FAILED and move no stock.
+/// LOCK rows for the rest. `marks.released` are order_nos whose Redis
+/// reservation is already released: they are recorded as FAILED and move
+/// no stock. An event Redis has no record of, reserved before its
+/// activity's restore fence, makes no order (`outcome.lost`; see
+/// `reconcile/restore.rs`).
 pub fn apply_batch(
     conn: &mut PgConn,
     consumer: &str,
     events: &[OrderRequested],
     terms: &HashMap<ActivityId, ActivityTerms>,
-    released: &HashSet<i64>,
+    marks: &Marks,
     now: DateTime<Utc>,
 ) -> QueryResult<BatchOutcome> {
     use OrderStatus::{Failed, WaitingPay};
+    let released = &marks.released;
     conn.transaction(|conn| {
         let mut outcome = BatchOutcome::default();
+        let activity_ids: Vec<ActivityId> = events.iter().map(|e| e.activity_id).collect();
+        let fences = crate::activities::repo::restore_fences(conn, &activity_ids)?;
         let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
         let fresh: HashSet<String> = diesel::sql_query(
             "INSERT INTO consume_log (event_id, consumer) SELECT unnest($1::text[]), $2 \
@@ -253,6 +273,14 @@ pub fn apply_batch(
                 continue;
             };
             let order_no = e.order_no.get();
+            // A zero stamp is an event that carries none: never fenced.
+            if marks.unknown.contains(&order_no)
+                && e.reserved_at_ms > 0
+                && e.reserved_at_ms < fences.get(&e.activity_id).copied().unwrap_or(0)
+            {
+                outcome.lost.insert(order_no);
+                continue;
+            }
             let gross = t.price_cents.saturating_mul(i64::from(e.quantity));
             let deadline = Some(now + Duration::seconds(i64::from(t.pay_timeout_secs)));
             let (status, reason, deadline, amount) = if released.contains(&order_no) {
@@ -318,7 +346,7 @@ pub fn apply_batch(
         let rest: Vec<i64> = events
             .iter()
             .map(|e| e.order_no.get())
-            .filter(|n| !outcome.statuses.contains_key(n))
+            .filter(|n| !outcome.statuses.contains_key(n) && !outcome.lost.contains(n))
             .collect::<HashSet<_>>()
             .into_iter()
             .collect();

@@ -9,8 +9,16 @@
 //! waits until that long has passed since the loss was first seen AND the
 //! order consumers have committed every partition to its end (read after
 //! that moment); meanwhile purchases hear 503 RETRY_LATER. Senders check
-//! their reservation record before every send and stop once it is gone, so
-//! nothing new starts on its way after the loss.
+//! their reservation record before every send and stop once it is gone,
+//! but a send can still reach the broker after the restore: one whose
+//! check came just before the loss and whose task ran late, or one
+//! librdkafka delivers long after its message timeout. So the restore
+//! first moves the activity's fence to the loss (`begin_restore`): an
+//! event whose reservation was made before it and that Redis no longer
+//! knows makes no order. Its purchase was never answered 202 (a 202 comes
+//! within the budget, and the wait above covers it), and the restored
+//! Redis holds neither its unit nor its request id, so a retry of the
+//! purchase is admitted anew.
 //!
 //! Then, from one database snapshot, in one MULTI/EXEC: the stock (the
 //! database's available), every order's request id (a replay gets its
@@ -89,8 +97,17 @@ impl Reconciler {
             return Ok(report);
         }
         let ttl_secs = self.settings.admission.reservation_ttl_secs.as_secs_f64();
-        self.switch_admission(activity_id, &[Mode::Database, Mode::Redis], Mode::Restoring)
-            .await?;
+        // From here on a late event of a reservation Redis lost makes no
+        // order (the fence): the snapshot below does not count it.
+        store::run(&self.db, move |conn| {
+            Ok(crate::activities::repo::begin_restore(
+                conn,
+                activity_id,
+                &[Mode::Database, Mode::Redis],
+                since,
+            )?)
+        })
+        .await?;
         let restore =
             store::snapshot(&self.db, move |conn| snapshot(conn, activity_id, ttl_secs)).await?;
         let Some(restore) = restore else {

@@ -916,6 +916,97 @@ async fn an_activity_redis_lost_mid_sale_is_restored_from_the_database_with_its_
     assert_eq!(app.stats(activity).await["redis_available"], 15);
 }
 
+/// Seen in a nemesis run (seed 925674896). A purchase's delivery was
+/// unknown (503 with its order_no), and its publisher kept sending.
+/// Redis was flushed, and the activity was restored from the database.
+/// Then one last send reached the broker, so the consumer wrote that
+/// order. It took a unit the restore had handed back to Redis, and it took
+/// the request id the restore had not bound. The buyer's retry was
+/// admitted anew and answered 202. Its order then met the first one's
+/// request id, and was never written.
+///
+/// Here the late send is made by hand: a reservation made before the
+/// loss, and its event produced after the restore. That event makes no
+/// order. The retry's 202 is an order, and Redis and the database agree
+/// on the stock without a repair.
+#[tokio::test]
+async fn an_event_sent_after_the_restore_for_a_reservation_redis_lost_makes_no_order() {
+    let app = spawn_app_with(crate::helpers::restores_quickly).await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let user = 3;
+    let lost = crate::delivery::no_for(user, 881_000);
+    let before_loss = seckill::clock::Clock::now_ms(&*app.clock);
+    orphan_made_at(&app, activity, user, lost, before_loss).await;
+
+    app.forget_in_redis(activity).await;
+    app.wait_for_stats(activity, |s| s["redis_available"] == 10)
+        .await;
+
+    let late = OrderRequested {
+        event_id: lost.to_string(),
+        order_no: OrderNo::new(lost),
+        activity_id: ActivityId::new(activity),
+        user_id: user,
+        request_id: "crashed".into(),
+        quantity: 1,
+        coupon_id: None,
+        reserved_at_ms: before_loss,
+    };
+    crate::delivery::produce(&app, None, &lost.to_string(), &late.encode()).await;
+    eventually(
+        "the late event consumed",
+        Duration::from_secs(60),
+        || async {
+            let consumed = app
+                .count(&format!(
+                    "SELECT count(*) AS n FROM consume_log WHERE event_id = '{lost}'"
+                ))
+                .await;
+            (consumed == 1).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE order_no = {lost}"
+        ))
+        .await,
+        0,
+        "the late event made an order the restore never counted"
+    );
+
+    // The buyer retries the purchase: a new order, written.
+    let token = app.purchase_token(user, activity).await;
+    let res = app
+        .order_past_503(
+            user,
+            activity,
+            &json!({"request_id": "crashed", "token": token}),
+        )
+        .await;
+    assert_eq!(res.status(), 202);
+    let retried = json(res).await["order_no"].as_str().unwrap().to_owned();
+    let stats = app.drained(activity, 1).await;
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE order_no = {retried} AND status = 'WAITING_PAY'"
+        ))
+        .await,
+        1,
+        "the retry's 202 names an order that exists"
+    );
+    assert_eq!(
+        (
+            stats["redis_available"].as_i64(),
+            stats["db_available"].as_i64()
+        ),
+        (Some(9), Some(9)),
+        "{stats}"
+    );
+    let r = report(&reconcile(&app).await, activity);
+    assert_eq!(r["consistent"], true, "{r}");
+}
+
 /// Defect 3 of issue #25: coming back from the database fallback drops an
 /// activity's keys before the restore, and used to leave the records of
 /// open reservations behind. A publisher still sending an unknown
