@@ -384,6 +384,11 @@ impl Admitter {
                 Declined::NotInFallback => {
                     Refusal::Degraded("the sale is moving between Redis and the database", 1)
                 }
+                Declined::Moving(secs) => Refusal::Degraded(
+                    "the sale is moving to the database; it sells there once no instance \
+                     can still be selling from Redis",
+                    secs,
+                ),
             }),
         }
     }

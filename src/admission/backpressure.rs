@@ -91,7 +91,10 @@ impl Admitter {
                 drain_secs(lag, bound, per_sec),
             ));
         }
-        if self.order_consumers_stalled().is_some() {
+        // A stall while PostgreSQL does not answer (a failover) is the
+        // outage's, not a wedged consumer's: the events wait on the broker,
+        // and the lag bound above still holds the purchases' number.
+        if self.order_consumers_stalled().is_some() && self.fallback.database_answers() {
             let window =
                 u32::try_from(self.settings.kafka.consumer_stall_secs.as_secs()).unwrap_or(30);
             return Some((

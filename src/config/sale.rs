@@ -126,6 +126,19 @@ pub struct AdmissionSettings {
     /// admits; 0 refuses them all (429).
     #[serde(default = "default_fallback_rate_per_sec")]
     pub fallback_rate_per_sec: u32,
+    /// How long an instance sells from Redis on the admission modes it
+    /// read last while PostgreSQL does not answer it (a failover), in ms.
+    /// The fallback sells only once its switch to the database is this
+    /// old, so no instance sells from Redis beside it.
+    #[serde(
+        default = "default_modes_trusted_for_ms",
+        deserialize_with = "duration::millis"
+    )]
+    pub modes_trusted_for_ms: Duration,
+}
+
+fn default_modes_trusted_for_ms() -> Duration {
+    Duration::from_millis(30_000)
 }
 
 fn default_true() -> bool {

@@ -20,12 +20,13 @@
 //!   its key is gone, and another process would find the id free with
 //!   floor 0. So every lease is fenced by a row in PostgreSQL
 //!   (`instance_leases`), taken with the Redis key and renewed with it, on
-//!   the database's clock. A holder mints only until a lifetime after the
-//!   last renewal that *both* confirmed; an id whose row another owner
-//!   renewed less than a lifetime ago is not taken, whatever Redis says,
-//!   and its floor is the higher of the two. A database that cannot be
-//!   reached for a whole lifetime therefore stops this instance's order
-//!   numbers (purchases answer 503) until it is back.
+//!   the database's clock, for four lease lifetimes. A holder mints only
+//!   until a lifetime after its last renewal in Redis, and four after its
+//!   last in PostgreSQL; an id whose row another owner renewed less than
+//!   four lifetimes ago is not taken, whatever Redis says, and its floor is
+//!   the higher of the two. A failover shorter than that leaves the
+//!   numbers going; a database that cannot be reached for longer stops
+//!   this instance's order numbers (purchases answer 503) until it is back.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -65,13 +66,18 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
 ";
 
+/// How many lease lifetimes the fence in PostgreSQL lasts.
+const FENCE_LIFETIMES: u32 = 4;
+
 /// Snowflake numbers made only under a valid instance-id lease.
 pub struct LeasedIds {
     ids: Snowflake,
     started: Instant,
-    /// Until when (ms since `started`) the lease is certainly ours; 0: not
-    /// held.
+    /// Until when (ms since `started`) the Redis lease is certainly ours;
+    /// 0: not held.
     valid_until: AtomicU64,
+    /// Until when (ms since `started`) the fence in PostgreSQL is.
+    fenced_until: AtomicU64,
     /// Whether a lease was ever held (the generator's id is then worth
     /// asking for first again).
     ever_held: AtomicBool,
@@ -83,6 +89,7 @@ impl Default for LeasedIds {
             ids: Snowflake::new(0),
             started: Instant::now(),
             valid_until: AtomicU64::new(0),
+            fenced_until: AtomicU64::new(0),
             ever_held: AtomicBool::new(false),
         }
     }
@@ -100,17 +107,27 @@ impl LeasedIds {
 
     /// Whether numbers can be made now.
     pub fn is_held(&self) -> bool {
-        self.elapsed_ms(Instant::now()) < self.valid_until.load(Ordering::Acquire)
+        let now = self.elapsed_ms(Instant::now());
+        now < self.valid_until.load(Ordering::Acquire)
+            && now < self.fenced_until.load(Ordering::Acquire)
     }
 
+    /// The Redis lease, renewed at `sent`, runs `ttl` more.
     fn extend(&self, sent: Instant, ttl: Duration) {
         let until = self.elapsed_ms(sent + ttl);
         self.valid_until.fetch_max(until, Ordering::AcqRel);
         self.ever_held.store(true, Ordering::Release);
     }
 
+    /// The fence, renewed at `sent`, runs `ttl` more.
+    fn extend_fence(&self, sent: Instant, ttl: Duration) {
+        let until = self.elapsed_ms(sent + ttl);
+        self.fenced_until.fetch_max(until, Ordering::AcqRel);
+    }
+
     fn revoke(&self) {
         self.valid_until.store(0, Ordering::Release);
+        self.fenced_until.store(0, Ordering::Release);
     }
 }
 
@@ -195,6 +212,13 @@ impl InstanceLease {
         u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// How long the fence in PostgreSQL lasts: [`FENCE_LIFETIMES`] lease
+    /// lifetimes, so that a PostgreSQL away for less (a failover) leaves
+    /// this instance's numbers going while Redis renews its lease.
+    fn fence_ttl(&self) -> Duration {
+        self.ttl * FENCE_LIFETIMES
+    }
+
     /// Tries once to take the configured id, or any free one.
     pub async fn acquire(&self) -> Result<u16, LeaseError> {
         let candidates: Vec<u16> = match self.wanted {
@@ -246,6 +270,7 @@ impl InstanceLease {
             let floor = u64::try_from(floor.max(fence_floor)).unwrap_or(0);
             self.ids.ids.reset(instance, floor.max(epoch_ms_now()));
             self.ids.extend(sent, self.ttl);
+            self.ids.extend_fence(sent, self.fence_ttl());
             self.gauge.set(i64::from(instance));
             return Ok(instance);
         }
@@ -260,9 +285,10 @@ impl InstanceLease {
     }
 
     /// Takes (`reach` = None) or renews this owner's row of `instance` in
-    /// `instance_leases`, for one lifetime on the database's clock: the
-    /// floor recorded there, or `None` if another owner renewed it less
-    /// than a lifetime ago (taking), or holds it now (renewing).
+    /// `instance_leases`, for one fence lifetime on the database's clock:
+    /// the floor recorded there, or `None` if another owner renewed it
+    /// less than a fence lifetime ago (taking), or holds it now
+    /// (renewing).
     async fn fence(&self, instance: u16, reach: Option<u64>) -> anyhow::Result<Option<i64>> {
         use diesel::RunQueryDsl;
         use diesel::sql_types::{BigInt, Nullable, SmallInt, Text};
@@ -273,7 +299,7 @@ impl InstanceLease {
         }
         let (owner, ttl_ms) = (
             self.owner.clone(),
-            i64::try_from(self.ttl_ms()).unwrap_or(i64::MAX),
+            i64::try_from(self.fence_ttl().as_millis()).unwrap_or(i64::MAX),
         );
         let reach = reach.and_then(|r| i64::try_from(r).ok());
         crate::store::run(&self.db, move |conn| {
@@ -322,7 +348,7 @@ impl InstanceLease {
     /// then refused. Redis unreachable is not fatal: the heartbeat takes
     /// the lease once it answers, and purchases get 503 until then.
     pub async fn acquire_at_start(&self) -> anyhow::Result<Option<u16>> {
-        let deadline = Instant::now() + self.ttl + Duration::from_secs(1);
+        let deadline = Instant::now() + self.fence_ttl() + Duration::from_secs(1);
         loop {
             match self.acquire().await {
                 Ok(id) => return Ok(Some(id)),
@@ -347,12 +373,17 @@ impl InstanceLease {
     }
 
     /// Renews a held lease in Redis, then its fence. False if it is no
-    /// longer ours in either. The lease is extended only when both
-    /// confirmed; a fence that did not answer leaves it to run out.
+    /// longer ours in either. Each is extended by what it confirmed: a
+    /// fence that did not answer (PostgreSQL away) leaves the numbers
+    /// going until it runs out, [`FENCE_LIFETIMES`] lifetimes after its
+    /// last renewal.
     async fn renew(&self, instance: u16) -> RedisResult<bool> {
         let (key, floor_key) = self.keys(instance);
-        // Where this holder may get to before its lease runs out.
-        let reach = self.ids.ids.last_ms().max(epoch_ms_now()) + self.ttl_ms();
+        // Where this holder may get to before its lease (in Redis) and its
+        // fence (in PostgreSQL) run out.
+        let last = self.ids.ids.last_ms().max(epoch_ms_now());
+        let reach = last + self.ttl_ms();
+        let fence_reach = last + u64::try_from(self.fence_ttl().as_millis()).unwrap_or(u64::MAX);
         let sent = Instant::now();
         let renewed: i64 = Script::new(RENEW)
             .key(&key)
@@ -365,9 +396,16 @@ impl InstanceLease {
         if renewed != 1 {
             return Ok(false);
         }
-        match self.fence(instance, Some(reach)).await {
+        // At once: a fence that takes long to answer (PostgreSQL going
+        // away) must not let the lease in Redis lapse meanwhile.
+        self.ids.extend(sent, self.ttl);
+        // Nor a fence that does not answer hold up the next renewal.
+        let fenced = tokio::time::timeout(self.ttl / 5, self.fence(instance, Some(fence_reach)))
+            .await
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("no answer within a fifth of the lease")));
+        match fenced {
             Ok(Some(_)) => {
-                self.ids.extend(sent, self.ttl);
+                self.ids.extend_fence(sent, self.fence_ttl());
                 Ok(true)
             }
             Ok(None) => Ok(false),
@@ -375,7 +413,7 @@ impl InstanceLease {
                 tracing::warn!(
                     instance,
                     error = format!("{e:#}"),
-                    "instance id lease not renewed in PostgreSQL"
+                    "instance id lease not renewed in PostgreSQL; numbers go on until its fence runs out"
                 );
                 Ok(true)
             }

@@ -65,12 +65,21 @@ async fn buy(app: &TestApp, user: i64, activity: i64, request_id: &str) -> (u16,
             )
             .await;
         let status = res.status().as_u16();
-        if status == 429 {
+        if status == 429 || status == 503 {
             let secs: u64 = res.headers()["retry-after"]
                 .to_str()
                 .unwrap()
                 .parse()
                 .unwrap();
+            if status == 503 {
+                // Only the move's hold is waited out (the fallback sells
+                // once its move is modes_trusted_for_ms old).
+                let body = json(res).await;
+                let detail = body["detail"].as_str().unwrap_or_default();
+                if !detail.contains("moving to the database") {
+                    return (status, String::new(), body);
+                }
+            }
             tokio::time::sleep(Duration::from_secs(secs)).await;
             continue;
         }
@@ -81,6 +90,69 @@ async fn buy(app: &TestApp, user: i64, activity: i64, request_id: &str) -> (u16,
             .unwrap_or_default();
         return (status, header, json(res).await);
     }
+}
+
+/// Issue #59, defect 4: an instance PostgreSQL does not answer (a
+/// failover) sells from Redis on the modes it read last for
+/// `admission.modes_trusted_for_ms`. So the fallback's first purchase
+/// only moves the sale, and it sells once the move is that old.
+#[tokio::test]
+async fn the_fallback_sells_only_once_its_move_is_as_old_as_the_modes_are_trusted() {
+    let (app, activity) = without_redis(5, 1000).await;
+    let hold = app.settings.admission.modes_trusted_for_ms;
+    let token_for = |user: i64| {
+        let app = &app;
+        async move {
+            let res = app
+                .get(
+                    &format!("/api/v1/activities/{activity}/token"),
+                    Some(&app.user_token(user)),
+                )
+                .await;
+            json(res).await["token"].as_str().unwrap().to_owned()
+        }
+    };
+    let token = token_for(1).await;
+    let res = app
+        .order(1, activity, &json!({"request_id": "first", "token": token}))
+        .await;
+    let moved = std::time::Instant::now();
+    assert_eq!(res.status(), 503);
+    let retry_after: u64 = res.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        retry_after,
+        hold.as_secs().max(1),
+        "told to come back once the move is old enough"
+    );
+    let body = json(res).await;
+    assert_eq!(body["code"], "RETRY_LATER", "{body}");
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM activities WHERE id = {activity} AND admission = 'DATABASE'"
+        ))
+        .await,
+        1,
+        "the move is committed"
+    );
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) AS n FROM orders WHERE activity_id = {activity}"
+        ))
+        .await,
+        0,
+        "nothing sold with the move"
+    );
+    let (status, _, body) = buy(&app, 1, activity, "first").await;
+    assert_eq!(status, 202, "{body}");
+    assert!(
+        moved.elapsed() + Duration::from_millis(200) >= hold,
+        "sold {:?} after the move",
+        moved.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -206,6 +278,10 @@ async fn the_fallback_is_rate_limited_per_activity_with_a_retry_after() {
             json(res).await["token"].as_str().unwrap().to_owned()
         }
     };
+    // A first purchase moves the sale and waits out the move's hold; the
+    // bucket then fills again.
+    assert_eq!(buy(&app, 99, activity, "mover").await.0, 202);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let mut tokens = Vec::new();
     for user in 1..=20 {
         tokens.push((user, token(user).await));
@@ -241,8 +317,8 @@ async fn the_fallback_is_rate_limited_per_activity_with_a_retry_after() {
             "SELECT count(*) AS n FROM orders WHERE activity_id = {activity}"
         ))
         .await,
-        i64::try_from(accepted).unwrap(),
-        "a 429 writes nothing"
+        i64::try_from(accepted).unwrap() + 1,
+        "a 429 writes nothing (beside the mover's order)"
     );
 }
 
@@ -546,8 +622,11 @@ async fn an_order_sold_through_the_database_is_paid_while_redis_is_still_down() 
 /// activity to the database meanwhile; this instance saw no outage, so its
 /// "Redis is back" guard never armed. Past a few seconds without a read,
 /// purchases wait.
-#[tokio::test]
-async fn an_instance_that_cannot_read_the_admission_modes_stops_selling_from_redis() {
+/// A server whose PostgreSQL is behind a [`Switch`], set up by `tune`;
+/// the test's own statements go straight to PostgreSQL.
+async fn behind_a_postgres_switch(
+    tune: impl FnOnce(&mut seckill::config::Settings),
+) -> (Switch, TestApp) {
     use secrecy::ExposeSecret;
 
     let real = seckill::config::Settings::load_env("test")
@@ -568,6 +647,7 @@ async fn an_instance_that_cannot_read_the_admission_modes_stops_selling_from_red
         let url = s.postgres.url.expose_secret().to_owned();
         *direct.lock().unwrap() = url.clone();
         s.postgres.url = url.replace(&host_port, &postgres.addr).into();
+        tune(s);
     })
     .await;
     let direct = direct.into_inner().unwrap();
@@ -576,6 +656,51 @@ async fn an_instance_that_cannot_read_the_admission_modes_stops_selling_from_red
     let mut app = app;
     app.settings.postgres.url = direct.into();
     app.wait_until_ready().await;
+    (postgres, app)
+}
+
+/// Issue #59, defect 4: through a PostgreSQL failover an instance kept
+/// selling for 5 s (the modes it read last), and its order numbers for one
+/// lease lifetime; the failover took 17 s. Now it sells on the modes for
+/// `admission.modes_trusted_for_ms`, and on its instance id while Redis
+/// renews the lease and the fence in PostgreSQL (four lifetimes) lasts.
+/// Here the database is away for three lease lifetimes, and a purchase
+/// then is still accepted, under the same instance id.
+#[tokio::test]
+async fn an_instance_sells_from_redis_through_a_database_failover() {
+    let (postgres, app) = behind_a_postgres_switch(|s| {
+        s.app.instance_lease_secs = Duration::from_secs(2);
+        s.admission.modes_trusted_for_ms = Duration::from_secs(10);
+    })
+    .await;
+    let activity = app.live_activity(10, 1, 1).await;
+    let (status, body) = app.buy(1, activity).await;
+    assert_eq!(status, 202, "{body}");
+    let instance = app.metric("seckill_instance_id").await;
+
+    postgres.set(false);
+    let away = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    // One attempt (token and purchase), no retry of a 503.
+    let (status, body) = app.attempt(2, activity, "through-the-failover").await;
+    assert_eq!(
+        status,
+        202,
+        "refused {:?} into the database's absence: {body}",
+        away.elapsed()
+    );
+    assert_eq!(app.metric("seckill_instance_id").await, instance);
+    let ready = app.get("/health/ready", None).await;
+    assert_eq!(ready.status(), 200, "ready through the failover");
+    postgres.set(true);
+    app.drained(activity, 2).await;
+}
+
+#[tokio::test]
+async fn an_instance_that_cannot_read_the_admission_modes_stops_selling_from_redis() {
+    let (postgres, app) =
+        behind_a_postgres_switch(|s| s.admission.modes_trusted_for_ms = Duration::from_secs(4))
+            .await;
     let activity = app.live_activity(10, 1, 1).await;
     let (status, body) = app.buy(1, activity).await;
     assert_eq!(status, 202, "{body}");
@@ -585,6 +710,19 @@ async fn an_instance_that_cannot_read_the_admission_modes_stops_selling_from_red
     // database fallback.
     let token = app.purchase_token(2, activity).await;
     postgres.set(false);
+    let blind = std::time::Instant::now();
+    // Blind, but within modes_trusted_for_ms: it sells from Redis, as
+    // through a failover (a fallback elsewhere sells only after that long).
+    let (status, body) = app.buy(3, activity).await;
+    assert!(
+        blind.elapsed() < std::time::Duration::from_secs(3),
+        "the purchase took {:?}",
+        blind.elapsed()
+    );
+    assert_eq!(
+        status, 202,
+        "refused while the modes read last are trusted: {body}"
+    );
     app.execute(&format!(
         "UPDATE activities SET admission = 'DATABASE' WHERE id = {activity}"
     ))

@@ -27,6 +27,9 @@ pub(super) struct Buy {
     /// Whether this instance may move the activity from REDIS to
     /// DATABASE, asked after the stock row is locked.
     pub(super) entry: Arc<Health>,
+    /// How old the activity's move to the database must be before it
+    /// sells through it (`admission.modes_trusted_for_ms`).
+    pub(super) hold_ms: i64,
 }
 
 #[derive(QueryableByName)]
@@ -75,6 +78,9 @@ struct Locked {
     /// Units of the buyer's live orders.
     #[diesel(sql_type = BigInt)]
     held: i64,
+    /// How long ago the admission last moved (the database's clock, ms).
+    #[diesel(sql_type = BigInt)]
+    moved_ms: i64,
 }
 
 /// The read before the lock.
@@ -129,10 +135,6 @@ impl Buy {
                 Ok(checked) => checked,
                 Err(answer) => return Ok(answer),
             };
-            let order_no = self.number(conn)?;
-            let Some(amount) = self.amount(conn, &a, order_no)? else {
-                return Ok(Err(Declined::CouponInvalid));
-            };
             if mode == Mode::Redis {
                 // The stock row is ours already: the repo's lock of it is
                 // granted at once (a savepoint, on this one purchase).
@@ -146,7 +148,19 @@ impl Buy {
                     activity_id = %self.activity_id,
                     "activity moved to the database fallback"
                 );
+                if self.hold_ms > 0 {
+                    // Committed, and nothing sold: an instance that read
+                    // the modes before this and cannot read them now sells
+                    // from Redis for up to the hold.
+                    return Ok(Err(Declined::Moving(secs_until(self.hold_ms))));
+                }
+            } else if a.moved_ms < self.hold_ms {
+                return Ok(Err(Declined::Moving(secs_until(self.hold_ms - a.moved_ms))));
             }
+            let order_no = self.number(conn)?;
+            let Some(amount) = self.amount(conn, &a, order_no)? else {
+                return Ok(Err(Declined::CouponInvalid));
+            };
             self.write(conn, &a, order_no, amount)?;
             Ok(Ok(Decided::Created(OrderNo::new(order_no))))
         })
@@ -178,7 +192,9 @@ impl Buy {
                AS existing, \
                (SELECT COALESCE(sum(quantity), 0)::bigint FROM orders \
                 WHERE user_slot = $4 AND activity_id = $1 AND user_id = $2 AND status IN ({})) \
-               AS held \
+               AS held, \
+               COALESCE(EXTRACT(EPOCH FROM now() - admission_since) * 1000, 0)::bigint \
+               AS moved_ms \
              FROM activities WHERE id = $1",
             OrderStatus::sql_list(&OrderStatus::HOLDING)
         ))
@@ -267,4 +283,9 @@ impl Buy {
     fn number(&self, conn: &mut PgConn) -> QueryResult<i64> {
         crate::ids::database_number(conn, Some(crate::ids::user_gene(self.user_id)))
     }
+}
+
+/// Whole seconds (at least one) until `ms` have passed.
+fn secs_until(ms: i64) -> u32 {
+    u32::try_from((ms + 999) / 1000).unwrap_or(u32::MAX).max(1)
 }

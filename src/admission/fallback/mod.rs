@@ -62,11 +62,6 @@ const PROBE_EVERY: Duration = Duration::from_millis(250);
 const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often the activities' modes are read from the database.
 const POLL_EVERY: Duration = Duration::from_secs(1);
-/// How long a read of the modes is trusted: past it (the database has not
-/// answered this instance's polls), another instance may have moved an
-/// activity to the database meanwhile, and Redis's copy of it must not be
-/// sold from (unix ms).
-const MODES_TRUSTED_FOR_MS: i64 = 5_000;
 
 /// Where a purchase goes now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,6 +103,11 @@ pub enum Declined {
     CouponInvalid,
     /// The activity is not (or no longer) in the fallback: retry (503).
     NotInFallback,
+    /// The activity moved to the database less than
+    /// `admission.modes_trusted_for_ms` ago: an instance that cannot read
+    /// the modes may still sell from Redis until then. Retry in this many
+    /// seconds (503).
+    Moving(u32),
 }
 
 /// Redis as this instance's probes see it; times in unix ms.
@@ -272,11 +272,15 @@ impl Fallback {
                 1,
             );
         }
-        if unix_ms() - self.polled_at.load(Ordering::Acquire) > MODES_TRUSTED_FOR_MS {
+        if unix_ms() - self.polled_at.load(Ordering::Acquire)
+            > crate::clock::millis(self.settings.admission.modes_trusted_for_ms)
+        {
             // The database has not answered the polls for a while: another
             // instance, which Redis did not answer, may have moved this
             // activity to the database since (this instance saw no
             // outage, so the "Redis is back" guard below is not armed).
+            // Until then none can have sold through it: the fallback sells
+            // only once its switch is this old (`buy.rs`).
             return Route::Wait(
                 "the sale's admission modes could not be read lately; retry shortly",
                 1,
@@ -331,6 +335,13 @@ impl Fallback {
     /// (readiness waits for it too).
     pub fn modes_unread(&self) -> bool {
         self.enabled() && self.polled_at.load(Ordering::Acquire) == 0
+    }
+
+    /// Whether PostgreSQL answered this instance's last polls of the
+    /// modes (within three polls).
+    pub fn database_answers(&self) -> bool {
+        let polled = self.polled_at.load(Ordering::Acquire);
+        polled > 0 && unix_ms() - polled <= 3 * crate::clock::millis(POLL_EVERY)
     }
 
     /// Whether Redis answers this instance's probes.
@@ -411,6 +422,7 @@ impl Fallback {
             coupon_id: purchase.coupon_id,
             now_ms: self.clock.now_ms(),
             entry: self.health.clone(),
+            hold_ms: crate::clock::millis(self.settings.admission.modes_trusted_for_ms),
         };
         let decided = store::run(&self.db, move |conn| Ok(buy.run(conn)?)).await?;
         if let Ok(Decided::Created(order_no)) = decided {
