@@ -34,6 +34,13 @@ fn a_duration_below_its_bound_is_refused_by_its_key() {
     s.admission.publish_budget_ms = Duration::ZERO;
     let err = s.validate().expect_err("zero budget").to_string();
     assert!(err.contains("admission.publish_budget_ms"), "{err}");
+    s.admission.publish_budget_ms = Duration::from_millis(1);
+    // The modes' trust: two polls at least, both ends.
+    s.admission.modes_trusted_for_ms = Duration::from_millis(1999);
+    let err = s.validate().expect_err("under two polls").to_string();
+    assert!(err.contains("admission.modes_trusted_for_ms"), "{err}");
+    s.admission.modes_trusted_for_ms = Duration::from_millis(2000);
+    assert!(s.validate().is_ok());
 }
 
 #[test]

@@ -169,6 +169,12 @@ impl Settings {
                 self.admission.publish_budget_ms,
                 ms(1),
             ),
+            // Two polls of the modes (one a second).
+            (
+                "admission.modes_trusted_for_ms",
+                self.admission.modes_trusted_for_ms,
+                ms(2000),
+            ),
             (
                 "admission.lag_sample_ms",
                 self.admission.lag_sample_ms,
