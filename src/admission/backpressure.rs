@@ -91,10 +91,14 @@ impl Admitter {
                 drain_secs(lag, bound, per_sec),
             ));
         }
-        // A stall while PostgreSQL does not answer (a failover) is the
-        // outage's, not a wedged consumer's: the events wait on the broker,
-        // and the lag bound above still holds the purchases' number.
-        if self.order_consumers_stalled().is_some() && self.fallback.database_answers() {
+        // A stall that began while PostgreSQL did not answer (a failover)
+        // is the outage's, not a wedged consumer's: the events wait on the
+        // broker, and the lag bound above still holds the purchases'
+        // number. A stall holds purchases once the database has answered
+        // for the whole stall window.
+        let window_ms = crate::clock::millis(self.settings.kafka.consumer_stall_secs);
+        if self.order_consumers_stalled().is_some() && self.fallback.database_answers_for(window_ms)
+        {
             let window =
                 u32::try_from(self.settings.kafka.consumer_stall_secs.as_secs()).unwrap_or(30);
             return Some((

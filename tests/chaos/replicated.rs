@@ -356,13 +356,11 @@ async fn the_postgres_primary_killed_mid_drain_fails_over_and_loses_and_duplicat
                 "readiness left 200 during the failover: {ready:?}"
             );
             // Issue #59, defect 4: purchases need Redis and Kafka, not
-            // PostgreSQL. Through the switch new buyers are accepted; none
-            // is refused for the modes or the order numbers (a BUSY while
-            // the consumers catch up after the promotion is allowed).
-            let accepted = bought.get("202 ").copied().unwrap_or(0);
-            let total: u32 = bought.values().sum();
+            // PostgreSQL. Through the switch every new buyer is accepted:
+            // none is refused for the modes, the order numbers, or the
+            // consumers' stall the outage caused.
             assert!(
-                accepted * 2 >= total && !bought.keys().any(|k| k.contains("RETRY_LATER")),
+                !bought.is_empty() && bought.keys().all(|k| k == "202 "),
                 "purchases through the failover: {bought:?}"
             );
             chaos.services.start_pg_node(primary).await;

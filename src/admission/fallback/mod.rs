@@ -160,6 +160,9 @@ pub struct Fallback {
     polled: RwLock<Polled>,
     /// When the last completed mode poll started (unix ms).
     polled_at: AtomicI64,
+    /// When the polls began to succeed again after failing for longer
+    /// than three polls (unix ms; 0: since the first).
+    answering_since: AtomicI64,
     /// Some activity is in a mode other than REDIS (as last read).
     any_moved: AtomicBool,
     token_key: Vec<u8>,
@@ -204,6 +207,7 @@ impl Fallback {
             health,
             polled: RwLock::default(),
             polled_at: AtomicI64::new(0),
+            answering_since: AtomicI64::new(0),
             any_moved: AtomicBool::new(false),
             token_key,
             metrics,
@@ -337,11 +341,14 @@ impl Fallback {
         self.enabled() && self.polled_at.load(Ordering::Acquire) == 0
     }
 
-    /// Whether PostgreSQL answered this instance's last polls of the
-    /// modes (within three polls).
-    pub fn database_answers(&self) -> bool {
+    /// Whether PostgreSQL has answered this instance's polls of the modes
+    /// (none missed for longer than three polls) for at least `for_ms`.
+    pub fn database_answers_for(&self, for_ms: i64) -> bool {
+        let now = unix_ms();
         let polled = self.polled_at.load(Ordering::Acquire);
-        polled > 0 && unix_ms() - polled <= 3 * crate::clock::millis(POLL_EVERY)
+        polled > 0
+            && now - polled <= 3 * crate::clock::millis(POLL_EVERY)
+            && now - self.answering_since.load(Ordering::Acquire) >= for_ms
     }
 
     /// Whether Redis answers this instance's probes.
@@ -523,7 +530,10 @@ impl Fallback {
         let any_moved = !polled.modes.is_empty();
         *self.polled.write().unwrap_or_else(|e| e.into_inner()) = polled;
         self.any_moved.store(any_moved, Ordering::Release);
-        self.polled_at.store(started, Ordering::Release);
+        let before = self.polled_at.swap(started, Ordering::AcqRel);
+        if before > 0 && started - before > 3 * crate::clock::millis(POLL_EVERY) {
+            self.answering_since.store(started, Ordering::Release);
+        }
         Ok(())
     }
 
