@@ -42,8 +42,8 @@ serve() { # PORT BIN CONFIG_DIR ARGS...: serve in the background until ready
 case "$MODE" in
   admission)
     serve 18091 "$BIN" "$CONF"
-    $NEW loadgen --url http://127.0.0.1:18091 --users "${AB_USERS:-20000}" --stock "$STOCK" --concurrency 256 --json 2>/dev/null \
-      | tail -1 | python3 -c "import json,sys; r=json.load(sys.stdin); print('$BIN', round(r['per_sec']), 'purchases/s, p50', round(r['p50_ms'],1), 'ms, p99', round(r['p99_ms'],1), 'ms;', round(r['tokens_per_sec']), 'tokens/s; invariants', r['invariants_ok'])"
+    $NEW loadgen --url http://127.0.0.1:18091 --users "${AB_USERS:-20000}" --stock "$STOCK" --concurrency 256 --cpu-pid "${PIDS[-1]}" --json 2>/dev/null \
+      | tail -1 | python3 -c "import json,sys; r=json.load(sys.stdin); print('$BIN', round(r['per_sec']), 'purchases/s, p50', round(r['p50_ms'],1), 'ms, p99', round(r['p99_ms'],1), 'ms;', round(r['server_cpu_us_per_request'],1), 'µs server CPU per request;', round(r['tokens_per_sec']), 'tokens/s; invariants', r['invariants_ok'])"
     ;;
   drain)
     N=50000

@@ -28,6 +28,8 @@
 #     3c: the three rows one order of the drain writes, 100 orders per transaction
 #   4 the naive baseline (examples/naive.rs) under the load generator
 #   5 our admission path under the load generator
+#   5s the same with a unit for every buyer: every purchase accepted (the
+#      publish, the acknowledgement and the order consumer's share)
 #   5c an open loop (fixed arrival rate, latency from the intended send
 #      time, HDR histogram) at half of row 5's peak, 4x the buyers
 #   5b the same over 2 instances: two `serve --no-consumer` and one `consume`
@@ -149,10 +151,11 @@ row2() {
     --cpu-pid "${PIDS[-1]}"
   stop_all
 }
-# Row 5, FIRST_USER [BUYERS]: our admission path, closed loop.
+# Row 5, FIRST_USER [BUYERS [UNITS]]: our admission path, closed loop;
+# row 5s is it with a unit for every buyer (every purchase accepted).
 row5() {
   start serve 18080 env SECKILL__APP__PORT=18080 $BIN serve
-  loadgen --url http://127.0.0.1:18080 --users "${2:-$USERS}" --stock "$STOCK" --concurrency "$CONC" --first-user "$1" \
+  loadgen --url http://127.0.0.1:18080 --users "${2:-$USERS}" --stock "${3:-$STOCK}" --concurrency "$CONC" --first-user "$1" \
     --cpu-pid "${PIDS[-1]}"
   stop_all
 }
@@ -364,6 +367,8 @@ stop_all
 
 say "5/7 seckill admission: $USERS buyers, $STOCK units, concurrency $CONC"
 OURS=$(row5 1000000)
+say "5s/7 our admission path, a unit for every buyer (every purchase accepted)"
+SERVED=$(row5 1100000 "$USERS" "$USERS")
 
 HALF=$(python3 -c "import json,sys; print(round(json.loads(sys.argv[1])['per_sec'] / 2))" "$OURS")
 say "5c/7 open loop at half of row 5's peak: $HALF purchases/s, $((USERS * 4)) buyers, $STOCK units"
@@ -396,12 +401,13 @@ HOT1F=$(hot 1 "$USERS" 7200000)
 HOT3F=$(hot 3 "$USERS" 7300000)
 
 python3 - "$REDIS_RPS" "$PLAIN" "$PG_SINGLE" "$PG_BATCH" "$NAIVE" "$OURS" "$DRAIN_RATE" "$DRAIN_SECS" "$DRAIN" "$USERS" "$STOCK" "$CONC" "$TWO" \
-  "$HOT1" "$HOT3" "$HOT1F" "$HOT3F" "$OPEN" "$PG_ORDERS" <<'EOF'
+  "$HOT1" "$HOT3" "$HOT1F" "$HOT3F" "$OPEN" "$PG_ORDERS" "$SERVED" <<'EOF'
 import json, sys
 redis, plain, pg1, pgb, naive, ours, drain, drain_s, drain_n, users, stock, conc, two = sys.argv[1:14]
 plain, naive, ours, two = json.loads(plain), json.loads(naive), json.loads(ours), json.loads(two)
 hot1, hot3, hot1f, hot3f, opn = (json.loads(a) for a in sys.argv[14:19])
 pgo = int(sys.argv[19])
+served = json.loads(sys.argv[20])
 redis, pg1, pgb, drain = float(redis), int(pg1), int(pgb), int(drain)
 def lat(r): return f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"
 def hotput(r): return f"{r['per_sec']:,.0f} purchases/s; masters' CPU {'/'.join(str(c) for c in r['master_cpu'])} of a core"
@@ -414,6 +420,7 @@ rows = [
   ("3c ceiling: pgbench, an order's three rows (orders, consume_log, stock_flow), 100 orders/txn", f"{pgo:,} orders/s", "-", "-"),
   ("4 naive baseline (sync DB transaction per purchase)", f"{naive['per_sec']:,.0f} purchases/s", lat(naive), ok(naive)),
   ("5 seckill admission (Redis Lua + Kafka)", f"{ours['per_sec']:,.0f} purchases/s", lat(ours), ok(ours)),
+  (f"5s as 5, {users} units (every buyer served)", f"{served['per_sec']:,.0f} purchases/s", lat(served), ok(served)),
   (f"5c open loop at {opn['rate']:,.0f}/s (half of 5), {opn['requests']:,} buyers; p50 / p90 / p99 / p99.9 ms from the intended send time; p99 of the 202s {opn['p99_accepted_ms']:.1f} ms", f"{opn['per_sec']:,.0f} purchases/s", f"{opn['p50_ms']:.1f} / {opn['p90_ms']:.1f} / {opn['p99_ms']:.1f} / {opn['p999_ms']:.1f}", ok(opn)),
   ("5b seckill admission, 2 instances (2 x serve --no-consumer + consume)", f"{two['per_sec']:,.0f} purchases/s", lat(two), ok(two)),
   (f"6 consumer drain, Kafka -> PostgreSQL ({drain_n} orders in {drain_s}s)", f"{drain:,} orders/s", "-", "-"),
@@ -433,6 +440,7 @@ print(f"| ours / redis-benchmark ceiling | {ours['per_sec']/redis:.0%} |")
 print(f"| ours / trivial HTTP handler ceiling | {ours['per_sec']/plain['per_sec']:.0%} |")
 cpu = lambda r: r['server_cpu_us_per_request']
 print(f"| server CPU per request, ours (5) / trivial handler (2) | {cpu(ours):.1f} / {cpu(plain):.1f} µs = {cpu(ours)/cpu(plain):.1f}x |")
+print(f"| server CPU per request, every buyer served (5s) / trivial handler (2) | {cpu(served):.1f} / {cpu(plain):.1f} µs = {cpu(served)/cpu(plain):.1f}x |")
 print(f"| load generator CPU per request, 5 / 2 | {ours['loadgen_cpu_us_per_request']:.1f} / {plain['loadgen_cpu_us_per_request']:.1f} µs |")
 print(f"| 5c's targets (p90 ≤ 10, p99 ≤ 50, 202s ≤ 100 ms) | {opn.get('verdict', '-')} |")
 print(f"| ours / naive baseline | {ours['per_sec']/naive['per_sec']:.1f}x |")
