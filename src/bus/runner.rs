@@ -110,7 +110,11 @@ fn build(kafka: &KafkaSettings, group: &str, topic: &str) -> anyhow::Result<Shar
             "session.timeout.ms",
             SESSION_TIMEOUT.as_millis().to_string(),
         )
-        .set("fetch.wait.max.ms", "50")
+        .set("fetch.min.bytes", kafka.fetch_min_bytes.max(1).to_string())
+        .set(
+            "fetch.wait.max.ms",
+            kafka.fetch_wait_max_ms.as_millis().to_string(),
+        )
         // The watchdog reads the group coordinator's state from these.
         .set("statistics.interval.ms", "1000")
         .create_with_context(WatchedContext::new())

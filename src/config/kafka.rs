@@ -64,6 +64,26 @@ pub struct KafkaSettings {
     /// milliseconds.
     #[serde(default = "default_linger_ms", deserialize_with = "duration::millis")]
     pub linger_ms: Duration,
+    /// How many bytes a consumer's fetch waits for (`fetch.min.bytes`), at
+    /// most `fetch_wait_max_ms`: a fetch that returns a handful of events
+    /// costs librdkafka and the broker as much as a full one.
+    #[serde(default = "default_fetch_min_bytes")]
+    pub fetch_min_bytes: u32,
+    /// The longest a consumer's fetch waits for them (`fetch.wait.max.ms`),
+    /// in milliseconds: added to an order's way to its row, not to the 202.
+    #[serde(
+        default = "default_fetch_wait_max_ms",
+        deserialize_with = "duration::millis"
+    )]
+    pub fetch_wait_max_ms: Duration,
+}
+
+fn default_fetch_min_bytes() -> u32 {
+    65_536
+}
+
+fn default_fetch_wait_max_ms() -> Duration {
+    Duration::from_millis(50)
 }
 
 fn default_min_insync_replicas() -> i32 {
