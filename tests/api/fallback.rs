@@ -44,6 +44,18 @@ async fn fallback_takes_purchases(app: &TestApp) {
     .await;
 }
 
+/// The purchase token `user` is given for `activity` (a signed one while
+/// the fallback sells).
+async fn signed_token(app: &TestApp, activity: i64, user: i64) -> String {
+    let res = app
+        .get(
+            &format!("/api/v1/activities/{activity}/token"),
+            Some(&app.user_token(user)),
+        )
+        .await;
+    json(res).await["token"].as_str().unwrap().to_owned()
+}
+
 /// A signed token, then the purchase; a 429 is retried after its
 /// `Retry-After`: (status, admission header, body).
 async fn buy(app: &TestApp, user: i64, activity: i64, request_id: &str) -> (u16, String, Value) {
@@ -100,19 +112,7 @@ async fn buy(app: &TestApp, user: i64, activity: i64, request_id: &str) -> (u16,
 async fn the_fallback_sells_only_once_its_move_is_as_old_as_the_modes_are_trusted() {
     let (app, activity) = without_redis(5, 1000).await;
     let hold = app.settings.admission.modes_trusted_for_ms;
-    let token_for = |user: i64| {
-        let app = &app;
-        async move {
-            let res = app
-                .get(
-                    &format!("/api/v1/activities/{activity}/token"),
-                    Some(&app.user_token(user)),
-                )
-                .await;
-            json(res).await["token"].as_str().unwrap().to_owned()
-        }
-    };
-    let token = token_for(1).await;
+    let token = signed_token(&app, activity, 1).await;
     let res = app
         .order(1, activity, &json!({"request_id": "first", "token": token}))
         .await;
@@ -266,25 +266,14 @@ async fn with_redis_down_the_database_sells_each_unit_once_within_the_limit() {
 #[tokio::test]
 async fn the_fallback_is_rate_limited_per_activity_with_a_retry_after() {
     let (app, activity) = without_redis(100, 1).await;
-    let token = |user: i64| {
-        let app = &app;
-        async move {
-            let res = app
-                .get(
-                    &format!("/api/v1/activities/{activity}/token"),
-                    Some(&app.user_token(user)),
-                )
-                .await;
-            json(res).await["token"].as_str().unwrap().to_owned()
-        }
-    };
+
     // A first purchase moves the sale and waits out the move's hold; the
     // bucket then fills again.
     assert_eq!(buy(&app, 99, activity, "mover").await.0, 202);
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let mut tokens = Vec::new();
     for user in 1..=20 {
-        tokens.push((user, token(user).await));
+        tokens.push((user, signed_token(&app, activity, user).await));
     }
     // Twenty purchases at once against one a second: however slow the
     // host, most of them find the bucket empty.
