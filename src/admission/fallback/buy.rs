@@ -7,7 +7,7 @@ use std::sync::Arc;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Integer, Nullable, SmallInt, Text, Timestamptz};
 
-use super::{Decided, Declined, Health, Mode, unix_ms};
+use super::{Decided, Declined, Health, Mode, secs_of, unix_ms};
 use crate::domain::{ActivityId, CouponId};
 use crate::ids::OrderNo;
 use crate::orders::OrderStatus;
@@ -152,10 +152,10 @@ impl Buy {
                     // Committed, and nothing sold: an instance that read
                     // the modes before this and cannot read them now sells
                     // from Redis for up to the hold.
-                    return Ok(Err(Declined::Moving(secs_until(self.hold_ms))));
+                    return Ok(Err(Declined::Moving(secs_of(self.hold_ms))));
                 }
             } else if a.moved_ms < self.hold_ms {
-                return Ok(Err(Declined::Moving(secs_until(self.hold_ms - a.moved_ms))));
+                return Ok(Err(Declined::Moving(secs_of(self.hold_ms - a.moved_ms))));
             }
             let order_no = self.number(conn)?;
             let Some(amount) = self.amount(conn, &a, order_no)? else {
@@ -283,9 +283,4 @@ impl Buy {
     fn number(&self, conn: &mut PgConn) -> QueryResult<i64> {
         crate::ids::database_number(conn, Some(crate::ids::user_gene(self.user_id)))
     }
-}
-
-/// Whole seconds (at least one) until `ms` have passed.
-fn secs_until(ms: i64) -> u32 {
-    u32::try_from((ms + 999) / 1000).unwrap_or(u32::MAX).max(1)
 }

@@ -175,7 +175,7 @@ fn unix_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }
 
-fn secs_of(ms: i64) -> u32 {
+pub(super) fn secs_of(ms: i64) -> u32 {
     u32::try_from((ms.max(0) + 999) / 1000)
         .unwrap_or(u32::MAX)
         .clamp(1, 60)
