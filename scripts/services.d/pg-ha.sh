@@ -159,11 +159,14 @@ pg_ha_monitor_up() {
 # pg_ha_recover DIR: a node whose PostgreSQL died as a primary (SIGKILL,
 # a lost machine) is left "in production", not shut down cleanly. The
 # keeper rejoins it as the new primary's standby with pg_rewind, which
-# needs a clean shutdown: pg_rewind then runs crash recovery itself, in
-# single-user mode, which refuses the standby.signal the keeper has
-# already written ("standby mode is not supported by single-user
-# servers"); pg_auto_failover then falls back to a full base backup (47 s
-# here, and no standby meanwhile). So crash recovery runs here first, in
+# needs a clean shutdown. pg_autoctl 2.0 first recovers the node as a
+# standby itself, but it sends that server SIGTERM and starts pg_rewind
+# without waiting for it to stop. On a loaded host pg_rewind then finds
+# the node not shut down and runs crash recovery in single-user mode,
+# which fails on the running server or on the standby.signal the keeper
+# wrote ("standby mode is not supported by single-user servers").
+# pg_auto_failover then falls back to a full base backup (47 s seen, and
+# no standby meanwhile). So crash recovery runs here first, in
 # single-user mode (it listens on no port: nothing can write to the old
 # primary), with any signal file set aside; the keeper then finds a clean
 # cluster and rewinds it.

@@ -233,6 +233,11 @@ impl Services {
         self.pg_ports[n - 1]
     }
 
+    /// Node `n`'s data directory.
+    pub fn pg_data(&self, n: usize) -> PathBuf {
+        self.state.join(format!("pg-ha/node{n}/data"))
+    }
+
     /// Node `n`'s keeper log (pg_auto_failover's `pg_autoctl run`).
     pub fn pg_keeper_log(&self, n: usize) -> PathBuf {
         self.state.join(format!("pg-ha/node{n}/keeper.log"))

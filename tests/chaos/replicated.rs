@@ -522,6 +522,16 @@ async fn on_node(chaos: &Chaos, n: usize, sql: &'static str) -> bool {
 /// `synchronous_commit = local` just before): once the standby took over,
 /// the old primary must be rewound to rejoin. It rejoins by pg_rewind, in
 /// seconds, not by a full base backup.
+///
+/// Left to itself, pg_autoctl 2.0 first recovers a crashed primary by
+/// running it as a standby that listens on no TCP address. It then sends
+/// that server SIGTERM and starts pg_rewind without waiting for it to stop.
+/// On a loaded host the stop is slow, so pg_rewind finds the node not shut
+/// down. It then runs crash recovery in single-user mode, which refuses the
+/// standby signal, and the node is rebuilt by a base backup. Here that
+/// server's checkpointer is paused while it would stop, as a loaded host
+/// does. `pg_ha_recover` (scripts/services.d/pg-ha.sh) recovers the node
+/// before its keeper starts, so no such server runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "fault test: run by scripts/chaos.sh on services of its own"]
 async fn a_killed_primary_rejoins_as_the_standby_by_rewind() {
@@ -549,6 +559,12 @@ async fn a_killed_primary_rejoins_as_the_standby_by_rewind() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let restarted = Instant::now();
+    let rejoined_flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let slowed = slow_stop_of_a_recovery_server(
+        chaos.services.pg_data(primary),
+        rejoined_flag.clone(),
+        Duration::from_secs(5),
+    );
     chaos.services.start_pg_node(primary).await;
     // Back as a standby that follows the new primary.
     let rejoined = loop {
@@ -570,9 +586,18 @@ async fn a_killed_primary_rejoins_as_the_standby_by_rewind() {
     };
     let since = std::fs::read_to_string(&log).unwrap_or_default();
     let since = &since[before.min(since.len())..];
+    rejoined_flag.store(true, std::sync::atomic::Ordering::Release);
+    let slowed = tokio::task::spawn_blocking(move || slowed.join().unwrap())
+        .await
+        .unwrap();
     eprintln!(
-        "primary_rewound: node {primary} streams from node {standby} {:.1}s after its restart",
-        rejoined.as_secs_f64()
+        "primary_rewound: node {primary} streams from node {standby} {:.1}s after its restart; \
+         {}",
+        rejoined.as_secs_f64(),
+        slowed.map_or(
+            "no recovery server ran before pg_rewind".to_owned(),
+            |pid| format!("the checkpointer {pid} of a recovery server was paused 5 s")
+        )
     );
     assert!(
         since.contains("bin/pg_rewind") && !since.contains("bin/pg_basebackup"),
@@ -583,6 +608,60 @@ async fn a_killed_primary_rejoins_as_the_standby_by_rewind() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+}
+
+/// Until `done`: finds a PostgreSQL of `data` that listens on no TCP
+/// address (`-h ''`: pg_autoctl's crash recovery) and pauses its
+/// checkpointer for `hold`, which makes the server's stop (its shutdown
+/// restartpoint) slow. Returns the paused pid, if one ran.
+fn slow_stop_of_a_recovery_server(
+    data: std::path::PathBuf,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hold: Duration,
+) -> std::thread::JoinHandle<Option<u32>> {
+    let data = data.to_string_lossy().into_owned();
+    std::thread::spawn(move || {
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            if let Some(pid) = recovery_checkpointer(&data) {
+                signal(pid, "STOP");
+                std::thread::sleep(hold);
+                signal(pid, "CONT");
+                return Some(pid);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        None
+    })
+}
+
+/// The checkpointer of a postmaster of `data` started with `-h ''`.
+fn recovery_checkpointer(data: &str) -> Option<u32> {
+    let processes: Vec<(u32, Vec<String>)> = std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let raw = std::fs::read(e.path().join("cmdline")).ok()?;
+            let args = raw
+                .split(|b| *b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            Some((pid, args))
+        })
+        .collect();
+    let postmaster = processes.iter().find_map(|(pid, args)| {
+        let recovering = args.first()?.ends_with("bin/postgres")
+            && args.windows(2).any(|w| w[0] == "-D" && w[1] == data)
+            && args.windows(2).any(|w| w[0] == "-h" && w[1].is_empty());
+        recovering.then_some(*pid)
+    })?;
+    processes.iter().find_map(|(pid, args)| {
+        let parent = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:")?.trim().parse::<u32>().ok())?;
+        (parent == postmaster && args.first()?.contains("checkpointer")).then_some(*pid)
+    })
 }
 
 /// One broker leads every partition of the order topic (the two others
