@@ -134,10 +134,20 @@ impl Snowflake {
     }
 
     /// Makes ids for `instance` from now on, starting no earlier than
-    /// `floor_ms` (a new lease).
+    /// `floor_ms` (a new lease). An id this generator held before is never
+    /// taken back below where it got to: the floor a lease finds records
+    /// only where its holder had got to at its last renewal, and the
+    /// numbers made since are this generator's own.
     pub fn reset(&self, instance: u16, floor_ms: u64) {
-        self.last
-            .store(Self::before(instance, floor_ms), Ordering::Release);
+        let start = Self::before(instance, floor_ms);
+        let _ = self
+            .last
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |last| {
+                // One instance's ids order as (millisecond, sequence), and
+                // so do their words.
+                let same = instance_of(last as i64) == instance & MAX_INSTANCE;
+                Some(if same { last.max(start) } else { start })
+            });
     }
 
     /// The last id of the millisecond before `floor_ms`.
@@ -365,6 +375,31 @@ mod tests {
             ids.last().unwrap() >> 22 > i64::try_from(now).unwrap(),
             "borrowed ms"
         );
+    }
+
+    /// The nemesis at 0111e91 (seed 801229897): Redis restarted empty,
+    /// then was flushed three seconds later. The instance re-leased its id
+    /// twice, each time at the floor PostgreSQL recorded before the first
+    /// loss, which lies ahead of the clock. The second reset took the
+    /// generator back to numbers it had made since the first, and a
+    /// payment's insert met one: 500 for `payments_pkey`.
+    #[test]
+    fn a_lease_taken_again_at_the_same_floor_never_repeats_a_number() {
+        let generator = Snowflake::new(0);
+        let now = epoch_ms_now();
+        let floor = now + 60_000;
+        generator.reset(817, floor);
+        let before: Vec<i64> = (0..100).map(|_| generator.next_at(now)).collect();
+        generator.reset(817, floor);
+        let after: Vec<i64> = (0..100).map(|_| generator.next_at(now + 3_000)).collect();
+        assert!(
+            after[0] > *before.last().unwrap(),
+            "the second lease starts past the first's numbers"
+        );
+        // Another id starts at its own floor, whatever this one made.
+        generator.reset(818, now);
+        assert_eq!(instance_of(generator.next_at(now)), 818);
+        assert!(generator.last_ms() < floor);
     }
 
     #[test]
