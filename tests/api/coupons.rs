@@ -563,7 +563,8 @@ async fn reconciliation_frees_a_hold_whose_order_failed_and_holds_what_the_datab
     let app = spawn_app_with(|s| s.reconcile.enabled = false).await;
     let coupon = create_coupon(&app, 5, 500, 0, 3600).await;
     for user in [1, 2] {
-        assert_eq!(claim(&app, user, coupon, "c").await.0, 202);
+        let (status, body) = claim(&app, user, coupon, "c").await;
+        assert_eq!(status, 202, "{body}");
     }
     claims_written(&app, coupon, 2).await;
     let activity = app.live_activity(10, 1, 1).await;
