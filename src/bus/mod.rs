@@ -7,6 +7,7 @@
 pub mod batch;
 pub mod closing;
 pub mod events;
+pub mod partitioner;
 pub mod probe;
 pub mod producer;
 pub mod progress;

@@ -28,6 +28,7 @@ use rdkafka::producer::{BaseRecord, ProducerContext, ThreadedProducer};
 use tokio::sync::oneshot;
 
 use super::closing::OffThread;
+use super::partitioner::Partitions;
 use super::watchdog::{Act, Escalation, Verdict};
 use crate::config::KafkaSettings;
 
@@ -112,9 +113,9 @@ fn is_transport(code: RDKafkaErrorCode) -> bool {
 /// What a delivery callback hands back.
 type Outcome = Result<(), PublishError>;
 
-/// Turns librdkafka's delivery reports into [`Outcome`]s, and keeps the
-/// producer's [`Progress`].
-struct DeliveryContext(Arc<Progress>);
+/// Turns librdkafka's delivery reports into [`Outcome`]s, keeps the
+/// producer's [`Progress`], and chooses each message's partition.
+struct DeliveryContext(Arc<Progress>, Partitions);
 
 impl ClientContext for DeliveryContext {
     fn error(&self, error: KafkaError, reason: &str) {
@@ -124,8 +125,12 @@ impl ClientContext for DeliveryContext {
     }
 }
 
-impl ProducerContext for DeliveryContext {
+impl ProducerContext<Partitions> for DeliveryContext {
     type DeliveryOpaque = Box<oneshot::Sender<Outcome>>;
+
+    fn get_custom_partitioner(&self) -> Option<&Partitions> {
+        Some(&self.1)
+    }
 
     fn delivery(&self, result: &DeliveryResult<'_>, tx: Self::DeliveryOpaque) {
         let outcome = outcome(result);
@@ -308,7 +313,7 @@ fn judge(progress: &Progress, stall: Duration, writable_for: Duration, now: i64)
     ))
 }
 
-type Client = ThreadedProducer<DeliveryContext>;
+type Client = ThreadedProducer<DeliveryContext, Partitions>;
 
 /// The idempotent producer: `acks=all`, retried by librdkafka without
 /// duplicates or reordering within a partition until
@@ -501,7 +506,10 @@ fn build(settings: &KafkaSettings, progress: &Arc<Progress>) -> anyhow::Result<C
                 .as_millis()
                 .to_string(),
         )
-        .create_with_context(DeliveryContext(progress.clone()))
+        .create_with_context(DeliveryContext(
+            progress.clone(),
+            Partitions::new(super::Topics::new(&settings.topic_prefix).order_requested),
+        ))
         .context("creating the Kafka producer")
 }
 
