@@ -95,7 +95,7 @@ fn default_replica_lag_max() -> Duration {
 }
 
 fn default_linger_ms() -> Duration {
-    Duration::from_millis(2)
+    Duration::from_millis(5)
 }
 
 fn request_timeout() -> Duration {

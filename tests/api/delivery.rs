@@ -403,7 +403,7 @@ async fn a_purchase_not_confirmed_within_its_budget_keeps_its_order_no_and_a_ret
  {
     // A budget far shorter than the producer's linger: no delivery report
     // can come back in time, so the outcome is unknown when the buyer hears
-    // (with the default 2 ms linger, a loaded host could see both at once).
+    // (with the default 5 ms linger, a loaded host could see both at once).
     let app = spawn_app_with(|s| {
         s.admission.publish_budget_ms = std::time::Duration::from_millis(1);
         s.kafka.linger_ms = std::time::Duration::from_millis(1000);
