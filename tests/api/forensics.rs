@@ -197,6 +197,21 @@ pub fn keys_on(settings: &Settings, topic: &str) -> Result<Vec<String>, String> 
     retried(|| scan(settings, topic)).map(|s| s.by_key.into_keys().collect())
 }
 
+/// The partition of every message on `topic` now, by key, and the
+/// topic's partition count (blocking).
+pub fn partitions_on(
+    settings: &Settings,
+    topic: &str,
+) -> Result<(HashMap<String, i32>, i32), String> {
+    let (_, partitions) = client_for(settings, "forensics", topic)?;
+    let placed = retried(|| scan(settings, topic))?
+        .by_key
+        .into_iter()
+        .map(|(key, (partition, _))| (key, partition))
+        .collect();
+    Ok((placed, i32::try_from(partitions.len()).unwrap_or(0)))
+}
+
 /// Reads `topic` from the beginning to its high watermarks, outside any group.
 fn scan(settings: &Settings, topic: &str) -> Result<Scan, String> {
     let (consumer, partitions) = client_for(settings, "forensics", topic)?;
@@ -281,4 +296,42 @@ async fn the_report_finds_an_unconsumed_order_on_its_topic() {
     );
     assert!(report.contains("consume_log: Ok(false)"), "{report}");
     eprintln!("{report}");
+}
+
+#[tokio::test]
+async fn each_order_event_lies_on_the_partition_of_its_numbers_time_slice() {
+    use seckill::bus::partitioner::{SLICE_MS, of_order};
+    use seckill::ids::OrderNo;
+    let app = crate::helpers::spawn_app_with(crate::helpers::without_order_consumer).await;
+    let activity = app.live_activity(40, 1, 1).await;
+    let mut order_nos = Vec::new();
+    for user in 1..=24 {
+        let (status, body) = app.buy(user, activity).await;
+        assert_eq!(status, 202, "{body}");
+        order_nos.push(body["order_no"].as_str().expect("order_no").to_owned());
+        if user % 6 == 0 {
+            // Into the next slices.
+            tokio::time::sleep(std::time::Duration::from_millis(SLICE_MS as u64)).await;
+        }
+    }
+    let settings = app.settings.clone();
+    let topic = Topics::new(&settings.kafka.topic_prefix).order_requested;
+    let (placed, count) = tokio::task::spawn_blocking(move || partitions_on(&settings, &topic))
+        .await
+        .expect("scan")
+        .expect("scan the order topic");
+    assert_eq!(
+        count, app.settings.kafka.partitions,
+        "the topic as configured"
+    );
+    let mut used = std::collections::BTreeSet::new();
+    for no in &order_nos {
+        let on = *placed
+            .get(no)
+            .unwrap_or_else(|| panic!("{no} not on the topic"));
+        let n = OrderNo::parse(no).expect("a number");
+        assert_eq!(on, of_order(n, count), "order {no}");
+        used.insert(on);
+    }
+    assert!(used.len() > 1, "four slices apart, one partition: {used:?}");
 }
