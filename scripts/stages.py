@@ -11,7 +11,8 @@ RULES = [
     ("the event's encoding", lambda c, s: "OrderRequested" in s and "encode" in s),
     ("publish: produce call and delivery wait", lambda c, s: "admission::publish" in s or "bus::producer" in s or "rdkafka::" in s),
     ("the id", lambda c, s: "seckill::ids" in s or "snowflake" in s),
-    ("authentication (JWT)", lambda c, s: "http::auth" in s or "seckill::auth" in s),
+    # By frame, not by substring: the route handler's own type names AuthUser.
+    ("authentication (JWT)", lambda c, s: any(f.startswith(("seckill::http::auth::", "seckill::auth::", "from_request<seckill::http::auth::")) for f in s.split(";"))),
     ("the purchase token", lambda c, s: "token" in s and "seckill::admission" in s),
     ("admission: the rest (limits, checks, answer)", lambda c, s: "seckill::admission" in s or "routes::orders::place" in s),
     ("Redis connection driver (every call's I/O)", lambda c, s: "redis::aio" in s),
