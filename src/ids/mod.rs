@@ -378,7 +378,7 @@ mod tests {
     }
 
     /// The nemesis at 0111e91 (seed 801229897): Redis restarted empty,
-    /// then was flushed three seconds later. The instance re-leased its id
+    /// then was flushed six seconds later. The instance re-leased its id
     /// twice, each time at the floor PostgreSQL recorded before the first
     /// loss, which lies ahead of the clock. The second reset took the
     /// generator back to numbers it had made since the first, and a
